@@ -1,0 +1,35 @@
+"""hyscale_compile: ``torch.compile(model, backend="hyscale")`` for learned sparse attention.
+
+Public API:
+    hyscale_backend / hyscale_debug_backend   the backends ("hyscale", "hyscale_debug")
+    explain(model, *args, **kwargs)           which top-k sites were rewritten, and why not
+    ScoreSpec, MaskTerm                       the score description the op carries
+
+The op itself is ``torch.ops.hyscale.hytopk`` / ``hytopk_values`` (importing this
+package registers it; so does the backend).
+"""
+import sys as _sys
+
+from . import lowerings as _lowerings  # noqa: F401
+from . import passes as _passes  # noqa: F401
+from .lowerings import ops as _ops  # noqa: F401  registers torch.ops.hyscale
+from .lowerings.spec import MaskTerm, ScoreSpec
+from .backend import hyscale_backend, hyscale_debug_backend
+from .explain import ExplainReport, explain
+
+__all__ = ["hyscale_backend", "hyscale_debug_backend", "explain", "ExplainReport", "ScoreSpec", "MaskTerm"]
+
+
+def _register_backends():
+    # The entry point registers these lazily on first lookup; registering here too makes
+    # ``import hyscale_compile`` enough when entry points are unavailable (e.g. running
+    # from a source tree). Guarded: a second registration raises "duplicate name".
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+
+    for name, fn in (("hyscale", hyscale_backend), ("hyscale_debug", hyscale_debug_backend)):
+        # an entry point already known to the registry is loaded (and registered) by it
+        if name not in _COMPILER_FNS and name not in _BACKENDS:
+            register_backend(fn, name)
+
+
+_register_backends()

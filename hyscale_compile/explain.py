@@ -1,0 +1,55 @@
+"""``explain(model, *args)``: which top-k sites the backend rewrote, and why not the others."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, List
+
+import torch
+
+from .passes import diagnostics
+from .passes.diagnostics import SiteRecord
+
+
+@dataclasses.dataclass
+class ExplainReport:
+    sites: List[SiteRecord]
+    graph_breaks: int
+
+    @property
+    def rewritten(self) -> List[SiteRecord]:
+        return [s for s in self.sites if s.rewritten]
+
+    @property
+    def left_alone(self) -> List[SiteRecord]:
+        return [s for s in self.sites if not s.rewritten]
+
+    def __str__(self) -> str:
+        head = (
+            f"hyscale: {len(self.sites)} top-k site(s): {len(self.rewritten)} rewritten, "
+            f"{len(self.left_alone)} left alone; {self.graph_breaks} graph break(s)"
+        )
+        return "\n".join([head] + ["  " + s.line() for s in self.sites])
+
+
+def explain(model: Callable, *args: Any, dynamic: Any = None, **kwargs: Any) -> ExplainReport:
+    """Compile ``model`` with the hyscale pass (debug backend: no Inductor codegen), run it
+    once on ``args``/``kwargs``, and report every top-k site it saw.
+
+    The model runs under the grad mode you call this in; call it under ``torch.no_grad()``
+    to see the inference graph, or with grad enabled to see the training (joint) graph.
+    """
+    if not callable(model):
+        raise TypeError(f"explain: model must be callable (an nn.Module or function), got {type(model).__name__}")
+    from .backend import hyscale_debug_backend
+
+    torch._dynamo.reset()
+    diagnostics.clear()
+    breaks = 0
+    before = dict(torch._dynamo.utils.counters["graph_break"])
+    compiled = torch.compile(model, backend=hyscale_debug_backend, dynamic=dynamic)
+    compiled(*args, **kwargs)
+    after = torch._dynamo.utils.counters["graph_break"]
+    breaks = sum(after.values()) - sum(before.values())
+    report = ExplainReport(sites=diagnostics.records(), graph_breaks=breaks)
+    torch._dynamo.reset()
+    return report

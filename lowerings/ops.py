@@ -1,0 +1,71 @@
+"""``torch.ops.hyscale``: the selection op family.
+
+One op family, parameterized by the score description (``spec``, a JSON ``ScoreSpec``):
+
+    hyscale::hytopk(q, k, w, masks, topk, spec) -> Tensor            indices [B,S,k]
+    hyscale::hytopk_values(q, k, w, masks, topk, spec) -> (values, indices)
+
+Indices are int32 (int64 when the key axis has 2**31 or more entries); the rewrite casts
+them for consumers that expected ``aten.topk``'s int64. The values variant exists for
+graphs that read the top-k values: they come from the same selection, so they are
+bit-identical to what it compared. Both always return (value desc, index asc) order.
+
+Implementations: CPU -> ``reference.streaming_topk`` (chunked, exact); CUDA -> the Triton
+kernel generated from the spec (``triton_hytopk``), or the reference when
+``HYSCALE_KERNEL=reference``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import reference
+from .spec import ScoreSpec, dtype_of
+
+LIB = "hyscale"
+
+
+@functools.lru_cache(maxsize=256)
+def parse_spec(spec: str) -> ScoreSpec:
+    return ScoreSpec.from_json(spec)
+
+
+def _impl(q, k, w, masks, topk, spec, return_values):
+    parsed = parse_spec(spec)
+    if q.device.type == "cuda" and os.environ.get("HYSCALE_KERNEL", "triton") != "reference":
+        from .triton_hytopk import hytopk_triton
+
+        return hytopk_triton(q, k, w, list(masks), topk, parsed, return_values=return_values)
+    return reference.streaming_topk(q, k, w, list(masks), topk, parsed, return_values=return_values)
+
+
+@torch.library.custom_op(f"{LIB}::hytopk", mutates_args=())
+def hytopk(q: Tensor, k: Tensor, w: Optional[Tensor], masks: List[Tensor], topk: int, spec: str) -> Tensor:
+    return _impl(q, k, w, masks, topk, spec, False)
+
+
+@hytopk.register_fake
+def _(q, k, w, masks, topk, spec):
+    B, S = q.shape[0], q.shape[1]
+    return q.new_empty((B, S, topk), dtype=reference.index_dtype(k.shape[1]))
+
+
+@torch.library.custom_op(f"{LIB}::hytopk_values", mutates_args=())
+def hytopk_values(
+    q: Tensor, k: Tensor, w: Optional[Tensor], masks: List[Tensor], topk: int, spec: str
+) -> Tuple[Tensor, Tensor]:
+    return _impl(q, k, w, masks, topk, spec, True)
+
+
+@hytopk_values.register_fake
+def _(q, k, w, masks, topk, spec):
+    B, S = q.shape[0], q.shape[1]
+    vals = q.new_empty((B, S, topk), dtype=dtype_of(parse_spec(spec).score_dtype))
+    return vals, q.new_empty((B, S, topk), dtype=reference.index_dtype(k.shape[1]))
+
+
+SELECTION_OPS = (torch.ops.hyscale.hytopk.default, torch.ops.hyscale.hytopk_values.default)

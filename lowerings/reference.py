@@ -1,0 +1,196 @@
+"""The CPU implementation of the op, and the reference every kernel is tested against.
+
+It interprets a ``ScoreSpec`` with plain PyTorch, streaming over key chunks and query
+chunks, so memory is O(rows x k + one chunk) and the full query x key table is never
+built. Selection is exact with the project's tie rule: value descending, then key index
+ascending (a stable sort over candidates that arrive in ascending key order).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import List, Optional, Sequence
+
+import torch
+
+from .spec import MaskTerm, ScoreSpec, SpecError, dtype_of
+
+# Bytes of fp32 per-head logits one step may hold: rows x heads x keys x 4.
+DEFAULT_CHUNK_BYTES = int(os.environ.get("HYSCALE_CPU_CHUNK_BYTES", 64 << 20))
+
+
+def index_dtype(num_keys: int) -> torch.dtype:
+    """int32 indices while every key index fits, else int64 (DESIGN.md, 'The op')."""
+    return torch.int32 if num_keys < 2**31 else torch.int64
+
+
+def check_operands(q, k, w, masks, topk, spec: ScoreSpec):
+    """Shape/dtype checks shared by every implementation; returns (B, S, H, D, T, Hk)."""
+    if q.dim() != 4 or k.dim() != 4:
+        raise SpecError(f"q must be [B,S,H,D] and k [B,T,Hk,D]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, S, H, D = q.shape
+    Bk, T, Hk, Dk = k.shape
+    if Dk != D or Bk not in (B, 1) or Hk == 0 or H % Hk != 0:
+        raise SpecError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not contract (need same D, batch, H % Hk == 0)")
+    if spec.reduce == "weighted_sum":
+        if w is None or w.dim() != 3 or tuple(w.shape) != (B, S, H):
+            raise SpecError(f"weighted_sum needs w of shape [B,S,H]={(B, S, H)}; got {None if w is None else tuple(w.shape)}")
+    elif w is not None:
+        raise SpecError(f"reduce={spec.reduce!r} takes no weights")
+    if spec.reduce == "none" and H != 1:
+        raise SpecError("reduce='none' needs H == 1 (fold heads into the batch)")
+    if topk < 0 or topk > T:
+        raise SpecError(f"k={topk} must be in [0, T={T}]")
+    spec.validate(num_mask_operands=len(masks))
+    return B, S, H, D, T, Hk
+
+
+def _apply_elementwise(x: torch.Tensor, step) -> torch.Tensor:
+    op = step[0]
+    if op == "mul":
+        return x * step[1]
+    if op == "add":
+        return x + step[1]
+    if op == "div":
+        return x / step[1]
+    if op == "relu":
+        return torch.relu(x)
+    if op == "neg":
+        return -x
+    if op == "sigmoid":
+        return torch.sigmoid(x)
+    if op == "round":
+        return x.to(dtype_of(step[1])).to(torch.float32)
+    raise SpecError(f"unknown step {step!r}")
+
+
+def _bcast_rows(t: torch.Tensor, B: int, S: int) -> torch.Tensor:
+    """A per-row operand (broadcastable to [B, S]) as [B, S, 1]."""
+    return torch.broadcast_to(t, (B, S)).unsqueeze(-1)
+
+
+def _apply_mask(y, term: MaskTerm, masks, b0, b1, s0, s1, t0, t1, B, S, T):
+    """y: [b1-b0, s1-s0, t1-t0] fp32 score block for keys [t0, t1)."""
+    if term.kind == "range":
+        t = torch.arange(t0, t1, device=y.device)
+        hidden = torch.zeros(y.shape, dtype=torch.bool, device=y.device)
+        if term.lo is not None:
+            lo = _bcast_rows(masks[term.lo], B, S)[b0:b1, s0:s1]
+            hidden |= t < lo
+        if term.hi is not None:
+            hi = _bcast_rows(masks[term.hi], B, S)[b0:b1, s0:s1]
+            hidden |= t >= hi
+        if term.mode == "fill":
+            return y.masked_fill(hidden, term.value)
+        return y + torch.where(hidden, term.value, 0.0)
+    m = torch.broadcast_to(masks[term.operand], (B, S, T))[b0:b1, s0:s1, t0:t1]
+    if term.kind == "add":
+        return y + m  # promotes like the graph's add: fp32 + bf16 -> fp32 (exact upcast)
+    return y.masked_fill(m == term.where, term.value)
+
+
+def score_block(q, k, w, masks, spec: ScoreSpec, b0, b1, s0, s1, t0, t1, shape) -> torch.Tensor:
+    """Scores for rows [b0,b1) x [s0,s1) and keys [t0,t1), fp32 [b, s, t] (score-dtype valued)."""
+    B, S, H, D, T, Hk = shape
+    G = H // Hk
+    qb = q[b0:b1, s0:s1].to(torch.float32)  # exact upcast of bf16/fp16 (dtype rule 1)
+    kb = k[slice(b0, b1) if k.shape[0] == B else slice(None), t0:t1].to(torch.float32)
+    if kb.shape[0] != qb.shape[0]:
+        kb = kb.expand(qb.shape[0], *kb.shape[1:])
+    nb, ns, nt = qb.shape[0], qb.shape[1], kb.shape[1]
+    # [nb, Hk, ns*G, D] @ [nb, Hk, D, nt] -> [nb, Hk, ns*G, nt] -> [nb, ns, H, nt]
+    qg = qb.view(nb, ns, Hk, G, D).permute(0, 2, 1, 3, 4).reshape(nb, Hk, ns * G, D)
+    kg = kb.permute(0, 2, 3, 1)
+    x = torch.matmul(qg, kg).view(nb, Hk, ns, G, nt).permute(0, 2, 1, 3, 4).reshape(nb, ns, H, nt)
+    if spec.logit_dtype != "float32":
+        x = x.to(dtype_of(spec.logit_dtype)).to(torch.float32)
+    for step in spec.epilogue:
+        x = _apply_elementwise(x, step)
+    if spec.reduce == "weighted_sum":
+        wb = w[b0:b1, s0:s1].to(torch.float32)
+        y = torch.matmul(wb.unsqueeze(-2), x).squeeze(-2)
+    elif spec.reduce == "sum":
+        y = x.sum(dim=2)
+    else:
+        y = x[:, :, 0]
+    for step in spec.post:
+        if step[0] == "mask":
+            y = _apply_mask(y, spec.masks[step[1]], masks, b0, b1, s0, s1, t0, t1, B, S, T)
+        else:
+            y = _apply_elementwise(y, step)
+    return y
+
+
+def _hidden_everywhere(spec: ScoreSpec, masks, b0, b1, s0, s1, t0, t1, B, S) -> bool:
+    """True when some -inf range term hides every key of [t0, t1) for every row."""
+    for term in spec.skippable_ranges():
+        hidden = torch.zeros((), dtype=torch.bool)
+        if term.hi is not None:
+            hi = _bcast_rows(masks[term.hi], B, S)[b0:b1, s0:s1]
+            hidden = hidden | (hi <= t0).all()
+        if term.lo is not None:
+            lo = _bcast_rows(masks[term.lo], B, S)[b0:b1, s0:s1]
+            hidden = hidden | (lo >= t1).all()
+        if bool(hidden):
+            return True
+    return False
+
+
+def streaming_topk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: Optional[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    topk: int,
+    spec: ScoreSpec,
+    return_values: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+):
+    """Exact top-k of the described scores; returns idx [B,S,k] (and values)."""
+    shape = check_operands(q, k, w, masks, topk, spec)
+    B, S, H, D, T, Hk = shape
+    device = q.device
+    idx_out = torch.empty((B, S, topk), dtype=index_dtype(T), device=device)
+    val_out = torch.empty((B, S, topk), dtype=dtype_of(spec.score_dtype), device=device) if return_values else None
+    if topk == 0 or B == 0 or S == 0:
+        return (val_out, idx_out) if return_values else idx_out
+    # Key chunk of at least max(k, 256) keys keeps the merge cheap relative to the dot.
+    tc = max(256, min(T, 1024))
+    rows = max(1, chunk_bytes // (4 * H * tc))
+    for b in range(B):
+        for s0 in range(0, S, rows):
+            s1 = min(S, s0 + rows)
+            vals = torch.empty((1, s1 - s0, 0), dtype=torch.float32, device=device)
+            inds = torch.empty((1, s1 - s0, 0), dtype=torch.int64, device=device)
+            for t0 in range(0, T, tc):
+                t1 = min(T, t0 + tc)
+                full = vals.shape[-1] == topk and bool((vals[..., -1] > -math.inf).all())
+                if full and _hidden_everywhere(spec, masks, b, b + 1, s0, s1, t0, t1, B, S):
+                    continue  # nothing in this chunk can reach any row's top-k
+                y = score_block(q, k, w, masks, spec, b, b + 1, s0, s1, t0, t1, shape)
+                if vals.shape[-1] == topk and not bool((y > vals[..., -1:]).any()):
+                    continue  # no candidate beats any row's current k-th value
+                t_idx = torch.arange(t0, t1, device=device).expand_as(y)
+                cat_v = torch.cat([vals, y], dim=-1)
+                cat_i = torch.cat([inds, t_idx], dim=-1)
+                # Stable: among equal values, earlier entries (smaller key index) stay first.
+                order = torch.sort(cat_v, dim=-1, descending=True, stable=True).indices[..., :topk]
+                vals = torch.gather(cat_v, -1, order)
+                inds = torch.gather(cat_i, -1, order)
+            idx_out[b, s0:s1] = inds[0].to(idx_out.dtype)
+            if return_values:
+                val_out[b, s0:s1] = vals[0].to(val_out.dtype)
+    return (val_out, idx_out) if return_values else idx_out
+
+
+def dense_scores(q, k, w, masks, spec: ScoreSpec) -> torch.Tensor:
+    """The whole [B, S, T] table through the same arithmetic (tests and small shapes only)."""
+    shape = check_operands(q, k, w, masks, 0, spec)
+    B, S, H, D, T, Hk = shape
+    return score_block(q, k, w, masks, spec, 0, B, 0, S, 0, T, shape)
+
+
+def stable_topk(scores: torch.Tensor, topk: int):
+    """(values, indices) by (value desc, index asc) over the last dim: the tie rule."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :topk]
+    return torch.gather(scores, -1, order), order

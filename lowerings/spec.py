@@ -1,0 +1,241 @@
+"""The score description: what a rewritten selection computes, as data.
+
+A ``ScoreSpec`` is the contract between the matcher (``hyscale_compile.passes``),
+which extracts it from a graph, and the op (``hyscale_compile.lowerings``), whose
+CPU path interprets it and whose Triton path is generated from it. It travels
+inside the graph as the op's ``spec`` string argument, so golden graphs show it.
+
+Canonical operands (all views of what the graph already had; strides are free):
+
+    q      [B, S, H, D]   queries, one row per (b, s), H indexer heads
+    k      [B, T, Hk, D]  keys; Hk == 1 (MQA, DSA) or Hk == H / G (GQA)
+    w      [B, S, H]      per-head weights, only for ``reduce == "weighted_sum"``
+    masks  list of tensors referenced by ``MaskTerm.operand`` / ``lo`` / ``hi``
+
+The score of key t for row (b, s) is, step by step and in this order:
+
+    x_h   = sum_d q[b,s,h,d] * k[b,t,h//G,d]        fp32 accumulation
+    x_h   = round(x_h, logit_dtype)                  when the contraction ran in bf16/fp16
+    x_h   = epilogue(x_h)                            per head: mul / relu / round ...
+    y     = reduce_h(x_h)                            weighted_sum | sum | none (H == 1)
+    y     = post(y)                                  mul / add / round / mask terms, in order
+    idx   = top-k of y over t, ties to the smaller t, masked slots as the graph gives them
+
+Every ``round`` step rounds an fp32 value to the named dtype and back, which
+reproduces a graph that computed that step in bf16/fp16 (DESIGN.md dtype rule 2).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Optional, Sequence
+
+import torch
+
+SPEC_VERSION = 1
+
+_FLOAT_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+_DTYPE_NAMES = {v: k for k, v in _FLOAT_DTYPES.items()}
+
+# Elementwise steps allowed in ``epilogue`` and ``post``: name -> number of scalar args.
+ELEMENTWISE_OPS = {
+    "mul": 1,  # x * c
+    "add": 1,  # x + c
+    "div": 1,  # x / c (kept apart from mul: x / c != x * (1 / c) in floating point)
+    "relu": 0,  # max(x, 0)
+    "round": 1,  # round to dtype name and back to fp32
+    "neg": 0,
+    "sigmoid": 0,
+}
+REDUCTIONS = ("weighted_sum", "sum", "none")
+MASK_KINDS = ("add", "fill", "range")
+
+
+class SpecError(ValueError):
+    """A score description that is malformed or that the op cannot honour."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise SpecError(f"unsupported score dtype {dtype}") from None
+
+
+def dtype_of(name: str) -> torch.dtype:
+    try:
+        return _FLOAT_DTYPES[name]
+    except KeyError:
+        raise SpecError(f"unknown dtype name {name!r}; expected one of {sorted(_FLOAT_DTYPES)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskTerm:
+    """One mask step, applied to the reduced score in ``post`` order.
+
+    kind="add":   y = y + masks[operand]                 (any float tensor, bcast to [B,S,T])
+    kind="fill":  y = where(masks[operand] == where, value, y)   (bool tensor, bcast to [B,S,T])
+    kind="range": key t is *hidden* unless lo[b,s] <= t < hi[b,s]; hidden keys get
+                  ``value`` (mode="fill") or ``y + value`` (mode="add").  lo/hi are operand
+                  indices of int64 tensors broadcastable to [B, S], or None for 0 / T.
+                  Only this kind lets a kernel skip key tiles, and only when the hidden
+                  value is -inf (then no arithmetic can change what the slot holds).
+    """
+
+    kind: str
+    operand: Optional[int] = None
+    where: bool = True
+    value: float = -math.inf
+    lo: Optional[int] = None
+    hi: Optional[int] = None
+    mode: str = "fill"
+
+    def to_json(self):
+        d = {"kind": self.kind}
+        if self.kind == "add":
+            d["operand"] = self.operand
+        elif self.kind == "fill":
+            d.update(operand=self.operand, where=self.where, value=self.value)
+        else:
+            d.update(lo=self.lo, hi=self.hi, mode=self.mode, value=self.value)
+        return d
+
+    @staticmethod
+    def from_json(d) -> "MaskTerm":
+        return MaskTerm(**d)
+
+    @property
+    def operands(self) -> tuple:
+        return tuple(i for i in (self.operand, self.lo, self.hi) if i is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreSpec:
+    """See the module docstring. ``name`` is the variant that produced it (for diagnostics)."""
+
+    name: str = "dsa"
+    logit_dtype: str = "float32"
+    epilogue: tuple = ()
+    reduce: str = "weighted_sum"
+    post: tuple = ()  # elementwise steps and ("mask", i) steps, i indexing ``masks``
+    masks: tuple = ()  # MaskTerm
+    score_dtype: str = "float32"
+    # Dot precision for fp32 operands: "ieee" or "tf32" (DESIGN.md dtype rule 3).
+    fp32_precision: str = "ieee"
+
+    # -- serialization -------------------------------------------------------------------
+    def to_json(self) -> str:
+        d = {
+            "v": SPEC_VERSION,
+            "name": self.name,
+            "logit_dtype": self.logit_dtype,
+            "epilogue": [list(s) for s in self.epilogue],
+            "reduce": self.reduce,
+            "post": [list(s) for s in self.post],
+            "masks": [m.to_json() for m in self.masks],
+            "score_dtype": self.score_dtype,
+            "fp32_precision": self.fp32_precision,
+        }
+        return json.dumps(d, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> "ScoreSpec":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecError(f"spec is not valid JSON: {e}") from None
+        if d.pop("v", None) != SPEC_VERSION:
+            raise SpecError(f"spec version mismatch (expected {SPEC_VERSION}): {text[:80]}")
+        spec = ScoreSpec(
+            name=d["name"],
+            logit_dtype=d["logit_dtype"],
+            epilogue=tuple(tuple(s) for s in d["epilogue"]),
+            reduce=d["reduce"],
+            post=tuple(tuple(s) for s in d["post"]),
+            masks=tuple(MaskTerm.from_json(m) for m in d["masks"]),
+            score_dtype=d["score_dtype"],
+            fp32_precision=d.get("fp32_precision", "ieee"),
+        )
+        spec.validate()
+        return spec
+
+    # -- validation ----------------------------------------------------------------------
+    def validate(self, num_mask_operands: Optional[int] = None) -> "ScoreSpec":
+        dtype_of(self.logit_dtype)
+        dtype_of(self.score_dtype)
+        if self.reduce not in REDUCTIONS:
+            raise SpecError(f"reduce={self.reduce!r}; expected one of {REDUCTIONS}")
+        if self.fp32_precision not in ("ieee", "tf32"):
+            raise SpecError(f"fp32_precision={self.fp32_precision!r}; expected 'ieee' or 'tf32'")
+        for where, steps in (("epilogue", self.epilogue), ("post", self.post)):
+            for step in steps:
+                if not step:
+                    raise SpecError(f"empty step in {where}")
+                op, args = step[0], step[1:]
+                if op == "mask" and where == "post":
+                    if len(args) != 1 or not (0 <= args[0] < len(self.masks)):
+                        raise SpecError(f"post step {step!r} names no mask term")
+                    continue
+                if op not in ELEMENTWISE_OPS:
+                    raise SpecError(f"unknown {where} step {op!r}; known: {sorted(ELEMENTWISE_OPS)}")
+                if len(args) != ELEMENTWISE_OPS[op]:
+                    raise SpecError(f"{where} step {step!r} takes {ELEMENTWISE_OPS[op]} argument(s)")
+                if op == "round":
+                    dtype_of(args[0])
+                elif args and not isinstance(args[0], (int, float)):
+                    raise SpecError(f"{where} step {step!r}: argument must be a number")
+        used = [s[1] for s in self.post if s[0] == "mask"]
+        if sorted(used) != list(range(len(self.masks))):
+            raise SpecError("every mask term must be applied exactly once in post")
+        for m in self.masks:
+            if m.kind not in MASK_KINDS:
+                raise SpecError(f"mask kind {m.kind!r}; expected one of {MASK_KINDS}")
+            if m.kind in ("add", "fill") and m.operand is None:
+                raise SpecError(f"{m.kind} mask needs an operand")
+            if m.kind == "range" and m.mode not in ("fill", "add"):
+                raise SpecError(f"range mask mode {m.mode!r}")
+            if num_mask_operands is not None:
+                for i in m.operands:
+                    if not (0 <= i < num_mask_operands):
+                        raise SpecError(f"mask operand {i} out of range ({num_mask_operands} given)")
+        return self
+
+    # -- helpers -------------------------------------------------------------------------
+    def mask_terms_in_order(self) -> Sequence[MaskTerm]:
+        return [self.masks[s[1]] for s in self.post if s[0] == "mask"]
+
+    def skippable_ranges(self) -> Sequence[MaskTerm]:
+        """Range terms whose hidden keys are -inf whatever the score: tiles fully outside
+        them can be skipped without computing anything (DESIGN.md: 'a key tile is skipped
+        only when the mask proves every key in it masked')."""
+        out = []
+        for m in self.mask_terms_in_order():
+            if m.kind == "range" and m.value == -math.inf:
+                out.append(m)
+        return out
+
+    def describe(self) -> str:
+        """One line for diagnostics: 'relu∘mul(0.125) -> weighted_sum -> +mask[0]'."""
+        parts = []
+        if self.logit_dtype != "float32":
+            parts.append(f"logits:{self.logit_dtype}")
+        parts.append(",".join(_fmt_step(s) for s in self.epilogue) or "id")
+        parts.append(self.reduce)
+        for s in self.post:
+            if s[0] == "mask":
+                m = self.masks[s[1]]
+                parts.append(f"mask:{m.kind}")
+            else:
+                parts.append(_fmt_step(s))
+        return " -> ".join(parts)
+
+
+def _fmt_step(step) -> str:
+    op, *args = step
+    return f"{op}({', '.join(repr(a) for a in args)})" if args else op

@@ -1,0 +1,959 @@
+"""The matcher: from an ``aten.topk`` back to a score description.
+
+This is a canonicalizer, not a list of spellings. From each top-k it walks back through
+the ops that produced its input until it reaches one contraction (``bmm``/``mm``: einsum,
+matmul and ``@`` all decompose to these), tracking for every dim which logical axis it
+holds (``layout.py``). Along the way each op becomes a step of a ``ScoreSpec``: pointwise
+math with constants (scale, ReLU, casts) before or after a head reduction, the head
+reduction itself (``mul`` by weights + ``sum``, a plain ``sum``, or a weights ``bmm``),
+and mask terms (``+ mask``, ``masked_fill``/``where`` with a constant). Mask conditions
+built from index comparisons (``arange(T) > arange(S)[:, None]``, ``triu``, per-row
+thresholds from ``position_ids``, ``[ks, ke)`` windows) become per-row key ranges, which
+a kernel can skip; any other mask stays a tensor operand.
+
+The result is validated: the top-k axis must be the key axis of the contraction, and the
+key operand must come from activations (a MoE router's or a sampler's top-k over a
+parameter's rows is not a selection: DESIGN.md, 'What counts as a selection').
+Anything unsupported raises ``Unsupported(reason)``; the site is then left exactly as
+it was and the reason goes to the diagnostics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.fx as fx
+
+from ..lowerings.spec import MaskTerm, ScoreSpec, dtype_name
+from . import layout as L
+from .layout import Atom, Layout, Unsupported
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+CONTRACTIONS = {aten.bmm.default, aten.mm.default}
+
+# Ops that move axes around without touching values.
+_VIEWS = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.unsqueeze.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.expand.default,
+    aten.clone.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.contiguous.default,
+}
+_CASTS = {prims.convert_element_type.default, aten._to_copy.default}
+_FLOAT_RANK = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+_CMP = {
+    aten.ge.Tensor: "ge", aten.ge.Scalar: "ge",
+    aten.gt.Tensor: "gt", aten.gt.Scalar: "gt",
+    aten.le.Tensor: "le", aten.le.Scalar: "le",
+    aten.lt.Tensor: "lt", aten.lt.Scalar: "lt",
+}
+_FLIP = {"ge": "le", "le": "ge", "gt": "lt", "lt": "gt"}
+_NOT = {aten.bitwise_not.default, aten.logical_not.default}
+_AND = {aten.bitwise_and.Tensor, aten.logical_and.default, aten.__and__.Tensor}
+_OR = {aten.bitwise_or.Tensor, aten.logical_or.default, aten.__or__.Tensor}
+
+
+def val(n):
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def shape_of(n) -> Tuple:
+    v = val(n)
+    if not isinstance(v, torch.Tensor):
+        raise Unsupported(f"no tensor metadata on {n}")
+    return tuple(v.shape)
+
+
+def dtype_of_node(n) -> torch.dtype:
+    return val(n).dtype
+
+
+def cast_dtype(n: fx.Node) -> Optional[torch.dtype]:
+    if n.target is prims.convert_element_type.default:
+        return n.args[1]
+    if n.target is aten._to_copy.default:
+        return n.kwargs.get("dtype")
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# Plans: what the rewrite will build, in terms of source nodes and logical axes.
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class OperandPlan:
+    """A canonical operand built from ``node`` (whose dims carry ``layout``) by
+    views/permutes only; ``groups`` is filled in once the axes' roles are known."""
+
+    node: fx.Node
+    layout: Layout
+    groups: Optional[List[List[str]]] = None
+
+
+@dataclasses.dataclass
+class Bound:
+    """An integer per-row bound: const + sum(coef * row operand)."""
+
+    const: int = 0
+    terms: List[Tuple[int, OperandPlan]] = dataclasses.field(default_factory=list)
+
+    def scaled(self, c: int) -> "Bound":
+        return Bound(self.const * c, [(k * c, p) for k, p in self.terms])
+
+    def plus(self, other: "Bound") -> "Bound":
+        return Bound(self.const + other.const, self.terms + other.terms)
+
+
+@dataclasses.dataclass
+class KeyAffine:
+    """a * t + bound, t the key index."""
+
+    a: int
+    b: Bound
+
+
+@dataclasses.dataclass
+class Pred:
+    """A set of key indices per row. kind="hidden": {t < max(los)} U {t >= min(his)};
+    kind="range": {max(los) <= t < min(his)}. A single half-line is both."""
+
+    kind: str
+    los: List[Bound]
+    his: List[Bound]
+
+    def single(self) -> bool:
+        return len(self.los) + len(self.his) == 1
+
+    def as_kind(self, kind: str) -> "Pred":
+        """The same set in the other form (only a single half-line has both):
+        {t >= X} is hidden-form his=[X] and range-form los=[X]."""
+        if kind == self.kind:
+            return self
+        if not self.single():
+            raise Unsupported("mask condition is not a key range")
+        return Pred(kind, list(self.his), list(self.los))
+
+    def complement(self) -> "Pred":
+        # not({t < lo} U {t >= hi}) = {lo <= t < hi}: same bounds, the other kind
+        return Pred("range" if self.kind == "hidden" else "hidden", list(self.los), list(self.his))
+
+
+@dataclasses.dataclass
+class MaskPlan:
+    term: MaskTerm  # operand indices refer to SiteMatch.mask_operands
+    operands: List[Any]  # OperandPlan (tensor) or ("bound", [Bound...], "max"|"min")
+
+
+@dataclasses.dataclass
+class SiteMatch:
+    topk: fx.Node
+    spec: ScoreSpec
+    q: OperandPlan
+    k: OperandPlan
+    w: Optional[OperandPlan]
+    mask_operands: List[Any]
+    score_layout: Layout  # layout of the top-k input
+    topk_dim: int
+    k_arg: Any
+    values_used: bool
+    roles: Dict[str, List[str]]  # B, S, H(k then g), D, T label lists
+    other_consumers: List[str]
+    sizes: Dict[str, Any]
+
+
+# --------------------------------------------------------------------------------------
+# Walking and analysing
+# --------------------------------------------------------------------------------------
+
+
+class GraphFacts:
+    """Per-graph facts the analysis needs, computed once."""
+
+    def __init__(self, graph: fx.Graph, param_placeholders: Set[str]):
+        self.graph = graph
+        self.params = param_placeholders
+        self.dep: Set[fx.Node] = set()  # nodes downstream of a contraction
+        for n in graph.nodes:
+            if n.op != "call_function":
+                continue
+            if n.target in CONTRACTIONS or any(a in self.dep for a in n.all_input_nodes):
+                self.dep.add(n)
+
+    def constant(self, n) -> Optional[float]:
+        """The value of a Python number or a constant-filled tensor node, else None."""
+        if isinstance(n, bool):
+            return None
+        if isinstance(n, (int, float)):
+            return n
+        if not isinstance(n, fx.Node):
+            return None
+        if n.target in (aten.scalar_tensor.default, aten.full.default):
+            v = n.args[0] if n.target is aten.scalar_tensor.default else n.args[1]
+            return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+        if n.target in _VIEWS or n.target in _CASTS:
+            inner = self.constant(n.args[0])
+            if inner is None:
+                return None
+            dt = cast_dtype(n)
+            return float(torch.tensor(inner).to(dt).item()) if dt is not None and dt.is_floating_point else inner
+        if n.op == "get_attr":
+            t = getattr(n.graph.owning_module, n.target, None)
+            if isinstance(t, torch.Tensor) and t.numel() == 1:
+                return t.item()
+        return None
+
+    def from_activations(self, n: fx.Node) -> bool:
+        """Does ``n`` depend on a graph input that is not a parameter or buffer?"""
+        seen, stack = set(), [n]
+        while stack:
+            x = stack.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            if x.op == "placeholder":
+                if x.name not in self.params:
+                    return True
+                continue
+            stack.extend(x.all_input_nodes)
+        return False
+
+
+def walk_views(n: fx.Node) -> Tuple[fx.Node, List[fx.Node], Optional[torch.dtype]]:
+    """Walk back through views and widening casts. Returns (source, ops source->n, the
+    source's float dtype if the walk crossed an upcast)."""
+    ops = []
+    cur = n
+    while isinstance(cur, fx.Node) and cur.op == "call_function":
+        if cur.target in _VIEWS:
+            pass
+        elif cur.target in _CASTS:
+            dt, src_dt = cast_dtype(cur), dtype_of_node(cur.args[0])
+            if dt is None or _FLOAT_RANK.get(dt, 0) < _FLOAT_RANK.get(src_dt, 9):
+                break  # a narrowing cast changes values: it is the source
+            if cur.target is aten._to_copy.default and set(cur.kwargs) - {"dtype", "layout", "device"}:
+                break
+        else:
+            break
+        ops.append(cur)
+        cur = cur.args[0]
+    ops.reverse()
+    return cur, ops, None
+
+
+def propagate_view(lay: Layout, n: fx.Node) -> Layout:
+    """Layout of ``n``'s output given its first arg's layout (n is in _VIEWS or _CASTS)."""
+    t = n.target
+    if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        return L.view(lay, n.args[1])
+    if t is aten.permute.default:
+        return L.permute(lay, n.args[1])
+    if t is aten.transpose.int:
+        d0, d1 = n.args[1] % len(lay), n.args[2] % len(lay)
+        perm = list(range(len(lay)))
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+        return L.permute(lay, perm)
+    if t is aten.t.default:
+        return L.permute(lay, [1, 0]) if len(lay) == 2 else lay
+    if t is aten.unsqueeze.default:
+        return L.unsqueeze(lay, n.args[1])
+    if t is aten.squeeze.default:
+        return L.squeeze(lay, None, shape_of(n.args[0]))
+    if t is aten.squeeze.dim:
+        return L.squeeze(lay, [n.args[1]], shape_of(n.args[0]))
+    if t is aten.squeeze.dims:
+        return L.squeeze(lay, n.args[1], shape_of(n.args[0]))
+    if t is aten.expand.default:
+        return L.expand(lay, n.args[1])
+    return lay  # clone / alias / detach / casts
+
+
+def layout_through(src: fx.Node, ops: Sequence[fx.Node], prefix: str) -> Tuple[Layout, Layout]:
+    """(source layout, layout after ops) with fresh atoms on the source."""
+    lay0 = L.source_layout(shape_of(src), prefix)
+    lay = lay0
+    for op in ops:
+        lay = propagate_view(lay, op)
+    # a view may have split a source atom: re-express the source layout in split atoms
+    return _resplit(lay0, lay), lay
+
+
+def _resplit(src: Layout, derived: Layout) -> Layout:
+    split = {}
+    for d in derived:
+        for a in d:
+            if "/" in a.label:
+                base = a.label.rsplit("/", 1)[0]
+                split.setdefault(base, []).append(a)
+    if not split:
+        return src
+    out = []
+    for d in src:
+        nd = []
+        for a in d:
+            nd.extend(_leaves(a.label, split) if a.label in split else [a])
+        out.append(tuple(nd))
+    return out
+
+
+def _leaves(label, split):
+    out = []
+    for a in sorted(split[label], key=lambda x: x.label):
+        out.extend(_leaves(a.label, split) if a.label in split else [a])
+    return out
+
+
+class Unifier:
+    """Renames labels so that axes shared by two operands get one name."""
+
+    def __init__(self):
+        self.parent: Dict[str, str] = {}
+
+    def find(self, x: str) -> str:
+        while x in self.parent:
+            x = self.parent[x]
+        return x
+
+    def union(self, a: str, b: str):
+        a, b = self.find(a), self.find(b)
+        if a != b:
+            self.parent[b] = a
+
+    def apply(self, lay: Layout) -> Layout:
+        return [tuple(Atom(self.find(a.label), a.size, a.bcast) for a in d) for d in lay]
+
+
+def unify_dims(u: Unifier, da, db, what: str) -> Tuple:
+    """Unify two dims that a contraction pairs; returns the merged dim's atoms
+    (a broadcast atom on one side takes the real atom of the other)."""
+    ra = [a for a in da if not L.is_one(a.size)]
+    rb = [a for a in db if not L.is_one(a.size)]
+    if len(ra) != len(rb) or not all(L.same_size(x.size, y.size) for x, y in zip(ra, rb)):
+        if len(ra) == 0 and len(rb) == 0:
+            return ()
+        raise Unsupported(f"{what} axes of the contraction group differently: {ra} vs {rb}")
+    out = []
+    for x, y in zip(ra, rb):
+        if x.bcast and y.bcast:
+            raise Unsupported("both contraction operands are broadcast along one axis")
+        if x.bcast:
+            out.append(y)
+        elif y.bcast:
+            out.append(x)
+        else:
+            u.union(x.label, y.label)
+            out.append(x)
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class Side:
+    src: fx.Node
+    src_layout: Layout
+    layout: Layout  # at the contraction
+    upcast_from: Optional[torch.dtype]
+
+
+def analyse_operand(n: fx.Node, prefix: str) -> Side:
+    src, ops, _ = walk_views(n)
+    src_lay, lay = layout_through(src, ops, prefix)
+    up = None
+    src_dt = dtype_of_node(src)
+    if src_dt in (torch.bfloat16, torch.float16) and dtype_of_node(n) == torch.float32:
+        up = src_dt
+    return Side(src, src_lay, lay, up)
+
+
+def _scalar_step(facts: GraphFacts, n: fx.Node, chain_idx: int) -> Optional[tuple]:
+    """Pointwise op of the score with a constant -> spec step, else None."""
+    t = n.target
+    other = n.args[1 - chain_idx] if len(n.args) > 1 else None
+    c = facts.constant(other) if other is not None else None
+    if t in (aten.mul.Tensor, aten.mul.Scalar) and c is not None:
+        return ("mul", c)
+    if t in (aten.div.Tensor, aten.div.Scalar) and c is not None and chain_idx == 0:
+        return ("div", c)
+    if t in (aten.add.Tensor, aten.add.Scalar) and c is not None and n.kwargs.get("alpha", 1) == 1:
+        return ("add", c)
+    if t in (aten.sub.Tensor, aten.sub.Scalar) and c is not None and chain_idx == 0 and n.kwargs.get("alpha", 1) == 1:
+        return ("add", -c)  # x - c == x + (-c) exactly
+    if t is aten.relu.default:
+        return ("relu",)
+    if t in (aten.clamp_min.default,) and facts.constant(n.args[1]) == 0:
+        return ("relu",)
+    if t is aten.maximum.default and c == 0:
+        return ("relu",)
+    if t is aten.neg.default:
+        return ("neg",)
+    if t is aten.sigmoid.default:
+        return ("sigmoid",)
+    return None
+
+
+class SiteAnalysis:
+    def __init__(self, facts: GraphFacts, topk: fx.Node):
+        self.facts = facts
+        self.topk = topk
+        self.u = Unifier()
+
+    # ---- entry -------------------------------------------------------------------------
+    def run(self) -> SiteMatch:
+        tk = self.topk
+        x = tk.args[0]
+        args = list(tk.args) + [None] * (5 - len(tk.args))
+        kk = args[1]
+        dim = tk.kwargs.get("dim", args[2] if args[2] is not None else -1)
+        largest = tk.kwargs.get("largest", args[3] if args[3] is not None else True)
+        if not largest:
+            raise Unsupported("largest=False: a selection keeps the highest scores")
+        y_shape = shape_of(x)
+        if len(y_shape) == 0:
+            raise Unsupported("top-k of a 0-d tensor")
+        dim = dim % len(y_shape)
+
+        chain = self.walk_chain(x)
+        qk = chain[0][0]
+        in_chain = {n for n, _ in chain}
+        self.other_consumers = sorted(
+            {_opname(c) for n, _ in chain for c in n.users if c not in in_chain and c is not tk}
+        )
+        a, b = qk.args[0], qk.args[1]
+        sa, sb = analyse_operand(a, "a"), analyse_operand(b, "b")
+        out_lay = self.contraction_layout(qk, sa, sb)
+
+        # Phase 1: layouts along the chain; Phase 2 (below) turns ops into steps.
+        lays = [out_lay]
+        for n, ci in chain[1:]:
+            lays.append(self.propagate(n, ci, lays[-1]))
+        y_lay = self.u.apply(lays[-1])
+        if len(y_lay) != len(y_shape):
+            raise Unsupported("internal: score layout rank mismatch")
+        key_atoms = [at for at in y_lay[dim] if not at.bcast]
+        if not key_atoms:
+            raise Unsupported(f"the top-k dim {dim} is not an axis of the contraction")
+        key_labels = {at.label for at in key_atoms}
+
+        la = set(L.labels(self.u.apply(sa.layout)))
+        lb = set(L.labels(self.u.apply(sb.layout)))
+        if key_labels <= lb - la:
+            qs, ks = sa, sb
+        elif key_labels <= la - lb:
+            qs, ks = sb, sa
+        else:
+            raise Unsupported(
+                f"the top-k runs over dim {dim}, which is not the key axis of the contraction "
+                "(it is shared by both operands or contracted)"
+            )
+        self.check_selection(ks)
+        steps, w_plan, reduced, mask_plans = self.collect_steps(chain, lays, key_labels)
+        return self.assemble(
+            tk, qs, ks, y_lay, dim, kk, key_atoms, steps, w_plan, reduced, mask_plans, qk
+        )
+
+    # ---- the chain from contraction to top-k ---------------------------------------------
+    def walk_chain(self, x: fx.Node) -> List[Tuple[fx.Node, Optional[int]]]:
+        dep = self.facts.dep
+        chain = []
+        cur = x
+        seen_contraction = 0
+        while True:
+            if not isinstance(cur, fx.Node) or cur not in dep:
+                raise Unsupported("no contraction (einsum/matmul/bmm) feeds the top-k scores")
+            if cur.target in CONTRACTIONS:
+                ins = [i for i, a in enumerate(cur.args[:2]) if a in dep]
+                if not ins:
+                    chain.append((cur, None))
+                    break
+                if len(ins) == 2:
+                    raise Unsupported("a contraction of two scores feeds the top-k")
+                seen_contraction += 1
+                chain.append((cur, ins[0]))
+                cur = cur.args[ins[0]]
+                continue
+            ins = [i for i, a in enumerate(cur.args) if isinstance(a, fx.Node) and a in dep]
+            if len(ins) != 1:
+                raise Unsupported(f"two score tensors meet at {_opname(cur)}")
+            chain.append((cur, ins[0]))
+            cur = cur.args[ins[0]]
+        chain.reverse()
+        return chain
+
+    def contraction_layout(self, qk, sa: Side, sb: Side) -> Layout:
+        la, lb = sa.layout, sb.layout
+        if qk.target is aten.bmm.default:
+            if len(la) != 3 or len(lb) != 3:
+                raise Unsupported("bmm operands are not 3-d")
+            n = unify_dims(self.u, la[0], lb[0], "batch")
+            unify_dims(self.u, la[2], lb[1], "contracted")
+            self.contracted = [at for at in la[2]]
+            return [n, la[1], lb[2]]
+        if len(la) != 2 or len(lb) != 2:
+            raise Unsupported("mm operands are not 2-d")
+        unify_dims(self.u, la[1], lb[0], "contracted")
+        self.contracted = [at for at in la[1]]
+        return [la[0], lb[1]]
+
+    def propagate(self, n: fx.Node, ci: int, lay: Layout) -> Layout:
+        t = n.target
+        if t in _VIEWS or t in _CASTS:
+            return propagate_view(lay, n)
+        if t in (aten.sum.dim_IntList, aten.sum.default):
+            dims = n.args[1] if len(n.args) > 1 and n.args[1] is not None else list(range(len(lay)))
+            dims = [d % len(lay) for d in dims]
+            keep = n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False)
+            return [() if i in dims else d for i, d in enumerate(lay)] if keep else [
+                d for i, d in enumerate(lay) if i not in dims
+            ]
+        if t is aten.bmm.default:
+            return self.weights_bmm_layout(n, ci, lay)
+        if t in CONTRACTIONS:
+            raise Unsupported("a second contraction (mm) between the scores and the top-k")
+        # pointwise ops: the output has the broadcast shape; the score keeps its atoms
+        out_shape = shape_of(n)
+        if len(out_shape) != len(lay) or not all(
+            L.same_size(s, L.dim_size(d)) or not d for s, d in zip(out_shape, lay)
+        ):
+            raise Unsupported(f"{_opname(n)} broadcasts the scores to a new shape {out_shape}")
+        return lay
+
+    def weights_bmm_layout(self, n: fx.Node, ci: int, lay: Layout) -> Layout:
+        """HF's head sum as a matmul: bmm(w [n,1,h], s [n,h,t]) or bmm(s [n,t,h], w [n,h,1])."""
+        wnode = n.args[1 - ci]
+        side = analyse_operand(wnode, "w")
+        wl = side.layout
+        if len(wl) != 3:
+            raise Unsupported("weights bmm operand is not 3-d")
+        nb = unify_dims(self.u, lay[0], wl[0], "batch")
+        if ci == 1:  # s is [n, h, t]; w is [n, m, h]
+            if wl[1]:
+                raise Unsupported("weights matmul with more than one output row")
+            unify_dims(self.u, wl[2], lay[1], "head")
+            self.wbmm = (side, lay[1])
+            return [nb, (), lay[2]]
+        if wl[2]:
+            raise Unsupported("weights matmul with more than one output column")
+        unify_dims(self.u, lay[2], wl[1], "head")
+        self.wbmm = (side, lay[2])
+        return [nb, lay[1], ()]
+
+    # ---- selection criterion -------------------------------------------------------------
+    def check_selection(self, ks: Side):
+        src = ks.src
+        if src.op == "get_attr" or (src.op == "placeholder" and src.name in self.facts.params):
+            raise Unsupported(
+                "not a selection: the key-side operand of the contraction is a parameter or buffer "
+                "(a router or sampler top-k, not sparse attention)"
+            )
+        if src.op == "call_function" and self.facts.constant(src) is not None:
+            raise Unsupported("not a selection: the key-side operand is a constant")
+        if not self.facts.from_activations(src):
+            raise Unsupported(
+                "not a selection: the key-side operand is computed from parameters/constants only"
+            )
+
+    # ---- phase 2: steps --------------------------------------------------------------------
+    def collect_steps(self, chain, lays, key_labels):
+        facts = self.facts
+        steps: List[tuple] = []
+        w_plan = None
+        reduced: Optional[List[str]] = None
+        pending_w = None
+        mask_plans: List[MaskPlan] = []
+        red_at = [i for i, (n, _) in enumerate(chain) if i > 0 and n.target in (aten.sum.dim_IntList, aten.sum.default, aten.bmm.default)]
+        out_dtype = dtype_of_node(chain[0][0])
+        if out_dtype != torch.float32:
+            steps.append(("round", dtype_name(out_dtype)))
+        for i, (n, ci) in enumerate(chain[1:], start=1):
+            lay_in = self.u.apply(lays[i - 1])
+            self._has_reduction_ahead = bool(red_at) and i < red_at[0]
+            t = n.target
+            if t in _VIEWS:
+                continue
+            if t in _CASTS:
+                dt = cast_dtype(n)
+                if dt is None or not dt.is_floating_point:
+                    raise Unsupported(f"the scores are cast to {dt}")
+                if _FLOAT_RANK[dt] < _FLOAT_RANK[dtype_of_node(n.args[0])]:
+                    steps.append(("round", dtype_name(dt)))
+                continue
+            if pending_w is not None and t not in (aten.sum.dim_IntList,):
+                raise Unsupported(f"weights multiply not followed by a head sum (found {_opname(n)})")
+            if t in (aten.sum.dim_IntList, aten.sum.default) or t is aten.bmm.default:
+                if reduced is not None:
+                    raise Unsupported("two reductions between the contraction and the top-k")
+                if t is aten.bmm.default:
+                    side, hdim = self.wbmm
+                    reduced = [a.label for a in hdim]
+                    w_plan = OperandPlan(side.src, self.u.apply(side.src_layout))
+                else:
+                    dims = n.args[1] if len(n.args) > 1 and n.args[1] is not None else range(len(lay_in))
+                    reduced = [a.label for d in dims for a in lay_in[d % len(lay_in)] if not a.bcast]
+                    if any(a.bcast for d in dims for a in lay_in[d % len(lay_in)]):
+                        raise Unsupported("sum over a broadcast axis")
+                    if pending_w is not None:
+                        w_plan = pending_w
+                        pending_w = None
+                if set(reduced) & key_labels:
+                    raise Unsupported("the scores are summed over the key axis")
+                steps.append(("__reduce__",))
+                if dtype_of_node(n) != torch.float32:
+                    steps.append(("round", dtype_name(dtype_of_node(n))))
+                continue
+            step = _scalar_step(facts, n, ci)
+            if step is not None:
+                steps.append(step)
+                if dtype_of_node(n) != torch.float32 and step[0] != "relu":
+                    steps.append(("round", dtype_name(dtype_of_node(n))))
+                continue
+            # tensor operands: weights (before the head sum) or masks (after it)
+            if t is aten.mul.Tensor and reduced is None:
+                other = n.args[1 - ci]
+                if dtype_of_node(n) != torch.float32:
+                    raise Unsupported("head weighting in reduced precision (per-product rounding)")
+                wl = L.broadcast_align(shape_of(other), lay_in)
+                if set(L.labels(wl)) & key_labels:
+                    raise Unsupported("the scores are multiplied by a tensor that varies along the keys")
+                pending_w = OperandPlan(other, wl)
+                continue
+            mp = self.mask_step(n, ci, lay_in, key_labels, reduced is not None)
+            if mp is None:
+                raise Unsupported(f"unsupported op between the contraction and the top-k: {_opname(n)}")
+            steps.append(("mask", len(mask_plans)))
+            mask_plans.append(mp)
+        if pending_w is not None:
+            raise Unsupported("the scores are multiplied by a tensor but never summed over heads")
+        return steps, w_plan, reduced, mask_plans
+
+    def mask_step(self, n, ci, lay, key_labels, after_reduce) -> Optional[MaskPlan]:
+        facts = self.facts
+        t = n.target
+        where_true = None
+        if t is aten.where.self and ci in (1, 2):
+            cond, other = n.args[0], n.args[3 - ci]
+            fill = facts.constant(other)
+            if fill is None or cond in facts.dep:
+                return None
+            where_true = ci == 2  # where(cond, fill, s): hidden where cond is true
+        elif t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor) and ci == 0:
+            cond, fill = n.args[1], facts.constant(n.args[2])
+            if fill is None or cond in facts.dep:
+                return None
+            where_true = True
+        elif t is aten.add.Tensor and n.kwargs.get("alpha", 1) == 1:
+            m = n.args[1 - ci]
+            if not isinstance(m, fx.Node) or m in facts.dep:
+                return None
+            self._check_mask_site(after_reduce)
+            rng = self.additive_range(m, lay, key_labels)
+            if rng is not None:
+                return rng
+            if dtype_of_node(n) != torch.float32 and dtype_of_node(m) != dtype_of_node(n):
+                raise Unsupported("additive mask in reduced precision")
+            return MaskPlan(MaskTerm("add", operand=0), [OperandPlan(m, L.broadcast_align(shape_of(m), lay))])
+        else:
+            return None
+        self._check_mask_site(after_reduce)
+        if not isinstance(fill, float):
+            fill = float(fill)
+        cl = L.broadcast_align(shape_of(cond), lay)
+        try:
+            pred = self.predicate(cond, cl, key_labels)
+            if not where_true:
+                pred = pred.complement()
+            return self.range_plan(pred, "fill", fill)
+        except Unsupported:
+            pass
+        # a tensor mask: strip a logical not into the term's polarity
+        operand, polarity = cond, where_true
+        while operand.target in _NOT:
+            operand, polarity = operand.args[0], not polarity
+        if dtype_of_node(operand) != torch.bool:
+            raise Unsupported("masked_fill/where condition is not a bool tensor")
+        ol = L.broadcast_align(shape_of(operand), lay)
+        return MaskPlan(MaskTerm("fill", operand=0, where=polarity, value=fill), [OperandPlan(operand, ol)])
+
+    def _check_mask_site(self, after_reduce):
+        if self._has_reduction_ahead:
+            raise Unsupported("a mask applied per head, before the head reduction")
+
+    _has_reduction_ahead = False
+
+    def additive_range(self, m, lay, key_labels) -> Optional[MaskPlan]:
+        """``s + where(cond, c, 0)`` (e.g. ``full(-inf).triu(1)``) -> a range term."""
+        cur = m
+        ml = L.broadcast_align(shape_of(m), lay)
+        # walk views of the mask, keeping its layout aligned with the score's
+        ops = []
+        while cur.target in _VIEWS or cur.target in _CASTS:
+            ops.append(cur)
+            cur = cur.args[0]
+        if cur.target is not aten.where.self:
+            return None
+        c_hidden = self.facts.constant(cur.args[1])
+        c_visible = self.facts.constant(cur.args[2])
+        if c_hidden is None or c_visible != 0 or cur.args[0] in self.facts.dep:
+            return None
+        try:
+            inner = self.back_layout(cur, ops, ml)
+            cl = L.broadcast_align(shape_of(cur.args[0]), inner)
+            pred = self.predicate(cur.args[0], cl, key_labels)
+            return self.range_plan(pred, "add", float(c_hidden))
+        except Unsupported:
+            return None
+
+    def back_layout(self, base, ops, lay_top) -> Layout:
+        """Layout of ``base`` given the layout after applying view ``ops`` (outermost first)."""
+        lay = lay_top
+        for op in ops:
+            src_shape = shape_of(op.args[0])
+            t = op.target
+            if t is aten.unsqueeze.default:
+                d = op.args[1] % len(lay)
+                lay = lay[:d] + lay[d + 1 :]
+            elif t is aten.expand.default or t in _CASTS or t in (aten.clone.default, aten.alias.default):
+                lay = L.broadcast_align(src_shape, lay) if t is aten.expand.default else lay
+            elif t is aten.permute.default:
+                inv = [0] * len(op.args[1])
+                for i, p in enumerate(op.args[1]):
+                    inv[p % len(inv)] = i
+                lay = L.permute(lay, inv)
+            else:
+                raise Unsupported(f"mask built through {_opname(op)}")
+        return lay
+
+    # ---- index predicates ------------------------------------------------------------------
+    def predicate(self, n, lay, key_labels) -> Pred:
+        t = n.target if isinstance(n, fx.Node) else None
+        if t in _CMP:
+            op = _CMP[t]
+            lhs = self.affine(n.args[0], lay, key_labels)
+            rhs = self.affine(n.args[1], lay, key_labels)
+            a = lhs.a - rhs.a
+            rest = lhs.b.plus(rhs.b.scaled(-1))  # cond: a*t + rest (op) 0
+            if a == -1:
+                a, rest, op = 1, rest.scaled(-1), _FLIP[op]
+            if a != 1:
+                raise Unsupported("mask compares a multiple of the key index")
+            x = rest.scaled(-1)  # cond: t (op) x
+            one = Bound(1)
+            if op == "ge":
+                return Pred("hidden", [], [x])
+            if op == "gt":
+                return Pred("hidden", [], [x.plus(one)])
+            if op == "lt":
+                return Pred("hidden", [x], [])
+            return Pred("hidden", [x.plus(one)], [])
+        if t in _NOT:
+            return self.predicate(n.args[0], lay, key_labels).complement()
+        if t in _AND or t in _OR:
+            p1 = self.predicate(n.args[0], L.broadcast_align(shape_of(n.args[0]), lay), key_labels)
+            p2 = self.predicate(n.args[1], L.broadcast_align(shape_of(n.args[1]), lay), key_labels)
+            want = "range" if t in _AND else "hidden"
+            p1, p2 = p1.as_kind(want), p2.as_kind(want)
+            return Pred(want, p1.los + p2.los, p1.his + p2.his)
+        if isinstance(n, fx.Node) and (n.target in _VIEWS or n.target in _CASTS):
+            return self.predicate(n.args[0], self.back_layout(n.args[0], [n], lay), key_labels)
+        raise Unsupported("mask condition is not an index comparison")
+
+    def affine(self, n, lay, key_labels) -> KeyAffine:
+        c = self.facts.constant(n)
+        if c is not None:
+            if not isinstance(c, int):
+                raise Unsupported("mask compares against a non-integer constant")
+            return KeyAffine(0, Bound(c))
+        if not isinstance(n, fx.Node):
+            raise Unsupported("mask operand is not a tensor")
+        lay = L.broadcast_align(shape_of(n), lay) if len(shape_of(n)) != len(lay) else lay
+        if not (set(L.labels(lay)) & key_labels):
+            if dtype_of_node(n).is_floating_point or dtype_of_node(n) == torch.bool:
+                raise Unsupported("mask bound is not an integer tensor")
+            return KeyAffine(0, Bound(0, [(1, OperandPlan(n, lay))]))
+        t = n.target
+        if t is prims.iota.default:
+            start, step = n.kwargs.get("start", 0), n.kwargs.get("step", 1)
+            dimlabels = [a.label for a in lay[0]]
+            if set(dimlabels) != key_labels or not isinstance(start, int) or step != 1:
+                raise Unsupported("mask iota is not the key index")
+            return KeyAffine(1, Bound(start))
+        if t in (aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar):
+            if n.kwargs.get("alpha", 1) != 1:
+                raise Unsupported("mask arithmetic with alpha")
+            l = self.affine(n.args[0], self._arg_layout(n.args[0], lay), key_labels)
+            r = self.affine(n.args[1], self._arg_layout(n.args[1], lay), key_labels)
+            sgn = 1 if t in (aten.add.Tensor, aten.add.Scalar) else -1
+            return KeyAffine(l.a + sgn * r.a, l.b.plus(r.b.scaled(sgn)))
+        if t in (aten.unsqueeze.default, aten.expand.default) or t in _CASTS or t in (
+            aten.clone.default, aten.alias.default, aten.permute.default
+        ):
+            if t in _CASTS and dtype_of_node(n).is_floating_point:
+                raise Unsupported("mask index cast to float")
+            return self.affine(n.args[0], self.back_layout(n.args[0], [n], lay), key_labels)
+        raise Unsupported(f"mask index arithmetic {_opname(n)}")
+
+    def _arg_layout(self, a, lay):
+        return L.broadcast_align(shape_of(a), lay) if isinstance(a, fx.Node) else lay
+
+    def range_plan(self, pred: Pred, mode: str, value: float) -> MaskPlan:
+        """``pred`` is the set of hidden keys."""
+        pred = pred.as_kind("hidden")
+        ops: List[Any] = []
+        lo = hi = None
+        if pred.los:
+            lo = len(ops)
+            ops.append(("bound", pred.los, "max"))
+        if pred.his:
+            hi = len(ops)
+            ops.append(("bound", pred.his, "min"))
+        return MaskPlan(MaskTerm("range", lo=lo, hi=hi, mode=mode, value=value), ops)
+
+    # ---- assemble ----------------------------------------------------------------------------
+    def assemble(self, tk, qs, ks, y_lay, dim, kk, key_atoms, steps, w_plan, reduced, mask_plans, qk):
+        u = self.u
+        q_lab = L.labels(u.apply(qs.layout))
+        k_lab = L.labels(u.apply(ks.layout))
+        contracted = {u.find(a.label) for a in self.contracted}
+        key_labels = [a.label for a in key_atoms]
+        reduced = [u.find(r) for r in (reduced or [])]
+        shared = [l for l in q_lab if l in k_lab and l not in contracted]
+        q_only = [l for l in q_lab if l not in k_lab and l not in contracted]
+        k_only = [l for l in k_lab if l not in q_lab and l not in contracted]
+        if set(k_only) != set(key_labels):
+            raise Unsupported("the key operand has an axis that is neither batch nor key")
+        y_labels = L.labels(y_lay)
+        order = {l: i for i, l in enumerate(y_labels)}
+        B = sorted([l for l in shared if l not in reduced], key=lambda l: order.get(l, 1 << 30))
+        S = sorted([l for l in q_only if l not in reduced], key=lambda l: order.get(l, 1 << 30))
+        Hk = [l for l in shared if l in reduced]
+        G = [l for l in q_only if l in reduced]
+        D = [u.find(a.label) for a in self.contracted]
+        if set(reduced) - set(Hk) - set(G):
+            raise Unsupported("the head reduction sums over an axis that is not a query head")
+        if set(y_labels) != set(B) | set(S) | set(key_labels):
+            raise Unsupported(f"the top-k input has axes {y_labels} beyond batch, query and key")
+        roles = {"B": B, "S": S, "H": Hk + G, "Hk": Hk, "D": D, "T": key_labels}
+
+        spec_epi, spec_post, reduce = [], [], "none"
+        if reduced is not None and (Hk or G):
+            reduce = "weighted_sum" if w_plan is not None else "sum"
+        target = spec_epi if reduce != "none" else spec_post
+        for s in steps:
+            if s[0] == "__reduce__":
+                target = spec_post
+            else:
+                target.append(s)
+        if reduce == "none" and any(s[0] == "__reduce__" for s in steps):
+            # a sum over unit axes: nothing was reduced
+            pass
+        mask_terms, mask_operands = [], []
+        for i, mp in enumerate(mask_plans):
+            remap = {}
+            for j, op in enumerate(mp.operands):
+                remap[j] = len(mask_operands)
+                mask_operands.append(op)
+            term = mp.term
+            term = dataclasses.replace(
+                term,
+                operand=None if term.operand is None else remap[term.operand],
+                lo=None if term.lo is None else remap[term.lo],
+                hi=None if term.hi is None else remap[term.hi],
+            )
+            mask_terms.append(term)
+        score_dtype = dtype_name(dtype_of_node(tk.args[0]))
+        logit_dtype = "float32"
+        if spec_epi and spec_epi[0][0] == "round" and reduce != "none":
+            logit_dtype = spec_epi.pop(0)[1]
+        elif spec_post and spec_post[0][0] == "round" and reduce == "none":
+            logit_dtype = spec_post.pop(0)[1]
+        precision = "ieee"
+        if qs.upcast_from is None and dtype_of_node(qs.src) == torch.float32:
+            if torch.get_float32_matmul_precision() != "highest":
+                precision = "tf32"
+        spec = ScoreSpec(
+            name="dsa",
+            logit_dtype=logit_dtype,
+            epilogue=tuple(spec_epi),
+            reduce=reduce,
+            post=tuple(spec_post),
+            masks=tuple(mask_terms),
+            score_dtype=score_dtype,
+            fp32_precision=precision,
+        ).validate(num_mask_operands=len(mask_operands))
+
+        q_plan = OperandPlan(qs.src, u.apply(qs.src_layout), [B, S, Hk + G, D])
+        k_plan = OperandPlan(ks.src, u.apply(ks.src_layout), [B, key_labels, Hk, D])
+        if reduce == "weighted_sum":
+            w_plan.layout = u.apply(w_plan.layout)
+            w_plan.groups = [B, S, Hk + G]
+            extra = set(L.labels(w_plan.layout)) - set(B) - set(S) - set(Hk) - set(G)
+            if extra:
+                raise Unsupported("the head weights vary along an axis that is not batch/query/head")
+        else:
+            w_plan = None
+        for op in mask_operands:
+            if isinstance(op, OperandPlan):
+                op.layout = u.apply(op.layout)
+                op.groups = [B, S, key_labels]
+                if set(L.labels(op.layout)) - set(B) - set(S) - set(key_labels):
+                    raise Unsupported("a mask varies along a head axis")
+            else:
+                for bound in op[1]:
+                    for _, p in bound.terms:
+                        p.layout = u.apply(p.layout)
+                        p.groups = [B, S]
+                        if set(L.labels(p.layout)) - set(B) - set(S):
+                            raise Unsupported("a per-row mask bound varies along a head axis")
+        users = {gi.args[1]: gi for gi in tk.users if gi.target is operator.getitem}
+        values_used = 0 in users and len(users[0].users) > 0
+        if any(u_.target is not operator.getitem for u_ in tk.users):
+            raise Unsupported("top-k result used as a tuple")
+        sizes = {
+            "B": _prod(a.size for l in B for a in _atoms(y_lay, l)),
+            "S": _prod(a.size for l in S for a in _atoms(y_lay, l)),
+            "H": _prod(a.size for l in Hk + G for a in _atoms(q_plan.layout, l)),
+            "D": _prod(a.size for l in D for a in _atoms(q_plan.layout, l)),
+            "T": _prod(a.size for a in key_atoms),
+        }
+        return SiteMatch(
+            topk=tk, spec=spec, q=q_plan, k=k_plan, w=w_plan, mask_operands=mask_operands,
+            score_layout=y_lay, topk_dim=dim, k_arg=kk, values_used=values_used, roles=roles,
+            other_consumers=self.other_consumers, sizes=sizes,
+        )
+
+
+def _atoms(lay, label):
+    return [a for d in lay for a in d if a.label == label]
+
+
+def _prod(xs):
+    out = 1
+    for x in xs:
+        out = out * x
+    return out
+
+
+def _opname(n) -> str:
+    if not isinstance(n, fx.Node):
+        return repr(n)
+    t = n.target
+    return getattr(t, "__name__", None) or str(t) if n.op == "call_function" else n.op
+
+
+def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
+    a = SiteAnalysis(facts, topk)
+    return a.run()

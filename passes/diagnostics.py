@@ -1,0 +1,85 @@
+"""What the pass did at each top-k site, for ``hyscale_compile.explain`` and the logs.
+
+Every ``aten.topk`` the pass sees gets one ``SiteRecord``: rewritten (with the variant,
+sizes, k and the score description) or left alone (with the reason). Records go to an
+in-process list that ``explain`` reads, to ``torch._dynamo.utils.counters["hyscale"]``,
+and to the ``hyscale_compile`` logger.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any, Dict, List, Optional
+
+from torch._dynamo.utils import counters
+
+log = logging.getLogger("hyscale_compile")
+
+_lock = threading.Lock()
+_records: List["SiteRecord"] = []
+
+
+@dataclasses.dataclass
+class SiteRecord:
+    node: str  # the aten.topk node's name in its graph
+    source: str  # the user line that called topk, if known
+    rewritten: bool
+    reason: str = ""  # why not, when not rewritten
+    variant: str = ""
+    k: Any = None
+    sizes: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    spec: str = ""  # ScoreSpec.describe()
+    values_used: bool = False
+    table_consumers: List[str] = dataclasses.field(default_factory=list)
+    graph: str = ""  # "forward"/"joint"/"inference"
+
+    def line(self) -> str:
+        where = f" at {self.source}" if self.source else ""
+        if self.rewritten:
+            sz = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
+            extra = f"; table still materialized by {', '.join(self.table_consumers)}" if self.table_consumers else ""
+            vals = " (values used)" if self.values_used else ""
+            return f"[rewritten] {self.node}{where}: {self.variant} k={self.k} {sz}{vals} | {self.spec}{extra}"
+        return f"[left alone] {self.node}{where}: {self.reason}"
+
+
+def record(rec: SiteRecord) -> None:
+    with _lock:
+        _records.append(rec)
+    counters["hyscale"]["topk_sites"] += 1
+    if rec.rewritten:
+        counters["hyscale"]["rewritten"] += 1
+        counters["hyscale"][f"rewritten:{rec.variant}"] += 1
+    else:
+        counters["hyscale"]["left_alone"] += 1
+        counters["hyscale"][f"left_alone:{rec.reason}"] += 1
+    log.info("hyscale: %s", rec.line())
+
+
+def records() -> List[SiteRecord]:
+    with _lock:
+        return list(_records)
+
+
+def clear() -> None:
+    with _lock:
+        _records.clear()
+
+
+def user_line(node) -> str:
+    """The last frame of the node's stack trace: 'file:line in fn'."""
+    st: Optional[str] = node.meta.get("stack_trace")
+    if not st:
+        return ""
+    lines = [l.strip() for l in st.strip().splitlines() if l.strip().startswith("File")]
+    if not lines:
+        return ""
+    last = lines[-1]  # 'File "x.py", line 12, in fn'
+    try:
+        f = last.split('"')[1].rsplit("/", 1)[-1]
+        ln = last.split("line ")[1].split(",")[0]
+        fn = last.rsplit("in ", 1)[1]
+        return f"{f}:{ln} in {fn}"
+    except IndexError:
+        return last

@@ -1,0 +1,233 @@
+"""Rewrite each matched selection into one ``torch.ops.hyscale`` call.
+
+For a ``SiteMatch`` (``canonicalize.py``) this builds the canonical operands with views
+and permutes of tensors the graph already has (q [B,S,H,D], k [B,T,Hk,D], w [B,S,H],
+masks [B,S,T] or per-row bounds [B,S]), calls the op, casts the int32 indices to the
+int64 that ``aten.topk`` gave, and lays them out the way the top-k's consumers expect.
+The score subgraph is then dead unless something else reads it, and DCE removes it.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..lowerings import ops as hy_ops  # noqa: F401  (registers torch.ops.hyscale)
+from . import layout as L
+from .canonicalize import Bound, OperandPlan, SiteMatch, Unsupported, shape_of, val
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+class Emitter:
+    """Inserts nodes before ``anchor`` with fake-tensor metadata; can roll back."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node):
+        self.graph = graph
+        self.anchor = anchor
+        self.created: List[fx.Node] = []
+        vals = [n.meta.get("val") for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        self.fake_mode = detect_fake_mode(vals)
+        self.sizes: Dict[str, Tuple[fx.Node, int]] = {}  # atom label -> (node, dim)
+
+    def call(self, target, args, kwargs=None) -> fx.Node:
+        kwargs = kwargs or {}
+        with self.graph.inserting_before(self.anchor):
+            n = self.graph.call_function(target, tuple(args), kwargs)
+        self.created.append(n)
+        fa = fx.node.map_arg(args, lambda a: a.meta["val"])
+        fk = fx.node.map_arg(kwargs, lambda a: a.meta["val"])
+        if self.fake_mode is not None:
+            with self.fake_mode:
+                n.meta["val"] = target(*fa, **fk)
+        else:
+            n.meta["val"] = target(*fa, **fk)
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in self.anchor.meta:
+                n.meta[key] = self.anchor.meta[key]
+        return n
+
+    def rollback(self):
+        for n in reversed(self.created):
+            if not n.users:
+                self.graph.erase_node(n)
+        self.created.clear()
+
+    # -- sizes --------------------------------------------------------------------------
+    def size_arg(self, atoms: List[L.Atom]):
+        """An FX argument for the product of atom sizes (an int when static)."""
+        out: Any = 1
+        for a in atoms:
+            s = a.size
+            if isinstance(s, int) or (hasattr(s, "node") and s.node.is_constant()):
+                s = int(s)
+            else:
+                if a.label not in self.sizes:
+                    raise Unsupported(f"dynamic size of axis {a.label} has no source")
+                node, d = self.sizes[a.label]
+                s = self.call(aten.sym_size.int, [node, d])
+            out = s if (isinstance(out, int) and out == 1) else (
+                out * s if isinstance(out, int) and isinstance(s, int) else self.call(operator.mul, [out, s])
+            )
+        return out
+
+    def register(self, node: fx.Node, atoms_per_dim: List[Optional[L.Atom]]):
+        for d, a in enumerate(atoms_per_dim):
+            if a is not None and a.label not in self.sizes:
+                self.sizes[a.label] = (node, d)
+
+    # -- operands -------------------------------------------------------------------------
+    def operand(self, plan: OperandPlan) -> fx.Node:
+        """View/permute ``plan.node`` into the canonical groups (missing axes -> size 1)."""
+        x = plan.node
+        lay = plan.layout
+        # 1. one tensor dim per atom
+        flat: List[Optional[L.Atom]] = []
+        for d in lay:
+            flat.extend(d if d else [None])
+        if len(flat) != len(lay):
+            x = self.call(aten.view.default, [x, [1 if a is None else self.size_arg([a]) for a in flat]])
+        self.register(x, flat)
+        # 2. permute atoms into group order; everything left over must be a unit dim
+        pos = {a.label: i for i, a in enumerate(flat) if a is not None}
+        perm, group_atoms = [], []
+        for g in plan.groups:
+            present = [l for l in g if l in pos]
+            perm.extend(pos[l] for l in present)
+            group_atoms.append([flat[pos[l]] for l in present])
+        used = set(perm)
+        for i, a in enumerate(flat):
+            if i not in used:
+                if a is not None:
+                    raise Unsupported(f"operand axis {a} has no role")
+                perm.append(i)
+        if perm != list(range(len(flat))):
+            x = self.call(aten.permute.default, [x, perm])
+        permuted = [flat[i] for i in perm]
+        self.register(x, permuted)
+        # 3. merge each group into one dim
+        target = []
+        for g, atoms in zip(plan.groups, group_atoms):
+            if len(atoms) < len([l for l in g]) and atoms:
+                # partially present group: broadcast the missing axes, then merge (copies)
+                raise Unsupported("operand lacks some axes of a merged group")
+            target.append(atoms)
+        simple = all(len(a) <= 1 for a in target)
+        if simple:
+            # unsqueeze absent groups / squeeze trailing units: no sizes needed
+            ndims = sum(len(a) for a in target)
+            extra = len(permuted) - ndims
+            for _ in range(extra):
+                x = self.call(aten.squeeze.dim, [x, -1])
+            for gi, atoms in enumerate(target):
+                if not atoms:
+                    x = self.call(aten.unsqueeze.default, [x, gi])
+            return x
+        sizes = [1 if not atoms else self.size_arg(atoms) for atoms in target]
+        return self.call(aten.reshape.default, [x, sizes])
+
+    def bound(self, bounds: List[Bound], agg: str) -> fx.Node:
+        nodes = []
+        for b in bounds:
+            acc: Optional[fx.Node] = None
+            for coef, plan in b.terms:
+                t = self.operand(plan)
+                if val(t).dtype != torch.int64:
+                    t = self.call(prims.convert_element_type.default, [t, torch.int64])
+                if coef != 1:
+                    t = self.call(aten.mul.Tensor, [t, coef])
+                acc = t if acc is None else self.call(aten.add.Tensor, [acc, t])
+            if acc is None:
+                dev = val(self.anchor.args[0]).device
+                acc = self.call(
+                    aten.full.default, [[1, 1], b.const], {"dtype": torch.int64, "device": dev, "pin_memory": False}
+                )
+            elif b.const:
+                acc = self.call(aten.add.Tensor, [acc, b.const])
+            nodes.append(acc)
+        out = nodes[0]
+        for n in nodes[1:]:
+            out = self.call(aten.maximum.default if agg == "max" else aten.minimum.default, [out, n])
+        return out
+
+
+def apply_match(graph: fx.Graph, m: SiteMatch) -> fx.Node:
+    """Insert the op for ``m`` and reroute the top-k's consumers. Returns the op node."""
+    tk = m.topk
+    em = Emitter(graph, tk)
+    try:
+        q = em.operand(m.q)
+        k = em.operand(m.k)
+        w = em.operand(m.w) if m.w is not None else None
+        masks = []
+        for op in m.mask_operands:
+            if isinstance(op, OperandPlan):
+                masks.append(em.operand(op))
+            else:
+                masks.append(em.bound(op[1], op[2]))
+        spec = m.spec.to_json()
+        if m.values_used:
+            call = em.call(torch.ops.hyscale.hytopk_values.default, [q, k, w, masks, m.k_arg, spec])
+            vals = em.call(operator.getitem, [call, 0])
+            idx = em.call(operator.getitem, [call, 1])
+        else:
+            call = em.call(torch.ops.hyscale.hytopk.default, [q, k, w, masks, m.k_arg, spec])
+            vals, idx = None, call
+        idx64 = em.call(prims.convert_element_type.default, [idx, torch.int64])
+        outs = {1: _to_score_layout(em, idx64, m)}
+        if vals is not None:
+            outs[0] = _to_score_layout(em, vals, m)
+    except Exception:
+        em.rollback()
+        raise
+    for gi in list(tk.users):
+        i = gi.args[1]
+        if i in outs:
+            gi.replace_all_uses_with(outs[i])
+    return call
+
+
+def _to_score_layout(em: Emitter, x: fx.Node, m: SiteMatch) -> fx.Node:
+    """[B, S, k] -> the layout of the original top-k output (key dim replaced by k)."""
+    B, S = m.roles["B"], m.roles["S"]
+    y = m.score_layout
+    atoms = {a.label: a for d in y for a in d}
+    b_atoms = [atoms[l] for l in B]
+    s_atoms = [atoms[l] for l in S]
+    # register sizes of single-atom dims of the original top-k input
+    em.register(m.topk.args[0], [d[0] if len(d) == 1 else None for d in y])
+    flat_sizes = None
+    if len(b_atoms) != 1 or len(s_atoms) != 1:
+        flat_sizes = [em.size_arg([a]) for a in b_atoms + s_atoms] + [m.k_arg]
+        x = em.call(aten.view.default, [x, flat_sizes])
+    order = [a.label for a in b_atoms + s_atoms] + ["__k__"]
+    want = []
+    for i, d in enumerate(y):
+        if i == m.topk_dim:
+            want.append("__k__")
+        else:
+            want.extend(a.label for a in d)
+    perm = [order.index(l) for l in want]
+    if perm != list(range(len(perm))):
+        x = em.call(aten.permute.default, [x, perm])
+    out_shape = shape_of(m.topk.args[0])
+    cur_shape = tuple(val(x).shape)
+    target = list(out_shape)
+    target[m.topk_dim] = val(x).shape[want.index("__k__")]
+    if len(cur_shape) == len(target) and all(statically_known_true(a == b) for a, b in zip(cur_shape, target)):
+        return x
+    # unit dims and merged dims of the original layout
+    if all(len(d) <= 1 for d in y):
+        for i, d in enumerate(y):
+            if not d and i != m.topk_dim:
+                x = em.call(aten.unsqueeze.default, [x, i])
+        return x
+    sizes = []
+    for i, d in enumerate(y):
+        sizes.append(m.k_arg if i == m.topk_dim else (1 if not d else em.size_arg(list(d))))
+    return em.call(aten.reshape.default, [x, sizes])

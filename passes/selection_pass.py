@@ -1,0 +1,96 @@
+"""The joint-graph pass: find every ``aten.topk``, rewrite the selections.
+
+Installed as Inductor's ``joint_custom_pre_pass`` (it sees the joint forward+backward
+graph in training and the forward graph in inference, before Inductor's own joint
+patterns fold masks away) by ``hyscale_compile.backend``, chained with any pass that
+was already in the slot. The pass's ``uuid`` hashes its own sources, the op's sources,
+the variant registry and its options, so an Inductor cache hit never serves a graph
+compiled without it (or with other patterns).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from . import diagnostics
+from .canonicalize import GraphFacts, Unsupported, analyse_site, shape_of
+from .rewrite import apply_match
+
+aten = torch.ops.aten
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LOWERINGS = os.path.join(os.path.dirname(_HERE), "lowerings")
+
+
+def _source_files():
+    import hyscale_compile.lowerings as low
+
+    out = []
+    for d in (_HERE, os.path.dirname(low.__file__)):
+        out.extend(sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".py")))
+    return tuple(out)
+
+
+def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph_kind: str = "") -> int:
+    """Rewrite every selection top-k in ``graph``; returns how many were rewritten."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    params = {placeholders[i].name for i in param_indices if i < len(placeholders)}
+    facts = GraphFacts(graph, params)
+    topks = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.topk.default]
+    count = 0
+    for tk in topks:
+        line = diagnostics.user_line(tk)
+        try:
+            m = analyse_site(facts, tk)
+            apply_match(graph, m)
+        except Unsupported as e:
+            diagnostics.record(diagnostics.SiteRecord(node=tk.name, source=line, rewritten=False, reason=str(e), graph=graph_kind))
+            continue
+        count += 1
+        diagnostics.record(
+            diagnostics.SiteRecord(
+                node=tk.name, source=line, rewritten=True, variant=m.spec.name, k=m.k_arg if not isinstance(m.k_arg, fx.Node) else str(m.k_arg.meta.get("val", m.k_arg)),
+                sizes={k: v for k, v in m.sizes.items()}, spec=m.spec.describe(), values_used=m.values_used,
+                table_consumers=m.other_consumers, graph=graph_kind,
+            )
+        )
+    if count:
+        graph.eliminate_dead_code()
+        from torch._inductor.fx_passes.post_grad import stable_topological_sort  # noqa
+
+        stable_topological_sort(graph)
+        graph.lint()
+    return count
+
+
+class HyScaleJointPass(CustomGraphPass):
+    """The selection rewrite as an Inductor custom graph pass (chains a prior pass)."""
+
+    def __init__(self, param_indices: Sequence[int] = (), chained: Optional[CustomGraphPass] = None, options=None):
+        self.param_indices = tuple(sorted(param_indices))
+        self.chained = chained
+        self.options = dict(options or {})
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if self.options.get("enable", True):
+            kind = "joint" if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes) else "forward"
+            rewrite_selections(graph, self.param_indices, kind)
+        if self.chained is not None:
+            self.chained(graph)
+
+    def uuid(self) -> bytes:
+        from hyscale_compile import registry
+
+        extra = repr((self.param_indices, sorted(self.options.items()), registry.fingerprint()))
+        h = hashlib.sha256(get_hash_for_files(_source_files(), extra))
+        if self.chained is not None:
+            uuid_fn = getattr(self.chained, "uuid", None)
+            inner = uuid_fn() if callable(uuid_fn) else None
+            if inner is None:
+                return None  # the chained pass opts out of caching: so do we
+            h.update(inner if isinstance(inner, bytes) else repr(inner).encode())
+        return h.digest()
