@@ -85,6 +85,10 @@ def hyscale_debug_backend(gm: fx.GraphModule, example_inputs, *, mode=None, opti
     captured = hy_opts.get("capture")  # tests: a list that receives (kind, GraphModule)
 
     def run_pass(g: fx.GraphModule, kind: str):
+        if captured is not None:
+            from .testing import graph_text
+
+            captured.append((kind + ":before", graph_text(g.graph)))
         joint_pass(g.graph)
         g.graph.eliminate_dead_code()
         g.recompile()

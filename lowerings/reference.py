@@ -60,7 +60,7 @@ def _apply_elementwise(x: torch.Tensor, step) -> torch.Tensor:
     if op == "sigmoid":
         return torch.sigmoid(x)
     if op == "round":
-        return x.to(dtype_of(step[1])).to(torch.float32)
+        return x.to(dtype_of(step[1])).to(x.dtype)
     raise SpecError(f"unknown step {step!r}")
 
 
@@ -89,12 +89,15 @@ def _apply_mask(y, term: MaskTerm, masks, b0, b1, s0, s1, t0, t1, B, S, T):
     return y.masked_fill(m == term.where, term.value)
 
 
-def score_block(q, k, w, masks, spec: ScoreSpec, b0, b1, s0, s1, t0, t1, shape) -> torch.Tensor:
-    """Scores for rows [b0,b1) x [s0,s1) and keys [t0,t1), fp32 [b, s, t] (score-dtype valued)."""
+def score_block(q, k, w, masks, spec: ScoreSpec, b0, b1, s0, s1, t0, t1, shape, dtype=torch.float32) -> torch.Tensor:
+    """Scores for rows [b0,b1) x [s0,s1) and keys [t0,t1), as ``dtype`` [b, s, t].
+
+    fp32 is the op's arithmetic (bf16/fp16 operands upcast exactly: dtype rule 1);
+    tests pass float64 to get the reference the threshold check compares against."""
     B, S, H, D, T, Hk = shape
     G = H // Hk
-    qb = q[b0:b1, s0:s1].to(torch.float32)  # exact upcast of bf16/fp16 (dtype rule 1)
-    kb = k[slice(b0, b1) if k.shape[0] == B else slice(None), t0:t1].to(torch.float32)
+    qb = q[b0:b1, s0:s1].to(dtype)
+    kb = k[slice(b0, b1) if k.shape[0] == B else slice(None), t0:t1].to(dtype)
     if kb.shape[0] != qb.shape[0]:
         kb = kb.expand(qb.shape[0], *kb.shape[1:])
     nb, ns, nt = qb.shape[0], qb.shape[1], kb.shape[1]
@@ -103,11 +106,11 @@ def score_block(q, k, w, masks, spec: ScoreSpec, b0, b1, s0, s1, t0, t1, shape) 
     kg = kb.permute(0, 2, 3, 1)
     x = torch.matmul(qg, kg).view(nb, Hk, ns, G, nt).permute(0, 2, 1, 3, 4).reshape(nb, ns, H, nt)
     if spec.logit_dtype != "float32":
-        x = x.to(dtype_of(spec.logit_dtype)).to(torch.float32)
+        x = x.to(dtype_of(spec.logit_dtype)).to(dtype)
     for step in spec.epilogue:
         x = _apply_elementwise(x, step)
     if spec.reduce == "weighted_sum":
-        wb = w[b0:b1, s0:s1].to(torch.float32)
+        wb = w[b0:b1, s0:s1].to(dtype)
         y = torch.matmul(wb.unsqueeze(-2), x).squeeze(-2)
     elif spec.reduce == "sum":
         y = x.sum(dim=2)
@@ -183,11 +186,11 @@ def streaming_topk(
     return (val_out, idx_out) if return_values else idx_out
 
 
-def dense_scores(q, k, w, masks, spec: ScoreSpec) -> torch.Tensor:
+def dense_scores(q, k, w, masks, spec: ScoreSpec, dtype=torch.float32) -> torch.Tensor:
     """The whole [B, S, T] table through the same arithmetic (tests and small shapes only)."""
     shape = check_operands(q, k, w, masks, 0, spec)
     B, S, H, D, T, Hk = shape
-    return score_block(q, k, w, masks, spec, 0, B, 0, S, 0, T, shape)
+    return score_block(q, k, w, masks, spec, 0, B, 0, S, 0, T, shape, dtype)
 
 
 def stable_topk(scores: torch.Tensor, topk: int):

@@ -1,0 +1,89 @@
+"""DESIGN.md's exactness contract as reusable checks (threshold check, ties, masked slots)."""
+from __future__ import annotations
+
+import math
+import os
+import random
+from typing import Optional
+
+import torch
+
+from hyscale_compile.lowerings.reference import dense_scores, stable_topk
+from hyscale_compile.lowerings.spec import ScoreSpec
+
+
+def fresh_seed(label: str) -> int:
+    """A new seed per case (printed, so a failure can be replayed with HYSCALE_SEED)."""
+    seed = int(os.environ.get("HYSCALE_SEED", random.SystemRandom().randrange(1 << 30)))
+    print(f"[seed] {label}: HYSCALE_SEED={seed}")
+    return seed
+
+
+def reference_f64(q, k, w, masks, spec: ScoreSpec) -> torch.Tensor:
+    """The scores in float64 along the spec's own dtype path (round steps included)."""
+    return dense_scores(q, k, w, masks, spec, dtype=torch.float64)
+
+
+def tolerance(q, k, w, spec: ScoreSpec) -> torch.Tensor:
+    """Per-row tol = (D + H + 2) * u * max_t sum_h |c w_h| sum_d |q_hd k_d|, c the product of
+    the spec's constant multipliers; u = 2^-24, or 2^-8 when a step rounds to bf16/fp16."""
+    B, S, H, D = q.shape
+    c = 1.0
+    for step in tuple(spec.epilogue) + tuple(spec.post):
+        if step[0] == "mul":
+            c *= abs(step[1])
+        elif step[0] == "div":
+            c /= abs(step[1])
+    rounds = [s for s in tuple(spec.epilogue) + tuple(spec.post) if s[0] == "round"] + (
+        [1] if spec.logit_dtype != "float32" else []
+    )
+    u = 2.0**-8 if rounds or spec.score_dtype != "float32" else 2.0**-24
+    G = H // k.shape[2]
+    qa = q.double().abs()
+    ka = k.double().abs().repeat_interleave(G, dim=2)  # [B,T,H,D]
+    dots = torch.einsum("bshd,bthd->bsht", qa, ka.expand(B, *ka.shape[1:]))
+    wa = w.double().abs() if w is not None else torch.ones(B, S, H, dtype=torch.float64)
+    mag = (dots * wa.unsqueeze(-1)).sum(2) * c  # [B,S,T]
+    return (D + H + 2) * u * mag.amax(-1) + 1e-30
+
+
+def check_selection(idx: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor, k: int, values: Optional[torch.Tensor] = None):
+    """Threshold check per row; masked slots (-inf) hold the smallest-index -inf keys in
+    ascending order; values equal the reference at the selected keys within tol."""
+    B, S, T = ref.shape
+    idx = idx.long()
+    assert idx.shape == (B, S, k), (idx.shape, (B, S, k))
+    assert int(idx.min()) >= 0 and int(idx.max()) < T, "index out of range"
+    for b in range(B):
+        for s in range(S):
+            row, sel = ref[b, s], idx[b, s]
+            assert len(set(sel.tolist())) == k, f"row {(b, s)}: duplicate indices {sel.tolist()}"
+            chosen = row[sel]
+            rest = torch.ones(T, dtype=torch.bool)
+            rest[sel] = False
+            fin = chosen > -math.inf
+            n_fin_row = int((row > -math.inf).sum())
+            if n_fin_row >= k:
+                assert bool(fin.all()), f"row {(b, s)}: picked a -inf key while {n_fin_row} >= k keys are finite"
+            else:
+                assert int(fin.sum()) == n_fin_row, f"row {(b, s)}: missed finite keys"
+                masked = sel[~fin].sort().values
+                expect = torch.nonzero(row == -math.inf).flatten()[: k - n_fin_row]
+                assert torch.equal(masked, expect), f"row {(b, s)}: masked slots {masked.tolist()} != smallest masked {expect.tolist()}"
+            if rest.any() and fin.any():
+                lo = chosen[fin].min()
+                hi = row[rest].max()
+                assert lo >= hi - tol[b, s], f"row {(b, s)}: min selected {lo} < max unselected {hi} - tol {tol[b, s]}"
+            if values is not None:
+                v = values[b, s].double()
+                inf = torch.isinf(chosen)
+                assert torch.equal(v[inf], chosen[inf]), f"row {(b, s)}: infinite values differ"
+                assert bool(((v[~inf] - chosen[~inf]).abs() <= tol[b, s]).all()), f"row {(b, s)}: values off"
+
+
+def assert_stable_topk(idx: torch.Tensor, scores32: torch.Tensor, k: int, values: Optional[torch.Tensor] = None):
+    """On exactly representable inputs the order is fully determined: (value desc, index asc)."""
+    rv, ri = stable_topk(scores32, k)
+    assert torch.equal(idx.long(), ri), f"indices differ from the stable reference:\n{idx}\n{ri}"
+    if values is not None:
+        assert torch.equal(values, rv.to(values.dtype))

@@ -1,0 +1,127 @@
+"""The op's CPU implementation (lowerings/reference.py) against DESIGN.md's contract."""
+import math
+
+import pytest
+import torch
+
+import hyscale_compile  # noqa: F401  registers torch.ops.hyscale
+from hyscale_compile.lowerings.reference import dense_scores, streaming_topk
+from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec, SpecError
+from tests.contract import assert_stable_topk, check_selection, fresh_seed, reference_f64, tolerance
+
+CAUSAL = MaskTerm("range", hi=0)
+DSA = ScoreSpec(epilogue=(("relu",), ("mul", 0.125)), post=(("mask", 0),), masks=(CAUSAL,))
+
+
+def causal_hi(B, S, T):
+    return (torch.arange(S) + 1 + (T - S)).view(1, S).expand(B, S)
+
+
+def make(seed, B=2, S=24, T=40, H=4, D=16, Hk=1, dtype=torch.float32, ints=False):
+    g = torch.Generator().manual_seed(seed)
+    if ints:  # exactly representable: every score is an exact small integer in fp32
+        q = torch.randint(-2, 3, (B, S, H, D), generator=g).to(dtype)
+        k = torch.randint(-2, 3, (B, T, Hk, D), generator=g).to(dtype)
+        w = torch.randint(-2, 3, (B, S, H), generator=g).float()
+    else:
+        q = torch.randn(B, S, H, D, generator=g).to(dtype)
+        k = torch.randn(B, T, Hk, D, generator=g).to(dtype)
+        w = torch.randn(B, S, H, generator=g)
+    return q, k, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("topk", [1, 7, 16, 40])
+def test_threshold_contract_random(dtype, topk):
+    seed = fresh_seed(f"random {dtype} k={topk}")
+    q, k, w = make(seed, dtype=dtype)
+    hi = causal_hi(2, 24, 40)
+    vals, idx = streaming_topk(q, k, w, [hi], topk, DSA, return_values=True, chunk_bytes=4 * 4 * 256 * 5)
+    ref = reference_f64(q, k, w, [hi], DSA)
+    check_selection(idx, ref, tolerance(q, k, w, DSA), topk, vals)
+    assert idx.dtype == torch.int32 and vals.dtype == torch.float32
+
+
+@pytest.mark.parametrize("spec", [
+    DSA,
+    ScoreSpec(reduce="sum", post=(("div", 11.0), ("mask", 0)), masks=(CAUSAL,)),  # GLM-like, no relu, QSA-like sum
+    ScoreSpec(epilogue=(("mul", 0.5), ("relu",)), post=(("mask", 0),), masks=(MaskTerm("range", lo=0, hi=1, mode="add", value=-math.inf),)),
+])
+def test_ties_match_stable_order_exactly(spec):
+    """Integer inputs: ReLU's exact-zero ties and duplicated keys resolve to the smaller key."""
+    seed = fresh_seed("ties")
+    q, k, w = make(seed, ints=True)
+    k[:, 5:9] = k[:, 1:2]  # duplicated keys
+    if spec.reduce == "sum":
+        w = None
+    B, S, T = 2, 24, 40
+    if len(spec.masks) and spec.masks[0].lo is not None:
+        lo = torch.randint(0, 10, (B, S))
+        masks = [lo, causal_hi(B, S, T)]
+    else:
+        masks = [causal_hi(B, S, T)]
+    for topk in (3, 16, 33):
+        vals, idx = streaming_topk(q, k, w, masks, topk, spec, return_values=True, chunk_bytes=4 * 4 * 256 * 3)
+        assert_stable_topk(idx, dense_scores(q, k, w, masks, spec), topk, vals)
+
+
+def test_rows_with_fewer_valid_keys_than_k():
+    seed = fresh_seed("short rows")
+    q, k, w = make(seed, S=8, T=8)
+    hi = causal_hi(2, 8, 8)
+    vals, idx = streaming_topk(q, k, w, [hi], 6, DSA, return_values=True)
+    for s in range(8):
+        n = min(6, s + 1)
+        masked = idx[:, s, n:]
+        assert torch.equal(masked.long(), torch.arange(s + 1, s + 1 + 6 - n).expand_as(masked)), (s, idx[:, s])
+        assert bool((vals[:, s, n:] == -math.inf).all())
+    check_selection(idx, reference_f64(q, k, w, [hi], DSA), tolerance(q, k, w, DSA), 6, vals)
+
+
+def test_tensor_masks_and_finite_additive():
+    """Runtime masks: bool fill, finfo.min additive (masked slots keep s + min exactly)."""
+    seed = fresh_seed("tensor masks")
+    q, k, w = make(seed, S=12, T=20)
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(2, 1, 20, generator=g) > 0.3
+    addm = torch.where(torch.rand(2, 12, 20, generator=g) > 0.5, torch.finfo(torch.float32).min, 0.0)
+    spec = ScoreSpec(epilogue=(("relu",),), post=(("mask", 0), ("mask", 1)),
+                     masks=(MaskTerm("fill", operand=0, where=False, value=-math.inf), MaskTerm("add", operand=1)))
+    vals, idx = streaming_topk(q, k, w, [keep, addm], 15, spec, return_values=True)
+    ref = reference_f64(q, k, w, [keep, addm], spec)
+    check_selection(idx, ref, tolerance(q, k, w, spec), 15, vals)
+    # the fp32 values are exactly what the fp32 arithmetic gives, finite-min slots included
+    dense = dense_scores(q, k, w, [keep, addm], spec)
+    assert torch.equal(vals, torch.gather(dense, -1, idx.long()))
+
+
+def test_gqa_and_bf16_logits():
+    seed = fresh_seed("gqa")
+    q, k, w = make(seed, H=8, Hk=2, dtype=torch.bfloat16)
+    spec = ScoreSpec(logit_dtype="bfloat16", epilogue=(("relu",), ("round", "bfloat16")), post=(("mask", 0),), masks=(CAUSAL,))
+    hi = causal_hi(2, 24, 40)
+    idx = streaming_topk(q, k, w, [hi], 9, spec)
+    check_selection(idx, reference_f64(q, k, w, [hi], spec), tolerance(q, k, w, spec), 9)
+
+
+def test_deterministic_across_chunkings():
+    seed = fresh_seed("chunking")
+    q, k, w = make(seed, ints=True, T=300)
+    hi = causal_hi(2, 24, 300)
+    outs = [streaming_topk(q, k, w, [hi], 20, DSA, chunk_bytes=cb) for cb in (4 * 4 * 256, 1 << 20, 1 << 26)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_op_dispatch_and_bad_input():
+    q, k, w = make(0)
+    hi = causal_hi(2, 24, 40)
+    idx = torch.ops.hyscale.hytopk(q, k, w, [hi], 5, DSA.to_json())
+    assert idx.shape == (2, 24, 5) and idx.dtype == torch.int32
+    with pytest.raises(SpecError, match="k=41"):
+        torch.ops.hyscale.hytopk(q, k, w, [hi], 41, DSA.to_json())
+    with pytest.raises(SpecError, match="weighted_sum needs w"):
+        torch.ops.hyscale.hytopk(q, k, None, [hi], 5, DSA.to_json())
+    with pytest.raises(SpecError, match="not valid JSON"):
+        torch.ops.hyscale.hytopk(q, k, w, [hi], 5, "{nope")
+    with pytest.raises(SpecError, match="mask operand 0 out of range"):
+        torch.ops.hyscale.hytopk(q, k, w, [], 5, DSA.to_json())
