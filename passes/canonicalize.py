@@ -35,6 +35,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 CONTRACTIONS = {aten.bmm.default, aten.mm.default}
+BIASED = {aten.addmm.default, aten.baddbmm.default}  # linear layers with a bias
 
 # Ops that move axes around without touching values.
 _VIEWS = {
@@ -193,7 +194,7 @@ class GraphFacts:
         for n in graph.nodes:
             if n.op != "call_function":
                 continue
-            if n.target in CONTRACTIONS or any(a in self.dep for a in n.all_input_nodes):
+            if n.target in CONTRACTIONS or n.target in BIASED or any(a in self.dep for a in n.all_input_nodes):
                 self.dep.add(n)
 
     def constant(self, n) -> Optional[float]:
@@ -257,11 +258,16 @@ def walk_views(n: fx.Node) -> Tuple[fx.Node, List[fx.Node], Optional[torch.dtype
     return cur, ops, None
 
 
+def _sizes(arg) -> List[Any]:
+    """A size list whose entries may be SymInt-producing nodes -> ints / SymInts."""
+    return [a.meta["val"] if isinstance(a, fx.Node) else a for a in arg]
+
+
 def propagate_view(lay: Layout, n: fx.Node) -> Layout:
     """Layout of ``n``'s output given its first arg's layout (n is in _VIEWS or _CASTS)."""
     t = n.target
     if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
-        return L.view(lay, n.args[1])
+        return L.view(lay, _sizes(n.args[1]))
     if t is aten.permute.default:
         return L.permute(lay, n.args[1])
     if t is aten.transpose.int:
@@ -280,7 +286,7 @@ def propagate_view(lay: Layout, n: fx.Node) -> Layout:
     if t is aten.squeeze.dims:
         return L.squeeze(lay, n.args[1], shape_of(n.args[0]))
     if t is aten.expand.default:
-        return L.expand(lay, n.args[1])
+        return L.expand(lay, _sizes(n.args[1]))
     return lay  # clone / alias / detach / casts
 
 
@@ -407,9 +413,10 @@ def _scalar_step(facts: GraphFacts, n: fx.Node, chain_idx: int) -> Optional[tupl
 
 
 class SiteAnalysis:
-    def __init__(self, facts: GraphFacts, topk: fx.Node):
+    def __init__(self, facts: GraphFacts, topk: fx.Node, chain):
         self.facts = facts
         self.topk = topk
+        self.chain = chain
         self.u = Unifier()
 
     # ---- entry -------------------------------------------------------------------------
@@ -427,7 +434,7 @@ class SiteAnalysis:
             raise Unsupported("top-k of a 0-d tensor")
         dim = dim % len(y_shape)
 
-        chain = self.walk_chain(x)
+        chain = self.chain
         qk = chain[0][0]
         in_chain = {n for n, _ in chain}
         self.other_consumers = sorted(
@@ -467,33 +474,6 @@ class SiteAnalysis:
         )
 
     # ---- the chain from contraction to top-k ---------------------------------------------
-    def walk_chain(self, x: fx.Node) -> List[Tuple[fx.Node, Optional[int]]]:
-        dep = self.facts.dep
-        chain = []
-        cur = x
-        seen_contraction = 0
-        while True:
-            if not isinstance(cur, fx.Node) or cur not in dep:
-                raise Unsupported("no contraction (einsum/matmul/bmm) feeds the top-k scores")
-            if cur.target in CONTRACTIONS:
-                ins = [i for i, a in enumerate(cur.args[:2]) if a in dep]
-                if not ins:
-                    chain.append((cur, None))
-                    break
-                if len(ins) == 2:
-                    raise Unsupported("a contraction of two scores feeds the top-k")
-                seen_contraction += 1
-                chain.append((cur, ins[0]))
-                cur = cur.args[ins[0]]
-                continue
-            ins = [i for i, a in enumerate(cur.args) if isinstance(a, fx.Node) and a in dep]
-            if len(ins) != 1:
-                raise Unsupported(f"two score tensors meet at {_opname(cur)}")
-            chain.append((cur, ins[0]))
-            cur = cur.args[ins[0]]
-        chain.reverse()
-        return chain
-
     def contraction_layout(self, qk, sa: Side, sb: Side) -> Layout:
         la, lb = sa.layout, sb.layout
         if qk.target is aten.bmm.default:
@@ -703,17 +683,18 @@ class SiteAnalysis:
         while cur.target in _VIEWS or cur.target in _CASTS:
             ops.append(cur)
             cur = cur.args[0]
-        if cur.target is not aten.where.self:
+        if cur.target is not aten.where.self or cur.args[0] in self.facts.dep:
             return None
-        c_hidden = self.facts.constant(cur.args[1])
-        c_visible = self.facts.constant(cur.args[2])
-        if c_hidden is None or c_visible != 0 or cur.args[0] in self.facts.dep:
+        c_true, c_false = self.facts.constant(cur.args[1]), self.facts.constant(cur.args[2])
+        if c_true is None or c_false is None or (c_true != 0 and c_false != 0):
             return None
         try:
             inner = self.back_layout(cur, ops, ml)
             cl = L.broadcast_align(shape_of(cur.args[0]), inner)
             pred = self.predicate(cur.args[0], cl, key_labels)
-            return self.range_plan(pred, "add", float(c_hidden))
+            if c_false != 0:  # where(keep, 0, c): the hidden keys are where cond is false
+                pred, c_true = pred.complement(), c_false
+            return self.range_plan(pred, "add", float(c_true))
         except Unsupported:
             return None
 
@@ -733,6 +714,14 @@ class SiteAnalysis:
                 for i, p in enumerate(op.args[1]):
                     inv[p % len(inv)] = i
                 lay = L.permute(lay, inv)
+            elif t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.dim,
+                       aten.squeeze.default, aten.squeeze.dims):
+                # only unit dims added or removed: non-unit dims keep their order
+                real = [d for d, sz in zip(lay, shape_of(op)) if not L.is_one(sz)]
+                if len(real) != sum(1 for sz in src_shape if not L.is_one(sz)):
+                    raise Unsupported(f"mask built through a regrouping {_opname(op)}")
+                it = iter(real)
+                lay = [() if L.is_one(sz) else next(it) for sz in src_shape]
             else:
                 raise Unsupported(f"mask built through {_opname(op)}")
         return lay
@@ -799,7 +788,8 @@ class SiteAnalysis:
             sgn = 1 if t in (aten.add.Tensor, aten.add.Scalar) else -1
             return KeyAffine(l.a + sgn * r.a, l.b.plus(r.b.scaled(sgn)))
         if t in (aten.unsqueeze.default, aten.expand.default) or t in _CASTS or t in (
-            aten.clone.default, aten.alias.default, aten.permute.default
+            aten.clone.default, aten.alias.default, aten.permute.default, aten.view.default,
+            aten.reshape.default, aten._unsafe_view.default,
         ):
             if t in _CASTS and dtype_of_node(n).is_floating_point:
                 raise Unsupported("mask index cast to float")
@@ -885,7 +875,7 @@ class SiteAnalysis:
             if torch.get_float32_matmul_precision() != "highest":
                 precision = "tf32"
         spec = ScoreSpec(
-            name="dsa",
+            name=variant_name(reduce, spec_epi, G, Hk),
             logit_dtype=logit_dtype,
             epilogue=tuple(spec_epi),
             reduce=reduce,
@@ -936,6 +926,18 @@ class SiteAnalysis:
         )
 
 
+def variant_name(reduce: str, epilogue, G, Hk) -> str:
+    """A family name for diagnostics: what the matched score looks like."""
+    relu = any(s[0] == "relu" for s in epilogue)
+    if reduce == "weighted_sum":
+        name = "dsa" if relu else "dsa-norelu"  # GLM-5 as Megatron writes it: no ReLU
+    elif reduce == "sum":
+        name = "head-sum" + ("-relu" if relu else "")
+    else:
+        name = "single-head"
+    return name + ("-gqa" if Hk and G else "")
+
+
 def _atoms(lay, label):
     return [a for d in lay for a in d if a.label == label]
 
@@ -954,6 +956,134 @@ def _opname(n) -> str:
     return getattr(t, "__name__", None) or str(t) if n.op == "call_function" else n.op
 
 
+_POINTWISE = {
+    aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.add.Tensor, aten.add.Scalar,
+    aten.sub.Tensor, aten.sub.Scalar, aten.relu.default, aten.clamp_min.default, aten.maximum.default,
+    aten.neg.default, aten.sigmoid.default, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+}
+_REDUCTIONS = {aten.sum.dim_IntList, aten.sum.default}
+MAX_CHAIN = 64
+MAX_CANDIDATES = 4
+
+
+def _back_view_dim(n: fx.Node, d: int) -> Optional[int]:
+    """The input dim of view-like ``n`` that its output dim ``d`` comes from (None: lost)."""
+    out, inp = shape_of(n), shape_of(n.args[0])
+    t = n.target
+    if t is aten.permute.default:
+        return n.args[1][d] % len(inp)
+    if t is aten.transpose.int:
+        d0, d1 = n.args[1] % len(out), n.args[2] % len(out)
+        return d1 if d == d0 else d0 if d == d1 else d
+    if t is aten.t.default:
+        return 1 - d if len(out) == 2 else d
+    if t is aten.unsqueeze.default:
+        u = n.args[1] % len(out)
+        return None if d == u else d - (d > u)
+    if t is aten.expand.default:
+        j = d - (len(out) - len(inp))
+        return j if j >= 0 and L.same_size(inp[j], out[d]) else None
+    if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.default,
+             aten.squeeze.dim, aten.squeeze.dims):
+        pre = L._prod_sizes(out[:d])
+        acc = 1
+        for j, sz in enumerate(inp):
+            if L.same_size(acc, pre) and L.same_size(sz, out[d]):
+                return j
+            acc = acc * sz
+        return None
+    return d  # clone / alias / casts
+
+
+def _key_inputs(n: fx.Node, d: int) -> List[Tuple[int, int]]:
+    """(arg index, dim) of the inputs of ``n`` that carry its output dim ``d`` unbroadcast."""
+    t = n.target
+    if t in _VIEWS or t in _CASTS:
+        j = _back_view_dim(n, d)
+        return [] if j is None else [(0, j)]
+    if t is aten.bmm.default:
+        return {1: [(0, 1)], 2: [(1, 2)]}.get(d, [])
+    if t is aten.mm.default:
+        return [(0, 0)] if d == 0 else [(1, 1)]
+    if t in _REDUCTIONS:
+        nin = len(shape_of(n.args[0]))
+        dims = sorted(x % nin for x in (n.args[1] if len(n.args) > 1 and n.args[1] is not None else range(nin)))
+        keep = n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False)
+        if keep:
+            return [] if d in dims else [(0, d)]
+        kept = [j for j in range(nin) if j not in dims]
+        return [(0, kept[d])]
+    if t in _POINTWISE:
+        out = shape_of(n)
+        res = []
+        for i, a in enumerate(n.args):
+            if not isinstance(a, fx.Node) or not isinstance(val(a), torch.Tensor):
+                continue
+            sh = shape_of(a)
+            j = d - (len(out) - len(sh))
+            if j >= 0 and not L.is_one(sh[j]) and L.same_size(sh[j], out[d]):
+                res.append((i, j))
+        return res
+    return []
+
+
+def candidate_chains(facts: GraphFacts, x: fx.Node, dim: int):
+    """Chains [(node, chain arg)] from a contraction to ``x``, following the input that
+    carries the top-k axis; nearest contraction first. A contraction whose key-carrying
+    operand is itself a score (HF's head sum as a matmul) is both a candidate and a step."""
+    out = []
+
+    def walk(node, d, suffix, depth):
+        if len(out) >= MAX_CANDIDATES or depth > MAX_CHAIN or not isinstance(node, fx.Node):
+            return
+        if node.op != "call_function":
+            return
+        if node.target in BIASED:
+            out.append([(node, None)] + suffix)
+            return
+        ins = _key_inputs(node, d)
+        if node.target in CONTRACTIONS:
+            out.append([(node, None)] + suffix)
+        # several carriers (score + mask): try the contraction-derived ones first
+        ins.sort(key=lambda ij: node.args[ij[0]] not in facts.dep)
+        for i, j in ins:
+            walk(node.args[i], j, [(node, i)] + suffix, depth + 1)
+
+    walk(x, dim, [], 0)
+    # A contraction that is a step of a deeper candidate's chain (a weights matmul over
+    # scores) is tried after that deeper candidate.
+    steps = [{n for n, _ in c[1:]} for c in out]
+    def contained(c):
+        return any(c[0][0] in st for st in steps)
+    return sorted(out, key=contained)
+
+
 def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
-    a = SiteAnalysis(facts, topk)
-    return a.run()
+    x = topk.args[0]
+    rank = len(shape_of(x)) if isinstance(val(x), torch.Tensor) else 0
+    if rank == 0:
+        raise Unsupported("top-k of a 0-d tensor")
+    args = list(topk.args) + [None] * (5 - len(topk.args))
+    dim = topk.kwargs.get("dim", args[2] if args[2] is not None else -1) % rank
+    chains = candidate_chains(facts, x, dim)
+    if not chains:
+        raise Unsupported("no contraction (einsum/matmul/bmm) feeds the top-k scores")
+    first = None
+    for chain in chains:
+        try:
+            if chain[0][0].target in BIASED:
+                _biased(facts, chain[0][0])
+            return SiteAnalysis(facts, topk, chain).run()
+        except Unsupported as e:
+            first = first or e
+    raise first
+
+
+def _biased(facts, n):
+    src = walk_views(n.args[2])[0]
+    if src.op == "get_attr" or (src.op == "placeholder" and src.name in facts.params):
+        raise Unsupported(
+            "not a selection: the key-side operand of the contraction is a parameter or buffer "
+            "(a router or sampler top-k, not sparse attention)"
+        )
+    raise Unsupported("the scores come from a contraction with an added bias (addmm/baddbmm)")

@@ -53,6 +53,13 @@ def is_one(a) -> bool:
     return same_size(a, 1)
 
 
+def _prod_sizes(sizes):
+    out = 1
+    for s in sizes:
+        out = out * s
+    return out
+
+
 def dim_size(dim: Dim):
     out = 1
     for a in dim:
