@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -85,7 +85,8 @@ class MaskTerm:
                   ``value`` (mode="fill") or ``y + value`` (mode="add").  lo/hi are operand
                   indices of int64 tensors broadcastable to [B, S], or None for 0 / T.
                   Only this kind lets a kernel skip key tiles, and only when the hidden
-                  value is -inf (then no arithmetic can change what the slot holds).
+                  value is -inf and no later post step can change -inf (see
+                  ``skippable_mask_terms``).
     """
 
     kind: str
@@ -211,14 +212,10 @@ class ScoreSpec:
         return [self.masks[s[1]] for s in self.post if s[0] == "mask"]
 
     def skippable_ranges(self) -> Sequence[MaskTerm]:
-        """Range terms whose hidden keys are -inf whatever the score: tiles fully outside
+        """Range terms whose hidden keys end up -inf whatever the score: tiles fully outside
         them can be skipped without computing anything (DESIGN.md: 'a key tile is skipped
         only when the mask proves every key in it masked')."""
-        out = []
-        for m in self.mask_terms_in_order():
-            if m.kind == "range" and m.value == -math.inf:
-                out.append(m)
-        return out
+        return [self.masks[j] for j in skippable_mask_terms(self)]
 
     def describe(self) -> str:
         """One line for diagnostics: 'relu∘mul(0.125) -> weighted_sum -> +mask[0]'."""
@@ -239,3 +236,49 @@ class ScoreSpec:
 def _fmt_step(step) -> str:
     op, *args = step
     return f"{op}({', '.join(repr(a) for a in args)})" if args else op
+
+
+def _preserves_neg_inf(step, spec: ScoreSpec) -> bool:
+    """True when a post step maps -inf to -inf whatever the operands hold (finite or -inf
+    additive masks, fills that write -inf)."""
+    op = step[0]
+    if op in ("mul", "div"):
+        return step[1] > 0
+    if op == "add":
+        return step[1] != math.inf and not math.isnan(step[1])
+    if op == "round":
+        return True
+    if op in ("relu", "neg", "sigmoid"):
+        return False
+    if op == "mask":
+        term = spec.masks[step[1]]
+        if term.kind == "add":
+            return True  # -inf + finite (or -inf) stays -inf
+        if term.kind == "fill":
+            return term.value == -math.inf
+        if term.mode == "fill":
+            return term.value == -math.inf
+        return term.value != math.inf and not math.isnan(term.value)
+    return False
+
+
+def skippable_mask_terms(spec: ScoreSpec) -> List[int]:
+    """Indices (into ``spec.masks``) of range terms that prove hidden keys score exactly -inf.
+
+    Stricter than ``ScoreSpec.skippable_ranges``: the hidden value must be -inf *and* every
+    post step after the term must keep -inf at -inf (a later ``neg``, ``relu``,
+    ``sigmoid``, ``mul`` by a non-positive constant or a non -inf fill would change what a
+    hidden slot holds, so a tile could not be skipped without computing it).
+    """
+    out = []
+    for pos, step in enumerate(spec.post):
+        if step[0] != "mask":
+            continue
+        term = spec.masks[step[1]]
+        if term.kind != "range" or term.value != -math.inf:
+            continue
+        if term.lo is None and term.hi is None:
+            continue
+        if all(_preserves_neg_inf(s, spec) for s in spec.post[pos + 1:]):
+            out.append(step[1])
+    return out

@@ -596,6 +596,15 @@ class SiteAnalysis:
                     steps.append(("round", dtype_name(dtype_of_node(n))))
                 continue
             step = _scalar_step(facts, n, ci)
+            other = n.args[1 - ci] if len(n.args) > 1 and ci in (0, 1) else None
+            if step is None and (
+                isinstance(val(other), (torch.SymFloat, torch.SymInt))
+                or (isinstance(val(other), torch.Tensor) and val(other).dim() == 0)
+            ):
+                raise Unsupported(
+                    f"the scores are combined ({_opname(n)}) with a scalar that depends on a dynamic shape "
+                    f"({val(other)}): the spec needs constants; keep that dim static (e.g. the head dim)"
+                )
             if step is not None:
                 steps.append(step)
                 if dtype_of_node(n) != torch.float32 and step[0] != "relu":

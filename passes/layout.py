@@ -142,14 +142,16 @@ def view(layout: Layout, sizes: Sequence[Any]) -> Layout:
             if is_one(a.size):
                 i += 1
                 continue
-            need = s // acc if isinstance(s, int) and isinstance(acc, int) else None
-            if isinstance(a.size, int) and need is not None and a.size > need:
-                if a.size % need:
+            need = s // acc
+            if not statically_known_true(need * acc == s):
+                raise Unsupported(f"view to {sizes} does not regroup axes {atoms}")
+            if not same_size(a.size, need) and not statically_known_true((need // a.size) * a.size == need):
+                inner = a.size // need
+                if is_one(inner) or not statically_known_true(inner * need == a.size):
                     raise Unsupported(f"view splits axis {a} unevenly")
                 # split a into (need) outer x (a.size // need) inner
                 outer = Atom(a.label + "/0", need, a.bcast)
-                inner = Atom(a.label + "/1", a.size // need, a.bcast)
-                atoms[i : i + 1] = [outer, inner]
+                atoms[i : i + 1] = [outer, Atom(a.label + "/1", inner, a.bcast)]
                 a = outer
             group.append(a)
             acc = acc * a.size

@@ -34,6 +34,14 @@ class Emitter:
         vals = [n.meta.get("val") for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
         self.fake_mode = detect_fake_mode(vals)
         self.sizes: Dict[str, Tuple[fx.Node, int]] = {}  # atom label -> (node, dim)
+        # symbols already bound to a node (SymInt placeholders, sym_size calls) before anchor
+        self.symbols: Dict[Any, fx.Node] = {}
+        for n in graph.nodes:
+            if n is anchor:
+                break
+            v = n.meta.get("val")
+            if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol:
+                self.symbols.setdefault(v.node.expr, n)
 
     def call(self, target, args, kwargs=None) -> fx.Node:
         kwargs = kwargs or {}
@@ -66,14 +74,34 @@ class Emitter:
             s = a.size
             if isinstance(s, int) or (hasattr(s, "node") and s.node.is_constant()):
                 s = int(s)
-            else:
-                if a.label not in self.sizes:
-                    raise Unsupported(f"dynamic size of axis {a.label} has no source")
+            elif a.label in self.sizes:
                 node, d = self.sizes[a.label]
                 s = self.call(aten.sym_size.int, [node, d])
+            else:
+                s = self.symbolic(s)
             out = s if (isinstance(out, int) and out == 1) else (
                 out * s if isinstance(out, int) and isinstance(s, int) else self.call(operator.mul, [out, s])
             )
+        return out
+
+    def symbolic(self, s) -> Any:
+        """An FX value for SymInt ``s`` built from bound symbols: c * s0 * s1 ..."""
+        expr = s.node.expr
+        factors = expr.args if expr.is_Mul else (expr,)
+        out: Any = 1
+        for f in factors:
+            if f.is_Integer:
+                term: Any = int(f)
+            elif f in self.symbols:
+                term = self.symbols[f]
+            else:
+                raise Unsupported(f"dynamic size {expr} is not a product of graph symbols")
+            if isinstance(out, int) and out == 1:
+                out = term
+            elif isinstance(out, int) and isinstance(term, int):
+                out = out * term
+            else:
+                out = self.call(operator.mul, [out, term])
         return out
 
     def register(self, node: fx.Node, atoms_per_dim: List[Optional[L.Atom]]):

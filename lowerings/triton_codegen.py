@@ -1,0 +1,555 @@
+"""Generate the HyTopK Triton kernel from a ``ScoreSpec``.
+
+``render_kernel_source(spec, num_masks)`` returns the Python source of one
+``@triton.jit`` kernel specialized to the score description: the per-head epilogue,
+the head reduction, the post steps and every mask term are inlined as straight-line
+Triton code; mask operands become pointer + stride arguments.
+
+``load_kernel(spec, num_masks)`` writes that source to ``$HYSCALE_KERNEL_CACHE``
+(default ``~/.cache/hyscale_compile/kernels``) under a name derived from a hash of
+the source, and imports it: ``triton.jit`` reads the function's source with
+``inspect`` and refuses functions built with ``exec``, so a real file is required.
+
+What is generated, and what is fixed text
+-----------------------------------------
+Only the score arithmetic depends on the spec (``_epilogue``, ``_post`` and the
+reduction inside ``_score_tile``). The selection machinery (packing scores into
+ordered int64 keys, the threshold-filtered candidate buffer, the bitonic merges, the
+tile skipping) is the same for every spec and lives in ``_KERNEL_TEMPLATE`` below.
+See docs/kernel-design.md for the algorithm and why it was chosen.
+
+Whether Triton runs a kernel compiled or interpreted (``TRITON_INTERPRET=1``) is
+decided when ``@triton.jit`` decorates the function, i.e. when the generated module is
+imported; ``load_kernel`` therefore keys its in-process cache on that mode too.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+import sys
+import tempfile
+import threading
+from typing import Dict, List, Sequence, Tuple
+
+from .spec import MaskTerm, ScoreSpec, SpecError, skippable_mask_terms
+
+# Bumped whenever the template changes in a way the hash of the source would not show
+# (it always does today: the version is part of the source text).
+CODEGEN_VERSION = 1
+
+_MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
+_LOCK = threading.Lock()
+
+
+# ---------------------------------------------------------------------------------------
+# spec -> Triton expressions
+# ---------------------------------------------------------------------------------------
+def _lit(v) -> str:
+    """A float literal Triton understands (inf/nan are spelled through float())."""
+    v = float(v)
+    if math.isnan(v):
+        return 'float("nan")'
+    if math.isinf(v):
+        return 'float("inf")' if v > 0 else '(-float("inf"))'
+    return repr(v)
+
+
+def _round_expr(var: str, dtype: str) -> str:
+    if dtype in ("float32", "float64"):
+        return var  # fp32 -> fp32 / fp64 -> fp32 round trips are the identity
+    if dtype == "bfloat16":
+        # Bit-exact round-to-nearest-even; works in the interpreter, which has no bf16 math.
+        return f"_round_bf16({var})"
+    if dtype == "float16":
+        return f"{var}.to(tl.float16).to(tl.float32)"
+    raise SpecError(f"cannot round to {dtype!r}")
+
+
+def _elementwise_lines(var: str, step) -> List[str]:
+    op = step[0]
+    if op == "mul":
+        return [f"{var} = {var} * {_lit(step[1])}"]
+    if op == "add":
+        return [f"{var} = {var} + {_lit(step[1])}"]
+    if op == "relu":
+        # where(x < 0) rather than maximum: keeps NaN a NaN, as torch.relu does.
+        return [f"{var} = tl.where({var} < 0.0, 0.0, {var})"]
+    if op == "neg":
+        return [f"{var} = -{var}"]
+    if op == "sigmoid":
+        return [f"{var} = tl.sigmoid({var})"]
+    if op == "round":
+        return [f"{var} = {_round_expr(var, step[1])}"]
+    raise SpecError(f"unknown elementwise step {step!r}")
+
+
+def _mask_args(spec: ScoreSpec) -> List[str]:
+    """Kernel arguments for the mask terms: one pointer + strides per (term, role)."""
+    args = []
+    for j, term in enumerate(spec.masks):
+        if term.kind in ("add", "fill"):
+            args += [f"M{j}", f"stride_m{j}_b", f"stride_m{j}_s", f"stride_m{j}_t"]
+        else:
+            if term.lo is not None:
+                args += [f"LO{j}", f"stride_lo{j}_b", f"stride_lo{j}_s"]
+            if term.hi is not None:
+                args += [f"HI{j}", f"stride_hi{j}_b", f"stride_hi{j}_s"]
+    return args
+
+
+def _score_mask_args(spec: ScoreSpec) -> List[str]:
+    """The subset of ``_mask_args`` that ``_score_tile`` reads (add/fill tables; range
+    bounds reach it already loaded, one value per row)."""
+    args = []
+    for j, term in enumerate(spec.masks):
+        if term.kind in ("add", "fill"):
+            args += [f"M{j}", f"stride_m{j}_b", f"stride_m{j}_s", f"stride_m{j}_t"]
+    return args
+
+
+def _render_epilogue(spec: ScoreSpec) -> str:
+    lines = ["@triton.jit", "def _epilogue(x):", "    # spec.epilogue, applied to every head's fp32 logit"]
+    if spec.logit_dtype != "float32":
+        lines.append(f"    # the contraction ran in {spec.logit_dtype}: round each logit first (dtype rule 2)")
+        lines.append(f"    x = {_round_expr('x', spec.logit_dtype)}")
+    for step in spec.epilogue:
+        lines += ["    " + ln for ln in _elementwise_lines("x", step)]
+    lines.append("    return x")
+    return "\n".join(lines)
+
+
+def _render_row_bounds(spec: ScoreSpec) -> str:
+    """Per-row lo/hi bounds of range terms, loaded once per row block."""
+    lines = []
+    for j, term in enumerate(spec.masks):
+        if term.kind != "range":
+            continue
+        for role, ptr, default in (("lo", f"LO{j}", "0"), ("hi", f"HI{j}", "T")):
+            bound = term.lo if role == "lo" else term.hi
+            if bound is None:
+                continue
+            lines.append(
+                f"{role}{j} = tl.load({ptr} + b64 * stride_{role}{j}_b + rows64 * stride_{role}{j}_s, "
+                f"mask=row_ok, other={default}).to(tl.int64)"
+            )
+    return "\n".join(lines)
+
+
+def _render_skip_bounds(spec: ScoreSpec) -> str:
+    """Block-level facts from the skippable range terms.
+
+    key_lo: every key t < key_lo is hidden (-inf) for every row of the block;
+    key_hi: every key t >= key_hi is hidden (-inf) for every row of the block.
+    """
+    lines = ["key_lo = tl.zeros([], dtype=tl.int64)", "key_hi = tl.zeros([], dtype=tl.int64) + T"]
+    for j in skippable_mask_terms(spec):
+        term = spec.masks[j]
+        if term.lo is not None:
+            # padding rows contribute nothing: their lo is taken as +T (hides everything)
+            lines.append(f"key_lo = tl.maximum(key_lo, tl.min(tl.where(row_ok, lo{j}, T), axis=0))")
+        if term.hi is not None:
+            lines.append(f"key_hi = tl.minimum(key_hi, tl.max(tl.where(row_ok, hi{j}, 0), axis=0))")
+    return "\n".join(lines)
+
+
+def _render_post(spec: ScoreSpec) -> str:
+    """Post steps on the reduced [BLOCK_M, BLOCK_N] score ``y`` (inlined in _score_tile)."""
+    lines = []
+    for step in spec.post:
+        if step[0] != "mask":
+            lines += _elementwise_lines("y", step)
+            continue
+        j = step[1]
+        term = spec.masks[j]
+        if term.kind in ("add", "fill"):
+            lines.append(
+                f"m{j} = tl.load(M{j} + (b64 * stride_m{j}_b + rows64[:, None] * stride_m{j}_s "
+                f"+ keys64[None, :] * stride_m{j}_t), mask=ok, other=0)"
+            )
+            if term.kind == "add":
+                lines.append(f"y = y + m{j}.to(tl.float32)  # fp32 + bf16/fp16 mask: exact upcast, as torch promotes")
+            else:
+                cond = f"m{j} != 0" if term.where else f"m{j} == 0"
+                lines.append(f"y = tl.where({cond}, {_lit(term.value)}, y)")
+        else:
+            parts = []
+            if term.lo is not None:
+                parts.append(f"(keys64[None, :] < lo{j}[:, None])")
+            if term.hi is not None:
+                parts.append(f"(keys64[None, :] >= hi{j}[:, None])")
+            if not parts:
+                continue  # a range with neither bound hides nothing
+            lines.append(f"hidden{j} = " + " | ".join(parts))
+            if term.mode == "fill":
+                lines.append(f"y = tl.where(hidden{j}, {_lit(term.value)}, y)")
+            else:
+                lines.append(f"y = y + tl.where(hidden{j}, {_lit(term.value)}, 0.0)")
+    return "\n".join(lines)
+
+
+def _render_reduce(spec: ScoreSpec) -> str:
+    if spec.reduce == "weighted_sum":
+        return (
+            "wh = tl.load(W + b64 * stride_wb + rows64 * stride_ws + h * stride_wh, mask=row_ok, other=0.0)\n"
+            "y += wh.to(tl.float32)[:, None] * x"
+        )
+    if spec.reduce == "sum":
+        return "y += x"
+    return "y = x  # reduce='none': H == 1"
+
+
+def _indent(text: str, n: int) -> str:
+    pad = " " * n
+    return "\n".join((pad + ln) if ln else ln for ln in text.splitlines())
+
+
+def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel") -> str:
+    """Python source of a ``@triton.jit`` HyTopK kernel specialized to ``spec``.
+
+    ``num_masks`` is the number of mask operand tensors the op receives (checked against
+    the spec's references). The result depends only on (spec, num_masks, kernel_name),
+    so its hash names the cache file.
+    """
+    spec.validate(num_mask_operands=num_masks)
+    mask_args = _mask_args(spec)
+    subs = {
+        "VERSION": str(CODEGEN_VERSION),
+        "SPEC_JSON": spec.to_json(),
+        "DESCRIBE": spec.describe(),
+        "KERNEL_NAME": kernel_name,
+        "EPILOGUE_FN": _render_epilogue(spec),
+        "MASK_ARGS_DEF": "".join(f"    {a},\n" for a in mask_args),
+        "SCORE_MASK_ARGS": "".join(f"{a}, " for a in _score_mask_args(spec)),
+        "ROW_BOUNDS": _indent(_render_row_bounds(spec), 8) or "        pass",
+        "SKIP_BOUNDS": _indent(_render_skip_bounds(spec), 8),
+        "REDUCE": _indent(_render_reduce(spec), 12),
+        "POST": _indent(_render_post(spec), 4) or "    pass",
+        "ROW_BOUND_ARGS_DEF": "".join(f"{r}{j}, " for j, t in enumerate(spec.masks) if t.kind == "range"
+                                      for r, bnd in (("lo", t.lo), ("hi", t.hi)) if bnd is not None),
+    }
+    src = _KERNEL_TEMPLATE
+    for key, val in subs.items():
+        src = src.replace("{{" + key + "}}", val)
+    assert "{{" not in src, "unfilled template slot"
+    return src
+
+
+# ---------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------
+def kernel_cache_dir() -> str:
+    return os.environ.get("HYSCALE_KERNEL_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "hyscale_compile", "kernels"
+    )
+
+
+def _interpreting() -> bool:
+    try:
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    except Exception:  # older triton: the env var is the switch
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def triton_imported_interpreted() -> bool:
+    """Whether triton's own ``@jit`` library (tl.zeros, tl.sum, tl.sort, ...) was
+    decorated for the interpreter. Triton 3.6 decorates it once, when triton is first
+    imported, so TRITON_INTERPRET must already be set then; a kernel interpreted in a
+    process that imported triton compiled (or the reverse) fails inside the launch."""
+    import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(std.zeros, InterpretedFunction)
+
+
+def check_interpreter_mode() -> bool:
+    """The current mode (True: interpreted), after checking it matches how triton was
+    imported; raises SpecError with the fix otherwise."""
+    interp = _interpreting()
+    if interp != triton_imported_interpreted():
+        raise SpecError(
+            "TRITON_INTERPRET is {} now but was {} when triton was first imported; triton 3.6 "
+            "decorates its standard library at import, so set (or unset) TRITON_INTERPRET before "
+            "anything imports triton".format("set" if interp else "unset", "unset" if interp else "set")
+        )
+    return interp
+
+
+def write_source(src: str) -> str:
+    """Write ``src`` to the cache directory (atomically) and return the file path."""
+    digest = hashlib.sha256(src.encode()).hexdigest()[:32]
+    directory = kernel_cache_dir()
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"hytopk_{digest}.py")
+    if not os.path.exists(path):
+        fd, tmp = tempfile.mkstemp(prefix=".hytopk_", suffix=".py.tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(src)
+            os.replace(tmp, path)  # atomic: concurrent writers produce identical bytes
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    return path
+
+
+def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel"):
+    """The generated kernel for ``spec`` (a JITFunction, or an InterpretedFunction under
+    ``TRITON_INTERPRET=1``). Modules are cached per (source, interpret mode) in-process."""
+    src = render_kernel_source(spec, num_masks, kernel_name=kernel_name)
+    interp = _interpreting()
+    key = (src, interp)
+    with _LOCK:
+        mod = _MODULE_CACHE.get(key)
+        if mod is None:
+            path = write_source(src)
+            base = os.path.splitext(os.path.basename(path))[0]
+            mod_name = f"hyscale_compile._generated.{base}{'_interp' if interp else ''}"
+            mspec = importlib.util.spec_from_file_location(mod_name, path)
+            mod = importlib.util.module_from_spec(mspec)
+            sys.modules[mod_name] = mod  # triton resolves globals through the module
+            try:
+                mspec.loader.exec_module(mod)
+            except BaseException:
+                sys.modules.pop(mod_name, None)
+                raise
+            _MODULE_CACHE[key] = mod
+    return getattr(mod, kernel_name)
+
+
+# ---------------------------------------------------------------------------------------
+# the template
+# ---------------------------------------------------------------------------------------
+# Slots are {{NAME}}; everything else is literal Triton code. Notation:
+#   BLOCK_M query rows of one batch per block, BLOCK_N keys per tile, BLOCK_D >= D (pow2),
+#   TOPK = k, CAP = pow2 >= TOPK + BLOCK_N: the per-row candidate buffer in SCRATCH.
+_KERNEL_TEMPLATE = r'''# Generated by hyscale_compile.lowerings.triton_codegen (codegen v{{VERSION}}). Do not edit.
+# spec: {{SPEC_JSON}}
+# score: {{DESCRIBE}}
+import triton
+import triton.language as tl
+
+# Ordered int64 keys: (order-preserving fp32 bits) << 32 | (0xFFFFFFFF - key index).
+# A larger key means a larger score, or an equal score at a smaller key index, so one
+# descending sort gives (value desc, index asc): the project's tie rule.
+EMPTY = tl.constexpr(-9223372036854775807)  # below every real key (real high words > INT32_MIN)
+NEG_INF_HI = tl.constexpr(-2139095041)      # high word of the key of -inf
+
+
+@triton.jit
+def _round_bf16(x):
+    # fp32 -> bf16 -> fp32 with round-to-nearest-even, on the bits (NaN stays NaN).
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + (0x7FFF + ((u >> 16) & 1))) & 0xFFFF0000
+    return tl.where(x != x, x, u.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _pack(y, keys64):
+    y = tl.where(y == 0.0, 0.0, y)           # -0.0 -> +0.0: ReLU zeros must tie exactly
+    y = tl.where(y != y, float("nan"), y)    # one positive NaN: sorts above +inf, like torch.sort
+    b = y.to(tl.int32, bitcast=True)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)         # negative floats: flip magnitude bits
+    return (b.to(tl.int64) << 32) | (4294967295 - keys64)
+
+
+@triton.jit
+def _unpack_value(p):
+    hi = (p >> 32).to(tl.int32)
+    b = hi ^ ((hi >> 31) & 0x7FFFFFFF)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _unpack_index(p):
+    return 4294967295 - (p & 4294967295)
+
+
+{{EPILOGUE_FN}}
+
+
+@triton.jit
+def _score_tile(
+    Q, K, W, {{SCORE_MASK_ARGS}}
+    stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_wb, stride_ws, stride_wh,
+    {{ROW_BOUND_ARGS_DEF}}
+    b64, rows64, row_ok, q_row_off, k_base, keys64, key_ok, T,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, TF32: tl.constexpr,
+):
+    """Final scores y [BLOCK_M, BLOCK_N] (fp32) of the block's rows against one key tile."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    ok = row_ok[:, None] & key_ok[None, :]
+    y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # Heads in a fixed order 0..H-1: the arithmetic never depends on block sizes.
+    for hk in range(H // G):
+        # keys loaded once per kv head, as [BLOCK_D, BLOCK_N] (the dot's right operand)
+        kt = tl.load(K + k_base + hk * stride_kh + offs_d[:, None] * stride_kd + keys64[None, :] * stride_kt,
+                     mask=d_ok[:, None] & key_ok[None, :], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        for g in range(G):
+            h = hk * G + g
+            qh = tl.load(Q + q_row_off[:, None] + h * stride_qh + offs_d[None, :] * stride_qd,
+                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                qh = qh.to(tl.float32)
+            if TF32:
+                x = tl.dot(qh, kt, input_precision="tf32", out_dtype=tl.float32)
+            else:
+                # IEEE for fp32 operands; for 16-bit operands the products are exact anyway
+                x = tl.dot(qh, kt, input_precision="ieee", out_dtype=tl.float32)
+            x = _epilogue(x)
+{{REDUCE}}
+{{POST}}
+    return y
+
+
+@triton.jit
+def _rank_desc(keys, CAP: tl.constexpr):
+    # Position of each key in descending order, by counting the keys above it: O(CAP^2)
+    # compares, but plain vector ops, where the interpreter runs a bitonic network's
+    # xor-reductions element by element in Python. Real keys are distinct; EMPTY padding
+    # keys share one rank, past every real key.
+    return tl.sum((keys[None, :] > keys[:, None]).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _merge_row(row_ptr, n, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, CAP: tl.constexpr,
+               RANK_SORT: tl.constexpr):
+    """Keep the TOPK best of the n keys in row_ptr[0:n] at row_ptr[0:TOPK], sorted
+    descending; returns the TOPK-th best key (EMPTY when fewer than TOPK were held)."""
+    offs = tl.arange(0, CAP)
+    keys = tl.load(row_ptr + offs, mask=offs < n, other=EMPTY)
+    if RANK_SORT:
+        rank = _rank_desc(keys, CAP)
+        keep = (offs < n) & (rank < TOPK)
+        tl.store(row_ptr + rank, keys, mask=keep)
+        kth = tl.max(tl.where(keep & (rank == TOPK - 1), keys, EMPTY), axis=0)
+    else:
+        best = tl.topk(keys, TOPK_P2)  # bitonic; the TOPK_P2 largest, descending
+        offs_k = tl.arange(0, TOPK_P2)
+        tl.store(row_ptr + offs_k, best, mask=offs_k < TOPK)
+        kth = tl.max(tl.where(offs_k == TOPK - 1, best, EMPTY), axis=0)
+    return kth
+
+
+@triton.jit
+def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
+              CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr):
+    """Write the TOPK best of the n keys in row_ptr[0:n], in (value desc, index asc)
+    order, as indices (and values) at OUT_IDX/OUT_VAL + out_off."""
+    offs = tl.arange(0, CAP)
+    keys = tl.load(row_ptr + offs, mask=offs < n, other=EMPTY)
+    if RANK_SORT:
+        pos = _rank_desc(keys, CAP)
+        keep = (offs < n) & (pos < TOPK)
+        best = keys
+    else:
+        best = tl.topk(keys, TOPK_P2)
+        pos = tl.arange(0, TOPK_P2)
+        keep = pos < TOPK
+    out = out_off + pos
+    tl.store(OUT_IDX + out, _unpack_index(best).to(OUT_IDX.dtype.element_ty), mask=keep)
+    if RETURN_VALUES:
+        tl.store(OUT_VAL + out, _unpack_value(best), mask=keep)
+
+
+@triton.jit
+def {{KERNEL_NAME}}(
+    Q, K, W, SCRATCH, OUT_IDX, OUT_VAL,
+{{MASK_ARGS_DEF}}    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_wb, stride_ws, stride_wh,
+    S, T, num_row_blocks, num_blocks,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, CAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, TF32: tl.constexpr, RETURN_VALUES: tl.constexpr,
+    RANK_SORT: tl.constexpr,
+):
+    # Persistent programs: each walks row blocks pid, pid + P, ... so SCRATCH holds
+    # P x BLOCK_M x CAP keys, independent of S. Blocks are visited heaviest first (the
+    # last rows of a causal mask see the most keys).
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    scr = SCRATCH + pid.to(tl.int64) * (BLOCK_M * CAP)
+    scr_rows = scr + offs_m.to(tl.int64)[:, None] * CAP  # [BLOCK_M, 1] row starts
+    for blk in range(pid, num_blocks, nprog):
+        b = blk // num_row_blocks
+        mb = num_row_blocks - 1 - blk % num_row_blocks
+        b64 = b.to(tl.int64)
+        rows64 = mb.to(tl.int64) * BLOCK_M + offs_m
+        row_ok = rows64 < S
+        q_row_off = b64 * stride_qb + rows64 * stride_qs
+        k_base = b64 * stride_kb
+{{ROW_BOUNDS}}
+{{SKIP_BOUNDS}}
+        # Keys >= key_hi are -inf for every row; a row needs them only as fillers while it
+        # holds fewer than TOPK keys, and the fillers are then the smallest such indices.
+        t_end = tl.minimum(tl.maximum(key_hi, TOPK), T)
+        # Running state per row: cnt keys in its SCRATCH row (unordered past the last
+        # merge), thr = the TOPK-th best key at the last merge (EMPTY: accept anything).
+        cnt = tl.zeros([BLOCK_M], dtype=tl.int32)
+        thr = tl.zeros([BLOCK_M], dtype=tl.int64) + EMPTY
+        tl.debug_barrier()  # the previous block's last reads of SCRATCH are done
+        for t0 in range(0, t_end, BLOCK_N):
+            keys64 = t0 + offs_n.to(tl.int64)
+            key_ok = keys64 < t_end
+            # A tile is provably all -inf when a skippable range term hides it for every
+            # row; then no score is computed, and if no row would take even its best
+            # (-inf, t0) key the tile is skipped altogether.
+            visible = (t0 + BLOCK_N > key_lo) & (t0 < key_hi)
+            first_key = NEG_INF_HI * 4294967296 + (4294967295 - tl.min(keys64, axis=0))
+            wanted = tl.max(tl.where(row_ok & (thr < first_key), 1, 0), axis=0) > 0
+            if visible | wanted:
+                if visible:
+                    y = _score_tile(
+                        Q, K, W, {{SCORE_MASK_ARGS}}
+                        stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_wb, stride_ws, stride_wh,
+                        {{ROW_BOUND_ARGS_DEF}}
+                        b64, rows64, row_ok, q_row_off, k_base, keys64, key_ok, T,
+                        H, G, D, BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, TF32,
+                    )
+                else:
+                    y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) - float("inf")
+                p = _pack(y, keys64[None, :])
+                take = (p > thr[:, None]) & row_ok[:, None] & key_ok[None, :]
+                n_take = tl.sum(take.to(tl.int32), axis=1)
+                # Make room first: a row whose buffer could overflow is merged down to TOPK.
+                if tl.max(cnt + n_take, axis=0) > CAP:
+                    tl.debug_barrier()  # earlier candidate stores are visible to every thread
+                    for r in range(BLOCK_M):
+                        c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
+                        nr = tl.sum(tl.where(offs_m == r, n_take, 0), axis=0)
+                        if c + nr > CAP:
+                            kth = _merge_row(scr + r * CAP, c, TOPK, TOPK_P2, CAP, RANK_SORT)
+                            cnt = tl.where(offs_m == r, tl.minimum(cnt, TOPK), cnt)
+                            thr = tl.where(offs_m == r, kth, thr)
+                    tl.debug_barrier()
+                    # the threshold may have risen: filter again
+                    take = (p > thr[:, None]) & row_ok[:, None] & key_ok[None, :]
+                    n_take = tl.sum(take.to(tl.int32), axis=1)
+                # Append the accepted keys, compacted, at each row's fill level.
+                take32 = take.to(tl.int32)
+                pos = cnt[:, None] + tl.cumsum(take32, axis=1) - take32
+                tl.store(scr_rows + pos, p, mask=take)
+                cnt += n_take
+        # Final merge per row: sort what is held, write the TOPK best.
+        tl.debug_barrier()
+        for r in range(BLOCK_M):
+            s = mb.to(tl.int64) * BLOCK_M + r
+            if s < S:
+                c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
+                _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
+                          TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES)
+        tl.debug_barrier()
+'''

@@ -1,0 +1,177 @@
+"""The matcher (passes/canonicalize.py) over the zoo of DSA-family spellings.
+
+Every selection becomes a ``torch.ops.hyscale`` call, every other top-k stays ``aten.topk``
+with a reason, and outputs equal eager (DESIGN.md: on inputs whose selection is unique;
+against a stable reference where ties are the point). Compiles go through the debug
+backend (the same pass and partitioner, no Inductor codegen)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hyscale_compile
+from hyscale_compile.lowerings.reference import stable_topk
+from tests.contract import fresh_seed
+from tests.models.dsa_forms import FORMS, topk_inputs
+
+
+def _as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def assert_same_outputs(out, ref):
+    for a, b in zip(_as_tuple(out), _as_tuple(ref)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(a, b)
+
+
+def compiled(fn, **kw):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="hyscale_debug", **kw)
+
+
+@pytest.mark.parametrize("name", sorted(FORMS))
+def test_form_is_rewritten_and_matches_eager(name):
+    case = FORMS[name](fresh_seed(name) % 1000)
+    with torch.no_grad():
+        report = hyscale_compile.explain(case.fn, *case.args)
+        assert len(report.rewritten) == case.num_selections, str(report)
+        assert len(report.left_alone) == case.num_other_topk, str(report)
+        for site in report.left_alone:
+            assert site.reason, site
+        out = compiled(case.fn)(*case.args)
+        if case.unique:
+            assert_same_outputs(out, case.fn(*case.args))
+        else:
+            (scores, k, dim), = topk_inputs(case)
+            assert dim in (-1, scores.dim() - 1)
+            assert torch.equal(_as_tuple(out)[0], stable_topk(scores, k)[1])
+
+
+@pytest.mark.parametrize("name", ["hf_v32_grad_additive_finfo", "v4_official_einsum_triu", "glm5_norelu_signed_batched",
+                                  "megatron_sbhd_values_minus_one", "hf_v4_position_ids_threshold"])
+def test_training_graph_gradients_match_eager(name):
+    """With grad enabled the pass runs on the joint graph; the selection is still rewritten
+    and every gradient equals eager's."""
+    case = FORMS[name](fresh_seed(name) % 1000)
+
+    def leaves():
+        return [a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in case.args]
+
+    def loss(fn, args):
+        out = _as_tuple(fn(*args))
+        return sum((o.float() * torch.linspace(0.5, 1.5, o.numel()).view(o.shape)).sum() for o in out if o.is_floating_point())
+
+    ref_args, cmp_args = leaves(), leaves()
+    loss(case.fn, ref_args).backward()
+    params_ref = {n: p.grad.clone() for n, p in getattr(case.fn, "named_parameters", lambda: [])() if p.grad is not None}
+    if hasattr(case.fn, "zero_grad"):
+        case.fn.zero_grad()
+    report = hyscale_compile.explain(case.fn, *leaves())
+    assert len(report.rewritten) == case.num_selections, str(report)
+    loss(compiled(case.fn), cmp_args).backward()
+    for a, b in zip(cmp_args, ref_args):
+        if isinstance(a, torch.Tensor) and a.requires_grad and b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)
+    for n, p in getattr(case.fn, "named_parameters", lambda: [])():
+        if n in params_ref:
+            torch.testing.assert_close(p.grad, params_ref[n], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["v4_official_einsum_triu", "hf_v32_nograd_bool_bf16", "kernel_ref_mhd_nd_range"])
+def test_dynamic_shapes(name):
+    case = FORMS[name](fresh_seed(name) % 1000)
+    with torch.no_grad():
+        report = hyscale_compile.explain(case.fn, *case.args, dynamic=True)
+        assert len(report.rewritten) == case.num_selections, str(report)
+        f = compiled(case.fn, dynamic=True)
+        assert_same_outputs(f(*case.args), case.fn(*case.args))
+
+
+def test_dynamic_scale_is_named():
+    """dynamic=True makes the head dim symbolic too, so ``D ** -0.5`` is a SymFloat the spec
+    cannot carry: the site is left alone and the reason says what to do."""
+    case = FORMS["hf_v4_position_ids_threshold"](0)
+    with torch.no_grad():
+        report = hyscale_compile.explain(case.fn, *case.args, dynamic=True)
+    assert len(report.left_alone) == 1 and "dynamic shape" in report.left_alone[0].reason, str(report)
+
+
+# ---- spellings that neither the research notes nor the zoo write verbatim ----------------
+
+def _at_operator(q, k, w):
+    s = (q.float() @ k.float().transpose(-1, -2)[:, None]).clamp_min(0.0) * 0.125  # [B,S,H,T]
+    s = torch.einsum("bsht,bsh->bst", s, w)
+    causal = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool).tril()
+    s = torch.where(causal, s, float("-inf"))
+    return torch.topk(s, 3, dim=2).indices.int()
+
+
+def _explicit_bmm_sub_mask(q, k, w):
+    B, S, H, D = q.shape
+    s = torch.bmm(q.reshape(B, S * H, D), k.transpose(1, 2)).view(B, S, H, -1)
+    s = F.relu(s, inplace=True).mul_(D**-0.5)
+    s = (s * w[:, :, :, None]).sum(-2)
+    qi = torch.arange(S)[:, None]
+    ki = torch.arange(s.shape[-1])[None, :]
+    s.masked_fill_(ki - qi > 0, -math.inf)
+    return s.topk(4).indices
+
+
+@pytest.mark.parametrize("fn", [_at_operator, _explicit_bmm_sub_mask])
+def test_unlisted_spellings(fn):
+    seed = fresh_seed(fn.__name__)
+    g = torch.Generator().manual_seed(seed)
+    q, k, w = torch.randn(2, 12, 4, 16, generator=g), torch.randn(2, 12, 16, generator=g), torch.randn(2, 12, 4, generator=g)
+    with torch.no_grad():
+        report = hyscale_compile.explain(fn, q, k, w)
+        assert len(report.rewritten) == 1, str(report)
+        out = compiled(fn)(q, k, w)
+        (scores, kk, _), = spy_topk(fn, q, k, w)
+    # ReLU zero ties and masked slots make indices tie-dependent: compare the selected
+    # scores as multisets (DESIGN.md 'Equality with eager'), and the tie rule exactly
+    ref = torch.gather(scores, -1, scores.topk(kk, dim=-1).indices).sort(-1).values
+    got = torch.gather(scores, -1, out.long()).sort(-1).values
+    assert torch.equal(got, ref)
+    assert torch.equal(out.long().sort(-1).values, stable_topk(scores, kk)[1].sort(-1).values)
+
+
+def spy_topk(fn, *args):
+    """(scores, k, dim) of every topk call ``fn`` makes in eager."""
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if getattr(func, "__name__", "") == "topk":
+                a = list(args) + [None] * 3
+                seen.append((a[0].clone(), kwargs.get("k", a[1]), kwargs.get("dim", a[2] if a[2] is not None else -1)))
+            return func(*args, **kwargs)
+
+    with Spy():
+        fn(*args)
+    return seen
+
+
+def test_near_misses_say_why():
+    def smallest(q, k):
+        return torch.einsum("bsd,btd->bst", q, k).topk(2, largest=False).indices
+
+    def over_batch(q, k):  # the batch axis is shared by both operands: not a key axis
+        return torch.einsum("bsd,btd->bst", q, k).topk(2, dim=0).indices
+
+    def softmax_first(q, k):
+        return torch.einsum("bsd,btd->bst", q, k).softmax(-1).topk(2).indices
+
+    q, k = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
+    expect = {smallest: "largest=False", over_batch: "not the key axis", softmax_first: "no contraction"}
+    with torch.no_grad():
+        for fn, why in expect.items():
+            report = hyscale_compile.explain(fn, q, k)
+            assert len(report.left_alone) == 1 and why in report.left_alone[0].reason, str(report)
