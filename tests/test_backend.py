@@ -1,0 +1,145 @@
+"""The backend's plumbing: registration, options, pass chaining, the cache key."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.fx as fx
+
+import hyscale_compile
+from hyscale_compile import registry
+from hyscale_compile.passes.selection_pass import HyScaleJointPass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PROGRAM = """
+import torch
+def f(q, k, w):
+    s = (torch.einsum('bshd,btd->bsht', q, k).relu() * w.unsqueeze(-1)).sum(2)
+    return s.topk(3, dim=-1).indices
+q, k, w = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 16), torch.rand(1, 8, 2)
+with torch.no_grad():
+    out = torch.compile(f, backend=BACKEND)(q, k, w)
+assert torch.equal(out.sort(-1).values, f(q, k, w).sort(-1).values)
+import sys
+assert "hyscale_compile" in sys.modules, "the entry point did not load the backend"
+from torch._dynamo.utils import counters
+print("rewritten", counters["hyscale"]["rewritten"])
+"""
+
+
+def _run_fresh(backend: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = _PROGRAM.replace("BACKEND", repr(backend))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def test_entry_point_debug_backend_without_import():
+    """``backend="hyscale_debug"`` works in a fresh process that never imported us."""
+    assert "rewritten 1" in _run_fresh("hyscale_debug")
+
+
+@pytest.mark.inductor
+def test_entry_point_hyscale_without_import():
+    assert "rewritten 1" in _run_fresh("hyscale")
+
+
+def test_import_then_lookup_does_not_double_register():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert lookup_backend("hyscale") is hyscale_compile.hyscale_backend
+    assert lookup_backend("hyscale_debug") is hyscale_compile.hyscale_debug_backend
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(options={"no_such_key": 1}), ValueError, "no_such_key"),
+        (dict(options={"hyscale.nope": True}), ValueError, "hyscale.nope"),
+        (dict(options={"hyscale.enable": "yes"}), TypeError, "hyscale.enable"),
+        (dict(options=["max_autotune"]), TypeError, "options must be a dict"),
+        (dict(mode="fastest"), ValueError, "unknown mode 'fastest'"),
+    ],
+)
+def test_bad_options_name_the_problem(kwargs, exc, match):
+    f = torch.compile(lambda x: x + 1, backend="hyscale", **kwargs)
+    with pytest.raises(Exception) as info:
+        f(torch.randn(3))
+    # dynamo wraps backend errors (BackendCompilerFailed.inner_exception is ours)
+    err = getattr(info.value, "inner_exception", info.value)
+    assert isinstance(err, exc) and match in str(err), repr(info.value)
+    assert match in str(info.value)  # and the user sees it
+
+
+def test_explain_rejects_non_callables():
+    with pytest.raises(TypeError, match="must be callable"):
+        hyscale_compile.explain(3, torch.randn(2))
+
+
+def test_backend_installs_and_chains_the_joint_pass(monkeypatch):
+    """``hyscale`` hands compile_fx a joint_custom_pre_pass that runs ours and then the
+    pass that was already installed (user's or another library's), and Inductor options."""
+    seen = {}
+
+    class Prior(torch._inductor.custom_graph_pass.CustomGraphPass):
+        def __call__(self, graph):
+            seen["prior"] = True
+
+        def uuid(self):
+            return b"prior"
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None, **kw):
+        seen["patches"] = config_patches
+        return gm.forward
+
+    monkeypatch.setattr(torch._inductor.config, "joint_custom_pre_pass", Prior())
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fake_compile_fx)
+    gm = fx.symbolic_trace(lambda x: x * 2)
+    hyscale_compile.hyscale_backend(gm, [torch.randn(2)], options={"max_autotune": False})
+    p = seen["patches"]
+    assert p["max_autotune"] is False
+    jp = p["joint_custom_pre_pass"]
+    assert isinstance(jp, HyScaleJointPass) and isinstance(jp.chained, Prior)
+    jp(fx.symbolic_trace(lambda x: x * 2).graph)
+    assert seen["prior"]
+
+
+def test_uuid_keys_on_registry_options_and_chained_pass(monkeypatch):
+    base = HyScaleJointPass().uuid()
+    assert isinstance(base, bytes) and base == HyScaleJointPass().uuid()
+    assert HyScaleJointPass(options={"enable": False}).uuid() != base
+    assert HyScaleJointPass(param_indices=[0]).uuid() != base
+    monkeypatch.setitem(registry._VARIANTS, "my_variant", "spec-source")
+    assert HyScaleJointPass().uuid() != base  # a registration changes the key
+    monkeypatch.delitem(registry._VARIANTS, "my_variant")
+    assert HyScaleJointPass().uuid() == base
+
+    class NoUuid:
+        def __call__(self, graph):
+            pass
+
+    assert HyScaleJointPass(chained=NoUuid()).uuid() is None  # then Inductor bypasses its cache
+
+
+@pytest.mark.inductor
+def test_inductor_cache_never_serves_a_graph_compiled_without_the_pass():
+    """Compile with plain Inductor first (filling the FX graph cache), then with hyscale:
+    the hyscale compile must not reuse the cached artifact."""
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+
+    def f(q, k, w):
+        s = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(2)
+        return s.topk(3, dim=-1).indices
+
+    q, k, w = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 16), torch.rand(1, 8, 2)
+    with fresh_cache(), torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=True):
+        torch._dynamo.reset()
+        _, code = run_and_get_code(torch.compile(f, backend="inductor"), q, k, w)
+        assert "hyscale" not in "\n".join(code)
+        torch._dynamo.reset()
+        _, code = run_and_get_code(torch.compile(f, backend="hyscale"), q, k, w)
+        assert "torch.ops.hyscale.hytopk" in "\n".join(code)
