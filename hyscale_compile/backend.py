@@ -68,9 +68,16 @@ def hyscale_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] =
     from torch._inductor.compile_fx import compile_fx
 
     inductor_opts, hy_opts = split_options(mode, options)
+    from .passes.partition import HyScalePartitioner
+
     prior = inductor_opts.pop("joint_custom_pre_pass", inductor_config.joint_custom_pre_pass)
+    prior_partitioner = inductor_opts.pop("custom_partitioner_fn", inductor_config.custom_partitioner_fn)
     joint_pass = _make_pass(gm, example_inputs, hy_opts, chained=prior)
-    patches = {**inductor_opts, "joint_custom_pre_pass": joint_pass}
+    patches = {
+        **inductor_opts,
+        "joint_custom_pre_pass": joint_pass,
+        "custom_partitioner_fn": HyScalePartitioner(chained=prior_partitioner),
+    }
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
@@ -95,9 +102,13 @@ def hyscale_debug_backend(gm: fx.GraphModule, example_inputs, *, mode=None, opti
         if captured is not None:
             captured.append((kind, g))
 
+    from .passes.partition import HyScalePartitioner
+
+    partitioner = HyScalePartitioner()
+
     def partition(joint, joint_inputs, **kw):
         run_pass(joint, "joint")
-        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kw)
+        fw, bw = partitioner(joint, joint_inputs, **kw)
         if captured is not None:
             captured.append(("forward", fw))
             captured.append(("backward", bw))

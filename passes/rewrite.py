@@ -18,6 +18,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..lowerings import ops as hy_ops  # noqa: F401  (registers torch.ops.hyscale)
 from . import layout as L
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .partition import tag_saved
 from .canonicalize import Bound, OperandPlan, SiteMatch, Unsupported, shape_of, val
 
 aten = torch.ops.aten
@@ -207,12 +210,15 @@ def apply_match(graph: fx.Graph, m: SiteMatch) -> fx.Node:
             call = em.call(torch.ops.hyscale.hytopk.default, [q, k, w, masks, m.k_arg, spec])
             vals, idx = None, call
         idx64 = em.call(prims.convert_element_type.default, [idx, torch.int64])
+        # the backward rebuilds the int64 view from the saved int32 indices (half the bytes)
+        idx64.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         outs = {1: _to_score_layout(em, idx64, m)}
         if vals is not None:
             outs[0] = _to_score_layout(em, vals, m)
     except Exception:
         em.rollback()
         raise
+    tag_saved(call)
     for gi in list(tk.users):
         i = gi.args[1]
         if i in outs:

@@ -1,0 +1,75 @@
+"""Selection replay: the backward reuses the forward's indices, never selects again.
+
+Two pieces, both the partitioner's own mechanisms:
+
+* the rewrite tags every selection op it inserts (and, for the values variant, every
+  getitem of it) ``CheckpointPolicy.MUST_SAVE`` (``tag_saved``), which the min-cut
+  partitioner honours under ``torch.utils.checkpoint``, selective checkpointing (our tag
+  replaces whatever the SAC policy said, MUST_RECOMPUTE included) and memory budgets in
+  (0, 1);
+* ``HyScalePartitioner`` wraps the partitioner for the one case that ignores MUST_SAVE:
+  ``activation_memory_budget == 0`` returns early with "save only the inputs". When the
+  joint graph holds a selection op, it runs the partitioner at a budget of
+  ``REPLAY_BUDGET`` instead: the knapsack still recomputes everything it can, but saved
+  tags are honoured. (Region budgets set with
+  ``torch.autograd.graph.region_activation_memory_budget`` are not overridden.)
+"""
+from __future__ import annotations
+
+import operator
+import os
+from typing import Optional
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch.utils.checkpoint import CheckpointPolicy
+
+REPLAY_BUDGET = 1e-6
+
+
+def selection_ops():
+    from ..lowerings.ops import SELECTION_OPS
+
+    return SELECTION_OPS
+
+
+def tag_saved(node: fx.Node) -> None:
+    """MUST_SAVE on a selection op and on every getitem of it (a tag on the getitems
+    alone is skipped by the partitioner; on the producer alone it cannot save a tuple)."""
+    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    for user in node.users:
+        if user.target is operator.getitem:
+            user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def has_selection(gm: fx.GraphModule) -> bool:
+    ops = selection_ops()
+    return any(n.op == "call_function" and n.target in ops for n in gm.graph.nodes)
+
+
+class HyScalePartitioner(CustomPartitionerFn):
+    def __init__(self, chained: Optional[CustomPartitionerFn] = None):
+        self.chained = chained
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        from torch._functorch import config as fconfig
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        inner = self.chained if self.chained is not None else min_cut_rematerialization_partition
+        budget = fconfig.activation_memory_budget
+        for n in gm.graph.nodes:
+            if isinstance(n.meta.get("memory_budget"), float):
+                budget = n.meta["memory_budget"]
+                break
+        if budget == 0 and has_selection(gm):
+            for n in gm.graph.nodes:
+                if n.meta.get("memory_budget") == 0:
+                    n.meta["memory_budget"] = REPLAY_BUDGET
+            with fconfig.patch(activation_memory_budget=REPLAY_BUDGET):
+                return inner(gm, joint_inputs, **kwargs)
+        return inner(gm, joint_inputs, **kwargs)
+
+    def uuid(self):
+        extra = "" if self.chained is None else repr(self.chained.uuid())
+        return get_hash_for_files((os.path.abspath(__file__),), extra)
