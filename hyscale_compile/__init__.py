@@ -8,7 +8,16 @@ Public API:
 The op itself is ``torch.ops.hyscale.hytopk`` / ``hytopk_values`` (importing this
 package registers it; so does the backend).
 """
-import sys as _sys
+import os as _os
+
+# ``passes/`` and ``lowerings/`` live at the repository root and install as
+# ``hyscale_compile.passes`` / ``hyscale_compile.lowerings`` (setuptools package-dir). In a
+# source checkout, or under an editable install whose finder maps only top-level names
+# (older setuptools), make the subpackages resolvable from the root as well.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if all(_os.path.isfile(_os.path.join(_root, *p)) for p in (("pyproject.toml",), ("passes", "__init__.py"), ("lowerings", "__init__.py"))):
+    if _root not in __path__:
+        __path__.append(_root)
 
 from . import lowerings as _lowerings  # noqa: F401
 from . import passes as _passes  # noqa: F401
