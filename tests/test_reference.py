@@ -125,3 +125,26 @@ def test_op_dispatch_and_bad_input():
         torch.ops.hyscale.hytopk(q, k, w, [hi], 5, "{nope")
     with pytest.raises(SpecError, match="mask operand 0 out of range"):
         torch.ops.hyscale.hytopk(q, k, w, [], 5, DSA.to_json())
+
+
+_BITS_PROGRAM = """
+import hashlib, torch, hyscale_compile
+from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
+g = torch.Generator().manual_seed(SEED)
+q = torch.randn(2, 40, 4, 16, generator=g); k = torch.randn(2, 300, 1, 16, generator=g); w = torch.randn(2, 40, 4, generator=g)
+hi = (torch.arange(40) + 261).view(1, 40)
+spec = ScoreSpec(epilogue=(("relu",), ("mul", 0.125)), post=(("mask", 0),), masks=(MaskTerm("range", hi=0),))
+v, i = torch.ops.hyscale.hytopk_values(q, k, w, [hi], 33, spec.to_json())
+print(hashlib.sha256(v.numpy().tobytes() + i.numpy().tobytes()).hexdigest())
+"""
+
+
+def test_bitwise_identical_across_processes():
+    import subprocess
+    import sys
+
+    seed = fresh_seed("bits")
+    code = _BITS_PROGRAM.replace("SEED", str(seed))
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120) for _ in range(2)]
+    assert all(o.returncode == 0 for o in outs), outs[0].stderr[-2000:]
+    assert outs[0].stdout.strip() == outs[1].stdout.strip() != ""
