@@ -1041,11 +1041,13 @@ def candidate_chains(facts: GraphFacts, x: fx.Node, dim: int):
     carries the top-k axis; nearest contraction first. A contraction whose key-carrying
     operand is itself a score (HF's head sum as a matmul) is both a candidate and a step."""
     out = []
+    stops = []  # where the key axis could not be followed further (for the diagnostic)
 
     def walk(node, d, suffix, depth):
         if len(out) >= MAX_CANDIDATES or depth > MAX_CHAIN or not isinstance(node, fx.Node):
             return
         if node.op != "call_function":
+            stops.append(node.op)
             return
         if node.target in BIASED:
             out.append([(node, None)] + suffix)
@@ -1053,6 +1055,8 @@ def candidate_chains(facts: GraphFacts, x: fx.Node, dim: int):
         ins = _key_inputs(node, d)
         if node.target in CONTRACTIONS:
             out.append([(node, None)] + suffix)
+        elif not ins:
+            stops.append(_opname(node))
         # several carriers (score + mask): try the contraction-derived ones first
         ins.sort(key=lambda ij: node.args[ij[0]] not in facts.dep)
         for i, j in ins:
@@ -1064,7 +1068,7 @@ def candidate_chains(facts: GraphFacts, x: fx.Node, dim: int):
     steps = [{n for n, _ in c[1:]} for c in out]
     def contained(c):
         return any(c[0][0] in st for st in steps)
-    return sorted(out, key=contained)
+    return sorted(out, key=contained), stops
 
 
 def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
@@ -1074,9 +1078,10 @@ def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
         raise Unsupported("top-k of a 0-d tensor")
     args = list(topk.args) + [None] * (5 - len(topk.args))
     dim = topk.kwargs.get("dim", args[2] if args[2] is not None else -1) % rank
-    chains = candidate_chains(facts, x, dim)
+    chains, stops = candidate_chains(facts, x, dim)
     if not chains:
-        raise Unsupported("no contraction (einsum/matmul/bmm) feeds the top-k scores")
+        where = f" (followed the top-k axis back to {', '.join(sorted(set(stops)))})" if stops else ""
+        raise Unsupported(f"no contraction (einsum/matmul/bmm) feeds the top-k scores{where}")
     first = None
     for chain in chains:
         try:

@@ -76,10 +76,19 @@ def test_training_graph_gradients_match_eager(name):
     loss(compiled(case.fn), cmp_args).backward()
     for a, b in zip(cmp_args, ref_args):
         if isinstance(a, torch.Tensor) and a.requires_grad and b.grad is not None:
-            torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)
+            close(a.grad, b.grad)
     for n, p in getattr(case.fn, "named_parameters", lambda: [])():
         if n in params_ref:
-            torch.testing.assert_close(p.grad, params_ref[n], atol=1e-4, rtol=1e-4)
+            close(p.grad, params_ref[n])
+
+
+def close(a, b):
+    """fp32: reassociation-level; bf16/fp16 leaves get their gradient rounded to 8/11 bits,
+    so one-ulp flips are expected there (torch's default tolerances for those dtypes)."""
+    if a.dtype in (torch.bfloat16, torch.float16):
+        torch.testing.assert_close(a, b)
+    else:
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["v4_official_einsum_triu", "hf_v32_nograd_bool_bf16", "kernel_ref_mhd_nd_range"])
