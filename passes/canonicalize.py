@@ -20,7 +20,6 @@ it was and the reason goes to the diagnostics.
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -236,9 +235,8 @@ class GraphFacts:
         return False
 
 
-def walk_views(n: fx.Node) -> Tuple[fx.Node, List[fx.Node], Optional[torch.dtype]]:
-    """Walk back through views and widening casts. Returns (source, ops source->n, the
-    source's float dtype if the walk crossed an upcast)."""
+def walk_views(n: fx.Node) -> Tuple[fx.Node, List[fx.Node]]:
+    """Walk back through views and widening casts: (source, the ops from source to n)."""
     ops = []
     cur = n
     while isinstance(cur, fx.Node) and cur.op == "call_function":
@@ -255,7 +253,7 @@ def walk_views(n: fx.Node) -> Tuple[fx.Node, List[fx.Node], Optional[torch.dtype
         ops.append(cur)
         cur = cur.args[0]
     ops.reverse()
-    return cur, ops, None
+    return cur, ops
 
 
 def _sizes(arg) -> List[Any]:
@@ -377,7 +375,9 @@ class Side:
 
 
 def analyse_operand(n: fx.Node, prefix: str) -> Side:
-    src, ops, _ = walk_views(n)
+    if dtype_of_node(n) not in (torch.float32, torch.bfloat16, torch.float16):
+        raise Unsupported(f"the contraction runs in {dtype_of_node(n)} (the op computes in fp32 at most)")
+    src, ops = walk_views(n)
     src_lay, lay = layout_through(src, ops, prefix)
     up = None
     src_dt = dtype_of_node(src)
@@ -560,6 +560,8 @@ class SiteAnalysis:
         if out_dtype != torch.float32:
             steps.append(("round", dtype_name(out_dtype)))
         for i, (n, ci) in enumerate(chain[1:], start=1):
+            if val(n) is not None and getattr(val(n), "dtype", None) == torch.float64:
+                raise Unsupported("the scores are computed in float64 (the op computes in fp32)")
             lay_in = self.u.apply(lays[i - 1])
             self._has_reduction_ahead = bool(red_at) and i < red_at[0]
             t = n.target
@@ -1094,7 +1096,7 @@ def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
 
 
 def _biased(facts, n):
-    src = walk_views(n.args[2])[0]
+    src, _ = walk_views(n.args[2])
     if src.op == "get_attr" or (src.op == "placeholder" and src.name in facts.params):
         raise Unsupported(
             "not a selection: the key-side operand of the contraction is a parameter or buffer "

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
-import operator
 from typing import Any, List, Optional, Sequence, Tuple
 
-import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 _fresh = itertools.count()

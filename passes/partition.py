@@ -20,7 +20,6 @@ import operator
 import os
 from typing import Optional
 
-import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy

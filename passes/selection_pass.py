@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from . import diagnostics
-from .canonicalize import GraphFacts, Unsupported, analyse_site, shape_of
+from .canonicalize import GraphFacts, Unsupported, analyse_site
 from .rewrite import apply_match
 
 aten = torch.ops.aten

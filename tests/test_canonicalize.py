@@ -178,8 +178,15 @@ def test_near_misses_say_why():
     def softmax_first(q, k):
         return torch.einsum("bsd,btd->bst", q, k).softmax(-1).topk(2).indices
 
+    def in_float64(q, k):  # the op computes in fp32: rewriting would change the result
+        return torch.einsum("bsd,btd->bst", q.double(), k.double()).topk(2).indices
+
+    def upcast_scores(q, k):
+        return torch.einsum("bsd,btd->bst", q, k).double().topk(2).indices
+
     q, k = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
-    expect = {smallest: "largest=False", over_batch: "not the key axis", softmax_first: "no contraction"}
+    expect = {smallest: "largest=False", over_batch: "not the key axis", softmax_first: "no contraction",
+              in_float64: "float64", upcast_scores: "float64"}
     with torch.no_grad():
         for fn, why in expect.items():
             report = hyscale_compile.explain(fn, q, k)

@@ -1,0 +1,55 @@
+"""Smoke tests of ``examples/demo.py`` (the project's main demo), run as a user runs it."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "examples", "demo.py")
+
+
+def run_demo(*flags, timeout):
+    return subprocess.run(
+        [sys.executable, DEMO, *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.inductor
+def test_demo_quick():
+    # About 35 s on 2 busy CPU cores with cold Inductor caches (two Inductor compiles); the
+    # timeout only guards against a hang.
+    proc = run_demo("--quick", timeout=240)
+    out = proc.stdout
+    assert proc.returncode == 0, f"demo exited {proc.returncode}\n{out[-4000:]}\n{proc.stderr[-4000:]}"
+    # explain's report: the indexer's top-k was rewritten
+    assert re.search(r"^hyscale: 1 top-k site\(s\): 1 rewritten, 0 left alone", out, re.M), out[-4000:]
+    assert re.search(r"^\s+\[rewritten\] topk at dsa_model\.py:\d+ in forward: ", out, re.M), out[-4000:]
+    # the table, printed last: a header and one row per variant; hyscale equal to eager
+    table = out[out.rindex("variant "):]
+    assert re.match(r"variant\s+\| compile s \| forward ms \(median\) \| peak extra MiB \| equal to eager", table)
+    rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in table.splitlines()[2:] if "|" in line}
+    assert set(rows) == {"eager", "inductor", "hyscale"}, table
+    assert rows["eager"][4] == "(reference)", table
+    assert rows["hyscale"][4].startswith("yes"), table
+    for name, cells in rows.items():
+        float(cells[2].replace(",", ""))  # forward ms is a number
+        float(cells[3].replace(",", ""))  # peak extra MiB is a number
+        if name != "eager":
+            float(cells[1])  # compile s is a number
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--seq", "abc"], "--seq must be an integer"),
+        (["--seq", "1"], "--seq must be at least 2"),
+        (["--device", "tpu"], "--device must be one of auto, cpu, cuda"),
+        (["--runs", "0"], "--runs must be at least 1"),
+    ],
+)
+def test_demo_bad_flags(flags, message):
+    proc = run_demo(*flags, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr, proc.stderr
