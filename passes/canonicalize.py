@@ -575,6 +575,12 @@ class SiteAnalysis:
                     steps.append(("round", dtype_name(dt)))
                 continue
             if pending_w is not None and t not in (aten.sum.dim_IntList,):
+                # (e * w) * c == (e * c) * w up to fp32 reassociation: a constant scale
+                # between the weighting and the head sum moves into the epilogue
+                step = _scalar_step(facts, n, ci)
+                if step is not None and step[0] in ("mul", "div") and dtype_of_node(n) == torch.float32:
+                    steps.append(step)
+                    continue
                 raise Unsupported(f"weights multiply not followed by a head sum (found {_opname(n)})")
             if t in (aten.sum.dim_IntList, aten.sum.default) or t is aten.bmm.default:
                 if reduced is not None:

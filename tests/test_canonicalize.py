@@ -131,7 +131,14 @@ def _explicit_bmm_sub_mask(q, k, w):
     return s.topk(4).indices
 
 
-@pytest.mark.parametrize("fn", [_at_operator, _explicit_bmm_sub_mask])
+def _scale_after_weights(q, k, w):
+    s = torch.einsum("bshd,btd->bsht", q, k).relu_() * w[..., None] * 16**-0.5  # scale after weighting
+    s = s.sum(dim=2)
+    s += torch.full((s.size(1), s.size(2)), float("-inf")).triu_(1)  # in-place additive mask
+    return s.topk(5, dim=-1, sorted=False)[1]
+
+
+@pytest.mark.parametrize("fn", [_at_operator, _explicit_bmm_sub_mask, _scale_after_weights])
 def test_unlisted_spellings(fn):
     seed = fresh_seed(fn.__name__)
     g = torch.Generator().manual_seed(seed)
