@@ -467,7 +467,7 @@ class SiteAnalysis:
                 f"the top-k runs over dim {dim}, which is not the key axis of the contraction "
                 "(it is shared by both operands or contracted)"
             )
-        self.check_selection(ks)
+        self.check_selection(ks, qs)
         steps, w_plan, reduced, mask_plans = self.collect_steps(chain, lays, key_labels)
         return self.assemble(
             tk, qs, ks, y_lay, dim, kk, key_atoms, steps, w_plan, reduced, mask_plans, qk
@@ -533,7 +533,10 @@ class SiteAnalysis:
         return [nb, lay[1], ()]
 
     # ---- selection criterion -------------------------------------------------------------
-    def check_selection(self, ks: Side):
+    def check_selection(self, ks: Side, qs: Side):
+        q_src = qs.src
+        if q_src.op == "get_attr" or (q_src.op == "placeholder" and q_src.name in self.facts.params):
+            raise Unsupported("a contraction with a parameter (a linear layer), not a score contraction")
         src = ks.src
         if src.op == "get_attr" or (src.op == "placeholder" and src.name in self.facts.params):
             raise Unsupported(
@@ -1071,12 +1074,11 @@ def candidate_chains(facts: GraphFacts, x: fx.Node, dim: int):
             walk(node.args[i], j, [(node, i)] + suffix, depth + 1)
 
     walk(x, dim, [], 0)
-    # A contraction that is a step of a deeper candidate's chain (a weights matmul over
-    # scores) is tried after that deeper candidate.
+    # Deepest first: a contraction that is a step of a deeper candidate's chain (HF's
+    # weights matmul over the scores) is tried after that candidate. Candidates deeper
+    # than the score contraction (the key projection ``x @ Wk``) fail the selection check.
     steps = [{n for n, _ in c[1:]} for c in out]
-    def contained(c):
-        return any(c[0][0] in st for st in steps)
-    return sorted(out, key=contained), stops
+    return sorted(out, key=lambda c: sum(c[0][0] in st for st in steps)), stops
 
 
 def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:

@@ -43,6 +43,10 @@ def test_form_is_rewritten_and_matches_eager(name):
         assert len(report.left_alone) == case.num_other_topk, str(report)
         for site in report.left_alone:
             assert site.reason, site
+        for site in report.rewritten:
+            # the whole indexer became the op: no score table is left in the graph
+            assert not site.table_consumers, site.line()
+            assert site.sizes["H"] != 1 or "single-head" in site.variant, site.line()
         out = compiled(case.fn)(*case.args)
         if case.unique:
             assert_same_outputs(out, case.fn(*case.args))
@@ -173,6 +177,25 @@ def spy_topk(fn, *args):
     with Spy():
         fn(*args)
     return seen
+
+
+def test_key_projection_is_not_mistaken_for_the_score_contraction():
+    """k = x @ Wk puts a deeper contraction on the key axis; HF's head sum is a matmul
+    nearer the top-k. The score contraction between them is the one to rewrite."""
+
+    def indexer(x, q, wk, w):
+        k = x @ wk
+        s = torch.relu(torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)) * 0.25)
+        return torch.matmul(w.unsqueeze(-2), s).squeeze(-2).topk(8, dim=-1).indices
+
+    g = torch.Generator().manual_seed(fresh_seed("k_from_linear"))
+    args = (torch.randn(1, 32, 16, generator=g), torch.randn(1, 32, 4, 16, generator=g),
+            torch.nn.Parameter(torch.randn(16, 16, generator=g)), torch.rand(1, 32, 4, generator=g))
+    with torch.no_grad():
+        report = hyscale_compile.explain(indexer, *args)
+    (site,) = report.rewritten
+    assert site.variant == "dsa" and site.sizes == {"B": 1, "S": 32, "H": 4, "D": 16, "T": 32}, site.line()
+    assert not site.table_consumers
 
 
 def test_near_misses_say_why():
