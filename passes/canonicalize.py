@@ -206,7 +206,11 @@ class GraphFacts:
             return None
         if n.target in (aten.scalar_tensor.default, aten.full.default):
             v = n.args[0] if n.target is aten.scalar_tensor.default else n.args[1]
-            return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                return None
+            dt = n.kwargs.get("dtype")
+            # the value the tensor holds: a bf16 full(0.1) holds 0.1 rounded to bf16
+            return float(torch.tensor(v, dtype=dt).item()) if dt is not None and dt.is_floating_point else v
         if n.target in _VIEWS or n.target in _CASTS:
             inner = self.constant(n.args[0])
             if inner is None:
