@@ -12,7 +12,6 @@ a compile on a CPU instead of 15-25 s, for tests and ``explain``.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -83,7 +82,7 @@ def hyscale_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] =
 
 def hyscale_debug_backend(gm: fx.GraphModule, example_inputs, *, mode=None, options=None):
     """Same pass and partitioner as ``hyscale``, graphs run eagerly (tests, explain)."""
-    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
