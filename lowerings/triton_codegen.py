@@ -37,7 +37,7 @@ from .spec import MaskTerm, ScoreSpec, SpecError, skippable_mask_terms
 
 # Bumped whenever the template changes in a way the hash of the source would not show
 # (it always does today: the version is part of the source text).
-CODEGEN_VERSION = 1
+CODEGEN_VERSION = 2
 
 _MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
 _LOCK = threading.Lock()
@@ -155,7 +155,7 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
 
 
 def _render_post(spec: ScoreSpec) -> str:
-    """Post steps on the reduced [BLOCK_M, BLOCK_N] score ``y`` (inlined in _score_tile)."""
+    """Post steps on the reduced [BLOCK_N, BLOCK_M] score ``y`` (keys x rows; inlined in _score_tile)."""
     lines = []
     for step in spec.post:
         if step[0] != "mask":
@@ -165,8 +165,8 @@ def _render_post(spec: ScoreSpec) -> str:
         term = spec.masks[j]
         if term.kind in ("add", "fill"):
             lines.append(
-                f"m{j} = tl.load(M{j} + (b64 * stride_m{j}_b + rows64[:, None] * stride_m{j}_s "
-                f"+ keys64[None, :] * stride_m{j}_t), mask=ok, other=0)"
+                f"m{j} = tl.load(M{j} + (b64 * stride_m{j}_b + rows64[None, :] * stride_m{j}_s "
+                f"+ keys64[:, None] * stride_m{j}_t), mask=ok, other=0)"
             )
             if term.kind == "add":
                 lines.append(f"y = y + m{j}.to(tl.float32)  # fp32 + bf16/fp16 mask: exact upcast, as torch promotes")
@@ -176,9 +176,9 @@ def _render_post(spec: ScoreSpec) -> str:
         else:
             parts = []
             if term.lo is not None:
-                parts.append(f"(keys64[None, :] < lo{j}[:, None])")
+                parts.append(f"(keys64[:, None] < lo{j}[None, :])")
             if term.hi is not None:
-                parts.append(f"(keys64[None, :] >= hi{j}[:, None])")
+                parts.append(f"(keys64[:, None] >= hi{j}[None, :])")
             if not parts:
                 continue  # a range with neither bound hides nothing
             lines.append(f"hidden{j} = " + " | ".join(parts))
@@ -190,14 +190,13 @@ def _render_post(spec: ScoreSpec) -> str:
 
 
 def _render_reduce(spec: ScoreSpec) -> str:
+    """Per-head weighting of the epilogue'd logits ``x`` [BLOCK_N, BLOCK_M * GP] (columns are
+    (row, head-in-group) pairs); the head sum itself is the fixed tree in ``_head_sum``."""
     if spec.reduce == "weighted_sum":
-        return (
-            "wh = tl.load(W + b64 * stride_wb + rows64 * stride_ws + h * stride_wh, mask=row_ok, other=0.0)\n"
-            "y += wh.to(tl.float32)[:, None] * x"
-        )
+        return "x = wv[None, :] * x"
     if spec.reduce == "sum":
-        return "y += x"
-    return "y = x  # reduce='none': H == 1"
+        return "pass  # reduce='sum': unweighted"
+    return "pass  # reduce='none': H == 1"
 
 
 def _indent(text: str, n: int) -> str:
@@ -224,7 +223,7 @@ def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = 
         "SCORE_MASK_ARGS": "".join(f"{a}, " for a in _score_mask_args(spec)),
         "ROW_BOUNDS": _indent(_render_row_bounds(spec), 8) or "        pass",
         "SKIP_BOUNDS": _indent(_render_skip_bounds(spec), 8),
-        "REDUCE": _indent(_render_reduce(spec), 12),
+        "REDUCE": _indent(_render_reduce(spec), 8),
         "POST": _indent(_render_post(spec), 4) or "    pass",
         "ROW_BOUND_ARGS_DEF": "".join(f"{r}{j}, " for j, t in enumerate(spec.masks) if t.kind == "range"
                                       for r, bnd in (("lo", t.lo), ("hi", t.hi)) if bnd is not None),
@@ -337,6 +336,7 @@ import triton.language as tl
 # A larger key means a larger score, or an equal score at a smaller key index, so one
 # descending sort gives (value desc, index asc): the project's tie rule.
 EMPTY = tl.constexpr(-9223372036854775807)  # below every real key (real high words > INT32_MIN)
+FULL = tl.constexpr(9223372036854775807)    # above every real key
 NEG_INF_HI = tl.constexpr(-2139095041)      # high word of the key of -inf
 
 
@@ -373,88 +373,207 @@ def _unpack_index(p):
 
 
 @triton.jit
+def _head_sum(x, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr):
+    # [BLOCK_N, BLOCK_M * GP] -> [BLOCK_N, BLOCK_M]: a fixed pairwise tree over the GP heads
+    # of each row (level 1 adds head g and head g + GP/2, and so on). Every step adds exactly
+    # two values, so the result does not depend on block sizes, warps or register layouts.
+    x = tl.reshape(x, [BLOCK_N, BLOCK_M, GP])
+    if GP >= 2:
+        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 2]), axis=2)
+    if GP >= 4:
+        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 4]), axis=2)
+    if GP >= 8:
+        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 8]), axis=2)
+    if GP >= 16:
+        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 16]), axis=2)
+    if GP >= 32:
+        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 32]), axis=2)
+    if GP >= 64:
+        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 64]), axis=2)
+    if GP >= 128:
+        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 128]), axis=2)
+    if GP >= 256:
+        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 256]), axis=2)
+    if GP >= 512:
+        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 512]), axis=2)
+    if GP >= 1024:
+        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 1024]), axis=2)
+    tl.static_assert(GP <= 1024, "at most 1024 query heads per kv head")
+    return tl.reshape(x, [BLOCK_N, BLOCK_M])
+
+
+@triton.jit
+def _load_q(Q, W, q_col_off, w_col_off, hk, col_ok, offs_d, d_ok,
+            stride_qh, stride_qd, stride_wh, G: tl.constexpr, UPCAST: tl.constexpr):
+    # Q block of kv head hk as [BLOCK_M * GP, BLOCK_D] (row m*GP + g = query row m, head
+    # hk*G + g), and the matching per-column head weights (0 for padding columns).
+    qb = tl.load(Q + q_col_off[:, None] + (hk * G) * stride_qh + offs_d[None, :] * stride_qd,
+                 mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        qb = qb.to(tl.float32)
+    wv = tl.load(W + w_col_off + (hk * G) * stride_wh, mask=col_ok, other=0.0).to(tl.float32)
+    return qb, wv
+
+
+@triton.jit
+def _load_k(K, k_base, hk, keys64, key_ok, offs_d, d_ok, stride_kt, stride_kh, stride_kd,
+            UPCAST: tl.constexpr):
+    # keys as the rows of the dot: [BLOCK_N, BLOCK_D]
+    kt = tl.load(K + k_base + hk * stride_kh + keys64[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                 mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        kt = kt.to(tl.float32)
+    return kt
+
+
+@triton.jit
 def _score_tile(
+    kt0, qb0,
     Q, K, W, {{SCORE_MASK_ARGS}}
-    stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_wb, stride_ws, stride_wh,
+    stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_wh,
     {{ROW_BOUND_ARGS_DEF}}
-    b64, rows64, row_ok, q_row_off, k_base, keys64, key_ok, T,
-    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    b64, rows64, row_ok, q_col_off, w_col_off, col_ok, col_g_ok, k_base, keys64, key_ok,
+    offs_d, d_ok, T,
+    HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, TF32: tl.constexpr,
 ):
-    """Final scores y [BLOCK_M, BLOCK_N] (fp32) of the block's rows against one key tile."""
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    ok = row_ok[:, None] & key_ok[None, :]
-    y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # Heads in a fixed order 0..H-1: the arithmetic never depends on block sizes.
-    for hk in range(H // G):
-        # keys loaded once per kv head, as [BLOCK_D, BLOCK_N] (the dot's right operand)
-        kt = tl.load(K + k_base + hk * stride_kh + offs_d[:, None] * stride_kd + keys64[None, :] * stride_kt,
-                     mask=d_ok[:, None] & key_ok[None, :], other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        for g in range(G):
-            h = hk * G + g
-            qh = tl.load(Q + q_row_off[:, None] + h * stride_qh + offs_d[None, :] * stride_qd,
-                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            if UPCAST:
-                qh = qh.to(tl.float32)
-            if TF32:
-                x = tl.dot(qh, kt, input_precision="tf32", out_dtype=tl.float32)
-            else:
-                # IEEE for fp32 operands; for 16-bit operands the products are exact anyway
-                x = tl.dot(qh, kt, input_precision="ieee", out_dtype=tl.float32)
-            x = _epilogue(x)
+    # Final scores y [BLOCK_N, BLOCK_M] (fp32, keys x rows) of one key tile against the
+    # block's rows. Keys are the rows of the dot, (row, head) pairs its columns:
+    #   x[t, m*GP + g] = k[t] . q[m, hk*G + g]        (fp32 accumulation)
+    # then the per-head epilogue, the weights, and the head sum along the columns.
+    ok = key_ok[:, None] & row_ok[None, :]
+    y = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    # kv heads in a fixed order 0..HK-1; within a kv head the fixed tree of _head_sum.
+    for hk in range(HK):
+        if HK == 1:
+            kt = kt0
+            qb = qb0
+            # re-read per tile (L1): holding 64 weights per thread costs registers the
+            # accumulator needs
+            wv = tl.load(W + w_col_off, mask=col_ok, other=0.0).to(tl.float32)
+        else:
+            kt = _load_k(K, k_base, hk, keys64, key_ok, offs_d, d_ok, stride_kt, stride_kh, stride_kd, UPCAST)
+            qb, wv = _load_q(Q, W, q_col_off, w_col_off, hk, col_ok, offs_d, d_ok,
+                             stride_qh, stride_qd, stride_wh, G, UPCAST)
+        if TF32:
+            x = tl.dot(kt, tl.trans(qb), input_precision="tf32", out_dtype=tl.float32)
+        else:
+            # IEEE for fp32 operands; for 16-bit operands the products are exact anyway
+            x = tl.dot(kt, tl.trans(qb), input_precision="ieee", out_dtype=tl.float32)
+        x = _epilogue(x)
 {{REDUCE}}
+        if GP != G:
+            x = tl.where(col_g_ok[None, :], x, 0.0)  # padding heads add exactly nothing
+        y = y + _head_sum(x, BLOCK_N, BLOCK_M, GP)  # 0.0 + part == part (+-0 aside)
 {{POST}}
     return y
 
 
 @triton.jit
-def _rank_desc(keys, CAP: tl.constexpr):
-    # Position of each key in descending order, by counting the keys above it: O(CAP^2)
+def _rank_desc(keys):
+    # Position of each key in descending order, by counting the keys above it: O(n^2)
     # compares, but plain vector ops, where the interpreter runs a bitonic network's
-    # xor-reductions element by element in Python. Real keys are distinct; EMPTY padding
-    # keys share one rank, past every real key.
+    # xor-reductions element by element in Python. Real keys are distinct.
     return tl.sum((keys[None, :] > keys[:, None]).to(tl.int32), axis=1)
 
 
 @triton.jit
-def _merge_row(row_ptr, n, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, CAP: tl.constexpr,
-               RANK_SORT: tl.constexpr):
-    """Keep the TOPK best of the n keys in row_ptr[0:n] at row_ptr[0:TOPK], sorted
-    descending; returns the TOPK-th best key (EMPTY when fewer than TOPK were held)."""
-    offs = tl.arange(0, CAP)
-    keys = tl.load(row_ptr + offs, mask=offs < n, other=EMPTY)
-    if RANK_SORT:
-        rank = _rank_desc(keys, CAP)
-        keep = (offs < n) & (rank < TOPK)
-        tl.store(row_ptr + rank, keys, mask=keep)
-        kth = tl.max(tl.where(keep & (rank == TOPK - 1), keys, EMPTY), axis=0)
-    else:
-        best = tl.topk(keys, TOPK_P2)  # bitonic; the TOPK_P2 largest, descending
-        offs_k = tl.arange(0, TOPK_P2)
-        tl.store(row_ptr + offs_k, best, mask=offs_k < TOPK)
-        kth = tl.max(tl.where(offs_k == TOPK - 1, best, EMPTY), axis=0)
+def _kth_largest(keys, valid, TOPK: tl.constexpr):
+    # The TOPK-th largest of the valid keys (distinct; at least TOPK of them), by a
+    # bitwise search for the largest value v with #{key >= v} >= TOPK: first over the
+    # high words (the score), then, only when the boundary score is shared by more keys
+    # than are needed, over the low words (the index) of the keys with that score.
+    u = (keys >> 32) + 2147483648                   # score bits as 0 .. 2^32-1, order kept
+    prefix = tl.zeros([], dtype=tl.int64)
+    step = tl.zeros([], dtype=tl.int64) + 2147483648
+    for _ in range(32):
+        cand = prefix + step
+        c = tl.sum(tl.where(valid & (u >= cand), 1, 0), axis=0)
+        prefix = tl.where(c >= TOPK, cand, prefix)
+        step = step // 2
+    eq = valid & (u == prefix)
+    n_above = tl.sum(tl.where(valid & (u > prefix), 1, 0), axis=0)
+    n_eq = tl.sum(tl.where(eq, 1, 0), axis=0)
+    need = TOPK - n_above                            # 1 <= need <= n_eq
+    kth = tl.min(tl.where(eq, keys, FULL), axis=0)   # right when every tied key is needed
+    if n_eq > need:
+        low = keys & 4294967295                      # larger low word = smaller key index
+        lp = tl.zeros([], dtype=tl.int64)
+        step = tl.zeros([], dtype=tl.int64) + 2147483648
+        for _ in range(32):
+            cand = lp + step
+            c = tl.sum(tl.where(eq & (low >= cand), 1, 0), axis=0)
+            lp = tl.where(c >= need, cand, lp)
+            step = step // 2
+        kth = tl.max(tl.where(eq & (low == lp), keys, EMPTY), axis=0)
     return kth
+
+
+@triton.jit
+def _compact_row(row_ptr, n, TOPK: tl.constexpr, CAP: tl.constexpr):
+    # Keep the TOPK best of the n (> TOPK) keys in row_ptr[0:n] at row_ptr[0:TOPK], in no
+    # particular order; return the TOPK-th best (the row's new threshold). No sort: a
+    # count-based search for the threshold, then one compaction.
+    offs = tl.arange(0, CAP)
+    valid = offs < n
+    keys = tl.load(row_ptr + offs, mask=valid, other=EMPTY)
+    kth = _kth_largest(keys, valid, TOPK)
+    keep = valid & (keys >= kth)
+    k32 = keep.to(tl.int32)
+    pos = tl.cumsum(k32, axis=0) - k32
+    tl.debug_barrier()  # every thread has read the row before any thread overwrites it
+    tl.store(row_ptr + pos, keys, mask=keep)
+    return kth
+
+
+@triton.jit
+def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
+                 TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr):
+    # p [BLOCK_N, BLOCK_M]: packed keys of one tile. Keys above a row's threshold are
+    # appended, compacted, to that row's candidate buffer; a row whose buffer could
+    # overflow is first compacted to its TOPK best (raising its threshold).
+    take = (p > thr[None, :]) & key_ok[:, None] & row_ok[None, :]
+    n_take = tl.sum(take.to(tl.int32), axis=0)
+    if tl.max(cnt + n_take, axis=0) > CAP:
+        tl.debug_barrier()  # earlier candidate stores are visible to every thread
+        for r in range(BLOCK_M):
+            c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
+            nr = tl.sum(tl.where(offs_m == r, n_take, 0), axis=0)
+            if c + nr > CAP:
+                kth = _compact_row(scr + r * CAP, c, TOPK, CAP)
+                cnt = tl.where(offs_m == r, TOPK, cnt)
+                thr = tl.where(offs_m == r, kth, thr)
+        tl.debug_barrier()
+        # the threshold rose: filter again
+        take = (p > thr[None, :]) & key_ok[:, None] & row_ok[None, :]
+        n_take = tl.sum(take.to(tl.int32), axis=0)
+    if tl.max(n_take, axis=0) > 0:
+        take32 = take.to(tl.int32)
+        pos = cnt[None, :] + tl.cumsum(take32, axis=0) - take32
+        tl.store(scr_cols + pos, p, mask=take)
+        cnt += n_take
+    return cnt, thr
 
 
 @triton.jit
 def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
               CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr):
-    """Write the TOPK best of the n keys in row_ptr[0:n], in (value desc, index asc)
-    order, as indices (and values) at OUT_IDX/OUT_VAL + out_off."""
-    offs = tl.arange(0, CAP)
-    keys = tl.load(row_ptr + offs, mask=offs < n, other=EMPTY)
+    # Write the TOPK best of the n (>= TOPK) keys in row_ptr[0:n], in (value desc, index
+    # asc) order: compact to TOPK keys, then sort only those.
+    if n > TOPK:
+        _compact_row(row_ptr, n, TOPK, CAP)
+        tl.debug_barrier()
+    offs = tl.arange(0, TOPK_P2)
+    keys = tl.load(row_ptr + offs, mask=offs < TOPK, other=EMPTY)
     if RANK_SORT:
-        pos = _rank_desc(keys, CAP)
-        keep = (offs < n) & (pos < TOPK)
+        pos = _rank_desc(keys)
+        keep = offs < TOPK
         best = keys
     else:
-        best = tl.topk(keys, TOPK_P2)
-        pos = tl.arange(0, TOPK_P2)
-        keep = pos < TOPK
+        best = tl.sort(keys, descending=True)  # bitonic
+        pos = offs
+        keep = offs < TOPK
     out = out_off + pos
     tl.store(OUT_IDX + out, _unpack_index(best).to(OUT_IDX.dtype.element_ty), mask=keep)
     if RETURN_VALUES:
@@ -463,93 +582,132 @@ def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2
 
 @triton.jit
 def {{KERNEL_NAME}}(
-    Q, K, W, SCRATCH, OUT_IDX, OUT_VAL,
+    Q, K, W, SCRATCH, COUNTER, OUT_IDX, OUT_VAL,
 {{MASK_ARGS_DEF}}    stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_wb, stride_ws, stride_wh,
     S, T, num_row_blocks, num_blocks,
-    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, TF32: tl.constexpr, RETURN_VALUES: tl.constexpr,
-    RANK_SORT: tl.constexpr,
+    RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr,
 ):
-    # Persistent programs: each walks row blocks pid, pid + P, ... so SCRATCH holds
-    # P x BLOCK_M x CAP keys, independent of S. Blocks are visited heaviest first (the
-    # last rows of a causal mask see the most keys).
+    # Persistent programs take row blocks from an atomic counter, heaviest first (the last
+    # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
+    # whatever S is. Which program runs which block never changes the answer.
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, BLOCK_M * GP)     # dot columns: (row m, head-in-group g)
+    col_m = offs_c // GP
+    col_g = offs_c % GP
+    col_g_ok = col_g < G
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
     scr = SCRATCH + pid.to(tl.int64) * (BLOCK_M * CAP)
-    scr_rows = scr + offs_m.to(tl.int64)[:, None] * CAP  # [BLOCK_M, 1] row starts
-    for blk in range(pid, num_blocks, nprog):
-        b = blk // num_row_blocks
-        mb = num_row_blocks - 1 - blk % num_row_blocks
+    scr_cols = scr + offs_m.to(tl.int64)[None, :] * CAP  # [1, BLOCK_M] row starts
+    chk = tl.zeros([BLOCK_M], dtype=tl.float32)
+    j = tl.atomic_add(COUNTER, 1)
+    while j < num_blocks:
+        nbatch = num_blocks // num_row_blocks
+        b = j % nbatch
+        mb = num_row_blocks - 1 - j // nbatch
         b64 = b.to(tl.int64)
         rows64 = mb.to(tl.int64) * BLOCK_M + offs_m
         row_ok = rows64 < S
-        q_row_off = b64 * stride_qb + rows64 * stride_qs
+        col_rows64 = mb.to(tl.int64) * BLOCK_M + col_m
+        col_ok = (col_rows64 < S) & col_g_ok
+        q_col_off = b64 * stride_qb + col_rows64 * stride_qs + col_g * stride_qh
+        w_col_off = b64 * stride_wb + col_rows64 * stride_ws + col_g * stride_wh
         k_base = b64 * stride_kb
 {{ROW_BOUNDS}}
 {{SKIP_BOUNDS}}
         # Keys >= key_hi are -inf for every row; a row needs them only as fillers while it
         # holds fewer than TOPK keys, and the fillers are then the smallest such indices.
         t_end = tl.minimum(tl.maximum(key_hi, TOPK), T)
-        # Running state per row: cnt keys in its SCRATCH row (unordered past the last
-        # merge), thr = the TOPK-th best key at the last merge (EMPTY: accept anything).
+        # Tiles [v0, v1) may hold a visible key: they are scored. The others are provably
+        # all -inf: never scored, and visited at all only while some row would take their
+        # best key (-inf, t0), i.e. holds fewer than TOPK keys above it.
+        v0 = tl.minimum((key_lo // BLOCK_N) * BLOCK_N, t_end)
+        v1 = tl.maximum(tl.minimum(((key_hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, t_end), v0)
+        # Running state per row: cnt keys in its SCRATCH row (unordered), thr = its TOPK-th
+        # best key at its last compaction (EMPTY: accept anything).
         cnt = tl.zeros([BLOCK_M], dtype=tl.int32)
         thr = tl.zeros([BLOCK_M], dtype=tl.int64) + EMPTY
+        if HK == 1:
+            qb, wv = _load_q(Q, W, q_col_off, w_col_off, 0, col_ok, offs_d, d_ok,
+                             stride_qh, stride_qd, stride_wh, G, UPCAST)
+        else:
+            qb = tl.zeros([BLOCK_M * GP, BLOCK_D], dtype=Q.dtype.element_ty)
         tl.debug_barrier()  # the previous block's last reads of SCRATCH are done
-        for t0 in range(0, t_end, BLOCK_N):
-            keys64 = t0 + offs_n.to(tl.int64)
-            key_ok = keys64 < t_end
-            # A tile is provably all -inf when a skippable range term hides it for every
-            # row; then no score is computed, and if no row would take even its best
-            # (-inf, t0) key the tile is skipped altogether.
-            visible = (t0 + BLOCK_N > key_lo) & (t0 < key_hi)
-            first_key = NEG_INF_HI * 4294967296 + (4294967295 - tl.min(keys64, axis=0))
-            wanted = tl.max(tl.where(row_ok & (thr < first_key), 1, 0), axis=0) > 0
-            if visible | wanted:
-                if visible:
-                    y = _score_tile(
-                        Q, K, W, {{SCORE_MASK_ARGS}}
-                        stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_wb, stride_ws, stride_wh,
-                        {{ROW_BOUND_ARGS_DEF}}
-                        b64, rows64, row_ok, q_row_off, k_base, keys64, key_ok, T,
-                        H, G, D, BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, TF32,
-                    )
+        # 1. scored tiles. The inner loop runs only as many tiles as every row's buffer can
+        #    take without overflowing (a tile adds at most BLOCK_N keys per row), so it
+        #    holds no merge and no nested loop, and Triton software-pipelines its key-tile
+        #    loads (num_stages). Between inner loops, rows without room for one more tile
+        #    are compacted to their TOPK best.
+        t0 = v0
+        while t0 < v1:
+            space = tl.min(CAP - cnt, axis=0)
+            t_stop = tl.minimum(v1, t0 + (space // BLOCK_N) * BLOCK_N)
+            for tt in range(t0, t_stop, BLOCK_N):
+                keys64 = tt + offs_n.to(tl.int64)
+                key_ok = keys64 < t_end
+                if HK == 1:
+                    kt = _load_k(K, k_base, 0, keys64, key_ok, offs_d, d_ok, stride_kt, stride_kh, stride_kd,
+                                 UPCAST)
                 else:
-                    y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) - float("inf")
-                p = _pack(y, keys64[None, :])
-                take = (p > thr[:, None]) & row_ok[:, None] & key_ok[None, :]
-                n_take = tl.sum(take.to(tl.int32), axis=1)
-                # Make room first: a row whose buffer could overflow is merged down to TOPK.
-                if tl.max(cnt + n_take, axis=0) > CAP:
-                    tl.debug_barrier()  # earlier candidate stores are visible to every thread
-                    for r in range(BLOCK_M):
-                        c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
-                        nr = tl.sum(tl.where(offs_m == r, n_take, 0), axis=0)
-                        if c + nr > CAP:
-                            kth = _merge_row(scr + r * CAP, c, TOPK, TOPK_P2, CAP, RANK_SORT)
-                            cnt = tl.where(offs_m == r, tl.minimum(cnt, TOPK), cnt)
-                            thr = tl.where(offs_m == r, kth, thr)
-                    tl.debug_barrier()
-                    # the threshold may have risen: filter again
-                    take = (p > thr[:, None]) & row_ok[:, None] & key_ok[None, :]
-                    n_take = tl.sum(take.to(tl.int32), axis=1)
-                # Append the accepted keys, compacted, at each row's fill level.
-                take32 = take.to(tl.int32)
-                pos = cnt[:, None] + tl.cumsum(take32, axis=1) - take32
-                tl.store(scr_rows + pos, p, mask=take)
-                cnt += n_take
-        # Final merge per row: sort what is held, write the TOPK best.
-        tl.debug_barrier()
-        for r in range(BLOCK_M):
-            s = mb.to(tl.int64) * BLOCK_M + r
-            if s < S:
-                c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
-                _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
-                          TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES)
-        tl.debug_barrier()
+                    kt = tl.zeros([BLOCK_N, BLOCK_D], dtype=K.dtype.element_ty)
+                y = _score_tile(
+                    kt, qb,
+                    Q, K, W, {{SCORE_MASK_ARGS}}
+                    stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_wh,
+                    {{ROW_BOUND_ARGS_DEF}}
+                    b64, rows64, row_ok, q_col_off, w_col_off, col_ok, col_g_ok, k_base, keys64, key_ok,
+                    offs_d, d_ok, T,
+                    HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32,
+                )
+                if SCORE_ONLY:
+                    chk += tl.sum(tl.where(key_ok[:, None], y, 0.0), axis=0)
+                else:
+                    p = _pack(y, keys64[:, None])
+                    take = (p > thr[None, :]) & key_ok[:, None] & row_ok[None, :]
+                    take32 = take.to(tl.int32)
+                    pos = cnt[None, :] + tl.cumsum(take32, axis=0) - take32
+                    tl.store(scr_cols + pos, p, mask=take)
+                    cnt += tl.sum(take32, axis=0)
+            t0 = t_stop
+            if t0 < v1:
+                tl.debug_barrier()  # the appended keys are visible to every thread
+                for r in range(BLOCK_M):
+                    c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
+                    if c > CAP - BLOCK_N:
+                        kth = _compact_row(scr + r * CAP, c, TOPK, CAP)
+                        cnt = tl.where(offs_m == r, TOPK, cnt)
+                        thr = tl.where(offs_m == r, kth, thr)
+                tl.debug_barrier()
+        if not SCORE_ONLY:
+            # 2. all -inf tiles below v0 and from v1 to t_end (fillers)
+            for t0 in range(0, t_end, BLOCK_N):
+                if (t0 < v0) | (t0 >= v1):
+                    first_key = NEG_INF_HI * 4294967296 + (4294967295 - t0)
+                    wanted = tl.max(tl.where(row_ok & (thr < first_key), 1, 0), axis=0) > 0
+                    if wanted:
+                        keys64 = t0 + offs_n.to(tl.int64)
+                        key_ok = keys64 < t_end
+                        p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) - float("inf"), keys64[:, None])
+                        cnt, thr = _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m, TOPK, CAP,
+                                                BLOCK_M)
+            # 3. per row: compact to the TOPK best, sort those, write them
+            tl.debug_barrier()
+            for r in range(BLOCK_M):
+                s = mb.to(tl.int64) * BLOCK_M + r
+                if s < S:
+                    c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
+                    _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
+                              TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES)
+            tl.debug_barrier()
+        j = tl.atomic_add(COUNTER, 1)
+    if SCORE_ONLY:
+        tl.store(OUT_VAL + pid * BLOCK_M + offs_m, chk)
 '''

@@ -24,28 +24,46 @@ def _next_pow2(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class HyTopKConfig:
-    """Launch parameters. They never change the score arithmetic (heads are summed in a
-    fixed order, every dot spans the whole padded head dim), and they are chosen from
-    the shape alone, so results are bitwise reproducible across processes."""
+    """Launch parameters. They never change the score arithmetic (kv heads are summed in a
+    fixed order, the heads of a group by a fixed pairwise tree, every dot spans the whole
+    padded head dim), and they are chosen from the shape alone, so results are bitwise
+    reproducible across processes."""
 
-    block_m: int = 64  # query rows per block (>= 16: tl.dot minimum on GPU)
-    block_n: int = 64  # keys per tile (>= 16)
+    block_m: Optional[int] = None  # query rows per block; None: 256 // (heads per kv head)
+    block_n: int = 64  # keys per tile (>= 16): the rows of the dot
     num_warps: int = 4
     num_stages: int = 1
-    num_programs: Optional[int] = None  # persistent programs; None: one wave
-    # How a row's buffer is ordered at a merge: "bitonic" (tl.topk, the GPU path) or
-    # "rank" (count the keys above each key: O(CAP^2), but vectorized, which the
+    num_programs: Optional[int] = None  # persistent programs; None: 2 per SM (or 64)
+    # How a row's final TOPK keys are ordered: "bitonic" (tl.sort, the GPU path) or
+    # "rank" (count the keys above each key: O(k^2), but vectorized, which the
     # interpreter runs far faster than a bitonic network). None: rank iff interpreting.
     sort: Optional[str] = None
+    # Benchmarks only: score every tile but select nothing (outputs are garbage). Shows
+    # what the selection costs on top of the scoring.
+    score_only: bool = False
 
 
-def default_config(S: int, T: int, topk: int, device: torch.device) -> HyTopKConfig:
+def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True) -> HyTopKConfig:
     if device.type != "cuda":
         # Interpreter: every program and tile step costs tens of ms; keep tiles small.
-        return HyTopKConfig(block_m=16, block_n=32, num_warps=1)
-    cap = _next_pow2(topk + 64)
-    # The merge sorts CAP int64 keys per row in registers: give big buffers more threads.
-    return HyTopKConfig(block_m=64, block_n=64, num_warps=8 if cap >= 8192 else 4, num_stages=1)
+        return HyTopKConfig(block_n=32, num_warps=1)
+    if not native16:
+        # fp32 operands: IEEE dots run on FMA units, fully unrolled; small tiles keep the
+        # code (and the compile time) bounded
+        return HyTopKConfig(block_n=32, num_warps=4, num_stages=1, block_m=-64)
+    # 2 stages: Q block (64 KiB) + 2 key tiles fit twice per SM (2 programs resident)
+    return HyTopKConfig(block_n=64, num_warps=4, num_stages=2)
+
+
+def _block_m(cfg: HyTopKConfig, gp: int, interpret: bool) -> int:
+    if cfg.block_m is not None and cfg.block_m < 0:  # -n: as many rows as give n dot columns
+        return max(1, -cfg.block_m // gp, -(-16 // gp))
+    if cfg.block_m is not None:
+        return cfg.block_m
+    if interpret:
+        return max(1, min(16, 64 // gp))
+    # 256 dot columns (4 query rows x 64 heads at the DSA shape); at least 16 (tl.dot)
+    return max(1, min(64, 256 // gp), -(-16 // gp))
 
 
 def _row_view(t: torch.Tensor, B: int, S: int, what: str) -> torch.Tensor:
@@ -134,21 +152,29 @@ def hytopk_triton(
     if topk == 0 or B == 0 or S == 0:
         return (val_out, idx_out) if return_values else idx_out
 
-    cfg = config or default_config(S, T, topk, device)
-    if cfg.block_m < 16 or cfg.block_n < 16 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1):
-        raise SpecError(f"block sizes must be powers of two >= 16, got {cfg}")
+    native16 = q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16) and not interpret
+    cfg = config or default_config(S, T, topk, device, native16)
+    G = H // Hk
+    gp = _next_pow2(G)
+    block_m = _block_m(cfg, gp, interpret)
+    if block_m < 1 or block_m & (block_m - 1) or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1):
+        raise SpecError(f"block_m must be a power of two and block_n a power of two >= 16, got {cfg}")
+    if not interpret and block_m * gp < 16:
+        raise SpecError(f"block_m * heads per kv head = {block_m * gp} < 16 (tl.dot minimum), got {cfg}")
     sort = cfg.sort or ("rank" if interpret else "bitonic")
     if sort not in ("rank", "bitonic"):
         raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank' or 'bitonic'")
     block_d = max(16, _next_pow2(D))
     topk_p2 = _next_pow2(topk)
     cap = _next_pow2(topk + cfg.block_n)
-    num_row_blocks = triton_cdiv(S, cfg.block_m)
+    num_row_blocks = triton_cdiv(S, block_m)
     num_blocks = B * num_row_blocks
     if cfg.num_programs is not None:
         nprog = cfg.num_programs
     elif device.type == "cuda":
-        nprog = torch.cuda.get_device_properties(device).multi_processor_count
+        # Programs take blocks from an atomic counter, so programs that are not resident
+        # (when fewer fit per SM) start late and find no work: no imbalance either way.
+        nprog = 2 * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         nprog = 64
     nprog = max(1, min(nprog, num_blocks))
@@ -169,24 +195,28 @@ def hytopk_triton(
         w_arg, w_strides = q, (0, 0, 0)  # never read: reduce != weighted_sum
     else:
         w_arg, w_strides = w, w.stride()
-    scratch = torch.empty(nprog * cfg.block_m * cap, dtype=torch.int64, device=device)
+    scratch = torch.empty(nprog * block_m * cap, dtype=torch.int64, device=device)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
     write_vals = return_values
-    if return_values and score_dtype != torch.float32:
+    if cfg.score_only:
+        vals32 = torch.empty(nprog * block_m, dtype=torch.float32, device=device)
+    elif return_values and score_dtype != torch.float32:
         vals32 = torch.empty((B, S, topk), dtype=torch.float32, device=device)
     else:
         vals32 = val_out if return_values else idx_out  # placeholder pointer when unused
 
     launch = dict(
-        H=H, G=H // Hk, D=D, TOPK=topk, TOPK_P2=topk_p2, CAP=cap,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        HK=Hk, G=G, GP=gp, D=D, TOPK=topk, TOPK_P2=topk_p2, CAP=cap,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         UPCAST=upcast, TF32=tf32, RETURN_VALUES=write_vals, RANK_SORT=sort == "rank",
+        SCORE_ONLY=bool(cfg.score_only),
     )
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     guard = torch.cuda.device(device) if device.type == "cuda" else _nullcontext()
     with guard:
         kern[(nprog,)](
-            q, k, w_arg, scratch, idx_out, vals32,
+            q, k, w_arg, scratch, counter, idx_out, vals32,
             *mask_args,
             q.stride(0), q.stride(1), q.stride(2), q.stride(3),
             kb_stride, k.stride(1), k.stride(2), k.stride(3),
@@ -194,6 +224,8 @@ def hytopk_triton(
             S, T, num_row_blocks, num_blocks,
             **launch,
         )
+    if cfg.score_only:
+        return vals32
     if return_values:
         if vals32 is not val_out:
             val_out.copy_(vals32)

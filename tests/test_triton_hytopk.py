@@ -624,6 +624,9 @@ def test_gpu_bits_identical_across_processes(cuda, kernel_cache, tmp_path):
     """)
     env = {k_: v_ for k_, v_ in os.environ.items() if k_ != "TRITON_INTERPRET"}
     env["HYSCALE_KERNEL_CACHE"] = kernel_cache
+    # importable without an install too (hyscale_compile/__init__ maps lowerings/ and passes/)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     hashes = []
     for _ in range(2):
         # cwd outside the source tree: a bare `hyscale_compile/` dir on sys.path[0] would

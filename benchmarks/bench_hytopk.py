@@ -1,0 +1,422 @@
+"""HyTopK at the DSA shape against its baselines, side by side, on one GPU.
+
+    python benchmarks/bench_hytopk.py --sizes 8192,32768,131072 [--million] [--out DIR]
+
+DSA shape: H=64 indexer heads, D=128, k=2048, bf16 q/k upcast to fp32 in the graph, per-query
+head weights (fp32), ReLU, weighted head sum, causal, batch 1. Rows of the table:
+
+* floor          causal score FLOPs H*D*2*S*(S+1)/2 at the bf16 matmul rate measured here
+                 (torch.matmul 8192^3 on random bf16 data, median of do_bench).
+* eager          the HF-style graph (``hf_indexer``: matmul(q.float(), k.float()^T) * scale,
+                 relu, weighted head sum, additive causal mask, topk) chunked over queries.
+* compile        default ``torch.compile`` of the same chunk function (same loop).
+  At S >= --extrapolate-from (default 131072) these two are timed on --sample-chunks chunks
+  and scaled to all chunks (their cost per chunk does not depend on its position): the
+  table marks them "est".
+* score+topk     a fused Triton score kernel (keys as the rows of the dot, causal tiles
+                 skipped) writing fp32 scores per query chunk, then torch.topk per chunk.
+* hytopk         torch.ops.hyscale.hytopk with the DSA spec (the generated kernel).
+* hytopk:score   the same kernel with selection switched off (diagnostic: scoring alone).
+* hyscale-compile  torch.compile(hf_indexer, backend="hyscale") on the whole sequence: the
+                 rewrite is what runs (the counter of generated-kernel launches is printed).
+
+Inputs (both reported): "iid" (q, k ~ N(0,1) bf16, w ~ N(0,1)/8) and "struct": keys with
+locality and clusters (32 cluster centres; the key sequence is cut into segments of 64-512
+positions, each drawn from one centre, plus a slowly drifting AR(1) component and noise),
+queries that favour a few clusters (each query block of 256 draws 3 favourite centres; every
+head mixes them with random weights plus noise), w ~ N(0,1)/8. See ``make_inputs``.
+
+Columns: median time (triton.testing.do_bench), peak extra memory (max_memory_allocated
+minus what was allocated before the call), ratio to the floor, and "exact": a threshold
+check on sampled rows against float64 scores (DESIGN.md tol = (D+H+2) u sum_h|w_h| sum_d|q k|).
+Progress goes to stderr; full logs and a JSON land in --out (default $OUT).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# Run from a checkout without installing: the repository root makes `hyscale_compile` (and,
+# through its __init__, hyscale_compile.lowerings / .passes) importable.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+H, D, TOPK = 64, 128, 2048
+SCALE = D**-0.5
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------
+def make_inputs(S: int, kind: str, seed: int, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    if kind == "iid":
+        q = torch.randn(1, S, H, D, device=device, generator=g).to(torch.bfloat16)
+        k = torch.randn(1, S, D, device=device, generator=g).to(torch.bfloat16)
+    else:
+        C = 32
+        centres = torch.randn(C, D, device=device, generator=g) * 1.5
+        # key segments of 64..512 positions, each from one cluster
+        seg_len = torch.randint(64, 513, (S // 64 + 2,), device=device, generator=g)
+        seg_of = torch.repeat_interleave(torch.arange(len(seg_len), device=device), seg_len)[:S]
+        seg_cluster = torch.randint(0, C, (len(seg_len),), device=device, generator=g)
+        cl = seg_cluster[seg_of]
+        # slowly drifting component: AR(1) with coefficient 0.999, sampled every 256 keys
+        n_anchor = S // 256 + 2
+        steps = torch.randn(n_anchor, D, device=device, generator=g) * 0.045
+        drift = torch.cumsum(steps, 0)
+        drift = drift.repeat_interleave(256, 0)[:S]
+        k = centres[cl] + drift + 0.5 * torch.randn(S, D, device=device, generator=g)
+        k = k.unsqueeze(0).to(torch.bfloat16)
+        nb = S // 256 + 1
+        fav = torch.randint(0, C, (nb, 3), device=device, generator=g)  # 3 favourite clusters
+        mix = torch.randn(nb, H, 3, device=device, generator=g).abs()
+        qb = torch.einsum("bhc,bcd->bhd", mix, centres[fav])  # [nb, H, D]
+        q = qb.repeat_interleave(256, 0)[:S] + 0.7 * torch.randn(S, H, D, device=device, generator=g)
+        q = q.unsqueeze(0).to(torch.bfloat16)
+    w = torch.randn(1, S, H, device=device, generator=g) / 8.0
+    return q, k, w
+
+
+# ------------------------------------------------------------------------------------------
+# the HF-style graph (eager / torch.compile / backend="hyscale")
+# ------------------------------------------------------------------------------------------
+def hf_indexer(q, k, w, qpos, scale: float = SCALE, topk: int = TOPK):
+    """q [B,c,H,D] bf16, k [B,T,D] bf16, w [B,c,H] fp32, qpos [c] int64 query positions."""
+    scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * scale
+    scores = F.relu(scores)  # [B, c, H, T]
+    index_scores = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [B, c, T]
+    kpos = torch.arange(k.shape[1], device=k.device)
+    mask = torch.where(kpos[None, :] <= qpos[:, None], 0.0, torch.finfo(torch.float32).min)
+    index_scores = index_scores + mask
+    return index_scores.topk(topk, dim=-1).indices
+
+
+def chunk_rows(S: int) -> int:
+    # ~2 GiB of fp32 per-head logits per chunk
+    return max(16, min(S, (2 << 30) // (4 * H * S)))
+
+
+def run_chunked(fn, q, k, w, chunks=None):
+    S = q.shape[1]
+    c = chunk_rows(S)
+    starts = list(range(0, S, c)) if chunks is None else chunks
+    out = None
+    for s0 in starts:
+        s1 = min(S, s0 + c)
+        qpos = torch.arange(s0, s1, device=q.device)
+        out = fn(q[:, s0:s1], k, w[:, s0:s1], qpos)
+    return out
+
+
+def run_chunked_full(fn, q, k, w):
+    S = q.shape[1]
+    c = chunk_rows(S)
+    idx = torch.empty(1, S, TOPK, dtype=torch.int64, device=q.device)
+    for s0 in range(0, S, c):
+        s1 = min(S, s0 + c)
+        idx[:, s0:s1] = fn(q[:, s0:s1], k, w[:, s0:s1], torch.arange(s0, s1, device=q.device))
+    return idx
+
+
+# ------------------------------------------------------------------------------------------
+# baseline: fused Triton score kernel writing fp32 scores per query chunk, then torch.topk
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def _score_kernel(Q, K, W, OUT, s_base, T_cols, stride_qs, stride_ws, stride_os,
+                  H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # one program = BLOCK_M consecutive queries of the chunk, all key tiles up to T_cols
+    pid = tl.program_id(0)
+    offs_c = tl.arange(0, BLOCK_M * H)
+    col_m = offs_c // H
+    col_h = offs_c % H
+    offs_d = tl.arange(0, D)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    rows = pid * BLOCK_M + offs_m                      # chunk-local rows
+    pos = s_base + rows                                # absolute query positions
+    col_rows = (pid * BLOCK_M + col_m).to(tl.int64)
+    qb = tl.load(Q + col_rows[:, None] * stride_qs + col_h[:, None] * D + offs_d[None, :])
+    wv = tl.load(W + col_rows * stride_ws + col_h)
+    last = s_base + pid * BLOCK_M + BLOCK_M            # keys >= last are masked for every row
+    t_mid = tl.minimum(((last + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, T_cols)
+    for t0 in range(0, t_mid, BLOCK_N):                # scored tiles (a plain, pipelined loop)
+        keys = t0 + offs_n
+        kt = tl.load(K + keys[:, None].to(tl.int64) * D + offs_d[None, :], mask=keys[:, None] < T_cols, other=0.0)
+        x = tl.dot(kt, tl.trans(qb), out_dtype=tl.float32) * 0.08838834764831845
+        x = tl.where(x < 0.0, 0.0, x) * wv[None, :]
+        y = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, H]), axis=2)
+        y = tl.where(keys[:, None] <= pos[None, :], y, float("-inf"))
+        tl.store(OUT + rows[None, :].to(tl.int64) * stride_os + keys[:, None], y, mask=keys[:, None] < T_cols)
+    for t0 in range(t_mid, T_cols, BLOCK_N):           # fully masked tiles: -inf, no scoring
+        keys = t0 + offs_n
+        y = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) - float("inf")
+        tl.store(OUT + rows[None, :].to(tl.int64) * stride_os + keys[:, None], y, mask=keys[:, None] < T_cols)
+
+
+def score_then_topk(q, k, w, chunk=None):
+    S = q.shape[1]
+    c = chunk or min(S, 4096)
+    q2 = q[0].reshape(S, H * D)
+    k2 = k[0]
+    w2 = w[0]
+    idx = torch.empty(1, S, TOPK, dtype=torch.int64, device=q.device)
+    buf = torch.empty(c, S, dtype=torch.float32, device=q.device)
+    for s0 in range(0, S, c):
+        s1 = min(S, s0 + c)
+        cols = max(s1, TOPK)
+        out = buf[: s1 - s0, :cols]
+        _score_kernel[((s1 - s0) // 4,)](q2[s0:s1], k2, w2[s0:s1], out, s0, cols, q2.stride(0), w2.stride(0),
+                                         out.stride(0), H=H, D=D, BLOCK_M=4, BLOCK_N=64, num_warps=4, num_stages=3)
+        idx[0, s0:s1] = torch.topk(out, TOPK, dim=-1).indices
+    return idx
+
+
+# ------------------------------------------------------------------------------------------
+# HyTopK
+# ------------------------------------------------------------------------------------------
+def dsa_spec():
+    from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
+
+    return ScoreSpec(name="dsa", epilogue=(("mul", SCALE), ("relu",)), reduce="weighted_sum",
+                     post=(("mask", 0),), masks=(MaskTerm(kind="range", hi=0),))
+
+
+def hytopk_op(q, k, w, hi, spec_json):
+    return torch.ops.hyscale.hytopk(q, k.unsqueeze(2), w, [hi], TOPK, spec_json)
+
+
+# ------------------------------------------------------------------------------------------
+# exactness: threshold check on sampled rows against float64 scores
+# ------------------------------------------------------------------------------------------
+def sample_rows(S):
+    rows = {0, 1, TOPK - 2, TOPK - 1, TOPK, TOPK + 1, S // 2, S - 2, S - 1}
+    rows |= set(range(97, S, max(1, S // 8)))
+    return sorted(r for r in rows if 0 <= r < S)
+
+
+def check_rows(idx, q, k, w, rows):
+    """True when every sampled row's selection passes the DESIGN.md threshold check."""
+    dev = q.device
+    r = torch.tensor(rows, device=dev)
+    qs = q[0, r].double()                      # [n, H, D]
+    kk = k[0].double()                         # [T, D]
+    ws = w[0, r].double()                      # [n, H]
+    T = kk.shape[0]
+    bad = 0
+    for i, s in enumerate(rows):
+        x = (qs[i] @ kk.T) * SCALE              # [H, T]
+        ax = (qs[i].abs() @ kk.abs().T) * SCALE
+        y = ws[i] @ torch.relu(x)
+        ay = ws[i].abs() @ ax
+        t = torch.arange(T, device=dev)
+        y = torch.where(t <= s, y, -math.inf)
+        tol = (D + H + 2) * 2.0**-24 * ay.max()
+        sel = idx[0, s].long()
+        if sel.unique().numel() != TOPK:
+            bad += 1
+            continue
+        chosen = torch.zeros(T, dtype=torch.bool, device=dev)
+        chosen[sel] = True
+        ysel = y[sel]
+        valid = int(min(s + 1, T))
+        if valid >= TOPK:
+            ok = bool(torch.isfinite(ysel).all()) and float(ysel.min()) >= float(torch.where(chosen, -math.inf, y).max()) - float(tol)
+        else:
+            ok = bool(chosen[:valid].all())
+        bad += 0 if ok else 1
+    return bad == 0
+
+
+# ------------------------------------------------------------------------------------------
+# timing / memory
+# ------------------------------------------------------------------------------------------
+def measure(fn, reps_hint=5, once=False):
+    """(median ms, peak extra bytes, last output)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t = time.perf_counter()
+    out = fn()  # also the warm-up (compiles)
+    torch.cuda.synchronize()
+    first = (time.perf_counter() - t) * 1e3
+    peak = torch.cuda.max_memory_allocated() - base
+    if once:  # the kernel is already compiled: the first call is the timing
+        return first, peak, out, first
+    if first > 150:
+        # slow rows: CUDA events, median of `reps` calls (do_bench would add 5 estimate calls)
+        times = []
+        for _ in range(3):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            out = fn()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+        return statistics.median(times), peak, out, first
+    est = min(first, 1e4)
+    ms = triton.testing.do_bench(fn, warmup=max(1, est), rep=max(1, est * reps_hint), return_mode="median")
+    return ms, peak, out, first
+
+
+def matmul_rate():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    return 2 * 8192**3 / (ms * 1e-3)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="8192,32768,131072")
+    ap.add_argument("--inputs", default="iid,struct")
+    ap.add_argument("--million", action="store_true", help="also HyTopK alone at S=1M (iid)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--skip", default="", help="comma list of rows to skip: eager,compile,score+topk,hyscale-compile")
+    ap.add_argument("--extrapolate-from", type=int, default=131072)
+    ap.add_argument("--sample-chunks", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--deadline", type=float, default=1e9, help="seconds; later rows are skipped (and say so)")
+    args = ap.parse_args()
+    t_start = time.time()
+
+    def late(what):
+        if time.time() - t_start > args.deadline:
+            log(f"[bench] deadline: skipping {what}")
+            results.append(dict(S=0, inputs="-", impl="SKIPPED", ms=None, peak_gib=None, ratio=None, floor_ms=None,
+                                exact=None, note=f"deadline: {what}"))
+            return True
+        return False
+
+    os.makedirs(args.out, exist_ok=True)
+    skip = set(x for x in args.skip.split(",") if x)
+    import hyscale_compile  # noqa: F401  (registers torch.ops.hyscale and the backend)
+    from hyscale_compile.lowerings import triton_hytopk as th
+
+    dev = torch.cuda.get_device_properties(0)
+    meta = dict(device=dev.name, sms=dev.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z", H=H, D=D, k=TOPK, batch=1)
+    rate = matmul_rate()
+    meta["bf16_matmul_tflops"] = rate / 1e12
+    log(f"[bench] {meta}")
+    spec = dsa_spec()
+    spec_json = spec.to_json()
+    results = []
+    compiled_chunk = torch.compile(hf_indexer)
+
+    def row(S, inp, name, ms, peak, exact, note=""):
+        flops = H * D * 2 * S * (S + 1) / 2
+        floor = flops / rate * 1e3
+        rec = dict(S=S, inputs=inp, impl=name, ms=ms, peak_gib=None if peak is None else peak / 2**30,
+                   ratio=None if ms is None else ms / floor, floor_ms=floor, exact=exact, note=note)
+        results.append(rec)
+        log(f"[bench] S={S} {inp} {name}: {rec}")
+        with open(os.path.join(args.out, "bench_hytopk.json"), "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=1)
+
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    for S in sizes:
+        flops = H * D * 2 * S * (S + 1) / 2
+        for inp in args.inputs.split(","):
+            if late(f"S={S} {inp}"):
+                continue
+            log(f"[bench] S={S} inputs={inp}: generating")
+            q, k, w = make_inputs(S, inp, seed=1000 + S % 997 + (0 if inp == "iid" else 1))
+            hi = (torch.arange(S, device="cuda") + 1).view(1, S)
+            rows = sample_rows(S)
+            row(S, inp, "floor", flops / rate * 1e3, None, None)
+            # HyTopK through the op
+            ms, peak, idx, first = measure(lambda: hytopk_op(q, k, w, hi, spec_json), args.reps)
+            row(S, inp, "hytopk", ms, peak, check_rows(idx, q, k, w, rows), f"first call {first:.0f} ms")
+            del idx
+            # scoring alone (diagnostic)
+            cfg = th.HyTopKConfig(score_only=True)
+            ms, peak, _, _ = measure(lambda: th.hytopk_triton(q, k.unsqueeze(2), w, [hi], TOPK, spec, config=cfg),
+                                     args.reps)
+            row(S, inp, "hytopk:score-only", ms, peak, None, "diagnostic: selection off")
+            if "score+topk" not in skip:
+                ms, peak, idx, _ = measure(lambda: score_then_topk(q, k, w), args.reps)
+                row(S, inp, "score+topk", ms, peak, check_rows(idx, q, k, w, rows))
+                del idx
+            big = S >= args.extrapolate_from
+            c = chunk_rows(S)
+            n_chunks = -(-S // c)
+            for name, fn in (("eager", hf_indexer), ("compile", compiled_chunk)):
+                if name in skip or late(f"S={S} {inp} {name}"):
+                    continue
+                if big:
+                    picks = [int(i * c) for i in torch.linspace(0, n_chunks - 1, args.sample_chunks).round().tolist()]
+                    ms, peak, _, _ = measure(lambda: run_chunked(fn, q, k, w, picks), 2)
+                    row(S, inp, name, ms * n_chunks / len(picks), peak, None,
+                        f"est: {len(picks)} of {n_chunks} chunks of {c} rows timed, scaled")
+                else:
+                    ms, peak, idx, _ = measure(lambda: run_chunked_full(fn, q, k, w), 2)
+                    row(S, inp, name, ms, peak, check_rows(idx, q, k, w, rows), f"{n_chunks} chunks of {c} rows")
+                    del idx
+            if "hyscale-compile" not in skip and inp == "iid" and S == sizes[0]:
+                calls = {"n": 0}
+                orig = th.hytopk_triton
+
+                def counting(*a, **kw):
+                    calls["n"] += 1
+                    return orig(*a, **kw)
+
+                th.hytopk_triton = counting
+                try:
+                    torch._dynamo.reset()
+                    hf_c = torch.compile(hf_indexer, backend="hyscale")
+                    qpos = torch.arange(S, device="cuda")
+                    ms, peak, idx, first = measure(lambda: hf_c(q, k, w, qpos), args.reps)
+                    ok = check_rows(idx, q, k, w, rows)
+                finally:
+                    th.hytopk_triton = orig
+                row(S, inp, "hyscale-compile", ms, peak, ok,
+                    f"whole sequence, {calls['n']} generated-kernel launches; compile+first {first:.0f} ms")
+                del idx
+            del q, k, w
+            torch.cuda.empty_cache()
+    if args.million and not late("S=1M"):
+        S = 1 << 20
+        log(f"[bench] S={S}: generating")
+        q, k, w = make_inputs(S, "iid", seed=77)
+        hi = (torch.arange(S, device="cuda") + 1).view(1, S)
+        ms, peak, idx, _ = measure(lambda: hytopk_op(q, k, w, hi, spec_json), once=True)
+        row(S, "iid", "floor", H * D * 2 * S * (S + 1) / 2 / rate * 1e3, None, None)
+        row(S, "iid", "hytopk", ms, peak, check_rows(idx, q, k, w, [0, 2047, 2048, 99999, S // 2, S - 1]),
+            "one timed call")
+        del q, k, w, idx
+
+    # the short table, last
+    lines = [f"device {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  "
+             f"bf16 matmul {meta['bf16_matmul_tflops']:.0f} TFLOP/s  {meta['date']}",
+             f"{'S':>8} {'inputs':>6} {'impl':>18} {'ms':>10} {'peak GiB':>9} {'x floor':>8} {'exact':>6}  note"]
+    for r in results:
+        ms = "-" if r["ms"] is None else f"{r['ms']:.2f}"
+        pk = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+        ra = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        ex = "-" if r["exact"] is None else ("yes" if r["exact"] else "NO")
+        lines.append(f"{r['S']:>8} {r['inputs']:>6} {r['impl']:>18} {ms:>10} {pk:>9} {ra:>8} {ex:>6}  {r['note']}")
+    table = "\n".join(lines)
+    with open(os.path.join(args.out, "bench_hytopk.txt"), "w") as f:
+        f.write(table + "\n")
+    print(table, flush=True)
+
+
+if __name__ == "__main__":
+    main()
