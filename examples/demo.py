@@ -461,10 +461,20 @@ def main(argv=None) -> int:
                     say("      eager vs eager-with-stable-top-k: "
                         + ("equal (no tie changes the output)" if tie_note is None else f"differ: {tie_note}"))
                 err2 = close(out, stable, tol)
+                ind = results.get("inductor", {}).get("logits")
+                err3 = close(out, ind, tol) if (ind is not None and plan.dtype != torch.float32) else "n/a"
                 if err2 is None:
                     equal[v] = "yes (stable ties)"
                     hyscale_ok = True
                     say("      hyscale: equal to eager with the stable tie rule")
+                elif err3 is None:
+                    # low precision: default torch.compile rounds the model's bf16 math
+                    # differently from eager; hyscale compiles everything but the selection
+                    # exactly as it does, so that is the output the rewrite must not change
+                    equal[v] = "= inductor"
+                    hyscale_ok = True
+                    say("      hyscale: equal to default torch.compile (which itself differs from eager "
+                        "by bf16 rounding, see above)")
                 else:
                     equal[v] = "NO"
                     say(f"      hyscale: differs from eager with the stable tie rule too: {err2}")
