@@ -96,10 +96,12 @@ def test_backend_installs_and_chains_the_joint_pass(monkeypatch):
         seen["patches"] = config_patches
         return gm.forward
 
-    monkeypatch.setattr(torch._inductor.config, "joint_custom_pre_pass", Prior())
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fake_compile_fx)
     gm = fx.symbolic_trace(lambda x: x * 2)
-    hyscale_compile.hyscale_backend(gm, [torch.randn(2)], options={"max_autotune": False})
+    # config.patch, not monkeypatch: undoing a monkeypatch deletes the attribute, which
+    # hides the key in Inductor's config module for the rest of the process
+    with torch._inductor.config.patch(joint_custom_pre_pass=Prior()):
+        hyscale_compile.hyscale_backend(gm, [torch.randn(2)], options={"max_autotune": False})
     p = seen["patches"]
     assert p["max_autotune"] is False
     jp = p["joint_custom_pre_pass"]
