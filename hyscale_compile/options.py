@@ -7,6 +7,8 @@ from typing import Any, Dict, Optional, Tuple
 HYSCALE_OPTIONS = {
     "enable": (bool, "rewrite selections (False: plain Inductor, diagnostics still recorded)"),
     "capture": (list, "tests: a list that receives the graphs the debug backend ran"),
+    "replay": (bool, "save the selection for the backward (default True); False keeps the "
+                     "checkpoint policy's tag, so benchmarks can measure what replay saves"),
 }
 _MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 

@@ -34,7 +34,12 @@ def parse_spec(spec: str) -> ScoreSpec:
     return ScoreSpec.from_json(spec)
 
 
+# Calls of the op's implementation in this process (benchmarks count selections per step).
+CALLS = {"hytopk": 0}
+
+
 def _impl(q, k, w, masks, topk, spec, return_values):
+    CALLS["hytopk"] += 1
     parsed = parse_spec(spec)
     if q.device.type == "cuda" and os.environ.get("HYSCALE_KERNEL", "triton") != "reference":
         from .triton_hytopk import hytopk_triton

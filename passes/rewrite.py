@@ -187,7 +187,7 @@ class Emitter:
         return out
 
 
-def apply_match(graph: fx.Graph, m: SiteMatch) -> fx.Node:
+def apply_match(graph: fx.Graph, m: SiteMatch, replay: bool = True) -> fx.Node:
     """Insert the op for ``m`` and reroute the top-k's consumers. Returns the op node."""
     tk = m.topk
     em = Emitter(graph, tk)
@@ -218,7 +218,12 @@ def apply_match(graph: fx.Graph, m: SiteMatch) -> fx.Node:
     except Exception:
         em.rollback()
         raise
-    tag_saved(call)
+    if replay:
+        tag_saved(call)
+    elif "recompute" in tk.meta:  # measurement only: recompute the selection as the policy said
+        call.meta["recompute"] = tk.meta["recompute"]
+        for u in call.users:
+            u.meta["recompute"] = tk.meta["recompute"]
     for gi in list(tk.users):
         i = gi.args[1]
         if i in outs:

@@ -35,7 +35,7 @@ def _source_files():
     return tuple(out)
 
 
-def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph_kind: str = "") -> int:
+def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph_kind: str = "", replay: bool = True) -> int:
     """Rewrite every selection top-k in ``graph``; returns how many were rewritten."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     params = {placeholders[i].name for i in param_indices if i < len(placeholders)}
@@ -46,7 +46,7 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
         line = diagnostics.user_line(tk)
         try:
             m = analyse_site(facts, tk)
-            apply_match(graph, m)
+            apply_match(graph, m, replay=replay)
         except Unsupported as e:
             diagnostics.record(diagnostics.SiteRecord(node=tk.name, source=line, rewritten=False, reason=str(e), graph=graph_kind))
             continue
@@ -78,7 +78,7 @@ class HyScaleJointPass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         if self.options.get("enable", True):
             kind = "joint" if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes) else "forward"
-            rewrite_selections(graph, self.param_indices, kind)
+            rewrite_selections(graph, self.param_indices, kind, replay=self.options.get("replay", True))
         if self.chained is not None:
             self.chained(graph)
 

@@ -99,3 +99,16 @@ def test_indices_saved_as_int32():
     out = fw.graph.find_nodes(op="output")[0]
     saved = [n for n in out.args[0] if isinstance(n, torch.fx.Node) and n.target is torch.ops.hyscale.hytopk.default]
     assert len(saved) == 1 and saved[0].meta["val"].dtype == torch.int32
+
+
+def test_replay_off_recomputes_under_checkpoint():
+    """``hyscale.replay=False`` (for measuring what replay saves) leaves the checkpoint
+    policy in charge: the backward then selects again."""
+    blk = Block()
+    cap = []
+    torch._dynamo.reset()
+    x = torch.randn(B, S, E, requires_grad=True)
+    torch.compile(lambda x: checkpoint(blk, x, use_reentrant=False), backend="hyscale_debug",
+                  options={"hyscale.capture": cap, "hyscale.replay": False})(x).sum().backward()
+    bw = graph_text(next(g for k, g in cap if k == "backward").graph)
+    assert bw.count("hyscale.hytopk") == 1
