@@ -23,7 +23,6 @@ from .rewrite import apply_match
 
 aten = torch.ops.aten
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_LOWERINGS = os.path.join(os.path.dirname(_HERE), "lowerings")
 
 
 def _source_files():
