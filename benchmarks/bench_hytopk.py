@@ -1,6 +1,7 @@
 """HyTopK at the DSA shape against its baselines, side by side, on one GPU.
 
     python benchmarks/bench_hytopk.py --sizes 8192,32768,131072 [--million] [--out DIR]
+    python benchmarks/bench_hytopk.py --sizes 32768,131072 --rows hytopk,hytopk:score-only,score+topk --inputs iid
 
 DSA shape: H=64 indexer heads, D=128, k=2048, bf16 q/k upcast to fp32 in the graph, per-query
 head weights (fp32), ReLU, weighted head sum, causal, batch 1. Rows of the table:
@@ -54,6 +55,8 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 H, D, TOPK = 64, 128, 2048
+# every row name --rows / --skip understand (floor is always printed)
+ROWS = ("hytopk", "hytopk:score-only", "score+topk", "eager", "compile", "hyscale-compile")
 SCALE = D**-0.5
 
 
@@ -289,12 +292,26 @@ def main():
     ap.add_argument("--million", action="store_true", help="also HyTopK alone at S=1M (iid)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--skip", default="", help="comma list of rows to skip: eager,compile,score+topk,hyscale-compile")
+    ap.add_argument("--rows", default="", help="comma list of the only rows to run (default: all): " + ",".join(ROWS))
+    ap.add_argument("--dry-run", action="store_true", help="parse the arguments, print the plan and exit (no GPU)")
     ap.add_argument("--extrapolate-from", type=int, default=131072)
     ap.add_argument("--sample-chunks", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds; later rows are skipped (and say so)")
     args = ap.parse_args()
     t_start = time.time()
+    only = set(x for x in args.rows.split(",") if x)
+    unknown = only - set(ROWS)
+    if unknown:
+        ap.error(f"--rows: unknown row(s) {sorted(unknown)}; known: {','.join(ROWS)}")
+    skip = set(x for x in args.skip.split(",") if x)
+    if only:
+        skip |= set(ROWS) - only
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    if args.dry_run:
+        print(f"sizes={sizes} inputs={args.inputs.split(',')} rows={[r for r in ROWS if r not in skip]} "
+              f"million={args.million} out={args.out}")
+        return
 
     def late(what):
         if time.time() - t_start > args.deadline:
@@ -305,7 +322,6 @@ def main():
         return False
 
     os.makedirs(args.out, exist_ok=True)
-    skip = set(x for x in args.skip.split(",") if x)
     import hyscale_compile  # noqa: F401  (registers torch.ops.hyscale and the backend)
     from hyscale_compile.lowerings import triton_hytopk as th
 
@@ -330,7 +346,6 @@ def main():
         with open(os.path.join(args.out, "bench_hytopk.json"), "w") as f:
             json.dump(dict(meta=meta, results=results), f, indent=1)
 
-    sizes = [int(x) for x in args.sizes.split(",") if x]
     for S in sizes:
         flops = H * D * 2 * S * (S + 1) / 2
         for inp in args.inputs.split(","):
@@ -342,14 +357,16 @@ def main():
             rows = sample_rows(S)
             row(S, inp, "floor", flops / rate * 1e3, None, None)
             # HyTopK through the op
-            ms, peak, idx, first = measure(lambda: hytopk_op(q, k, w, hi, spec_json), args.reps)
-            row(S, inp, "hytopk", ms, peak, check_rows(idx, q, k, w, rows), f"first call {first:.0f} ms")
-            del idx
+            if "hytopk" not in skip:
+                ms, peak, idx, first = measure(lambda: hytopk_op(q, k, w, hi, spec_json), args.reps)
+                row(S, inp, "hytopk", ms, peak, check_rows(idx, q, k, w, rows), f"first call {first:.0f} ms")
+                del idx
             # scoring alone (diagnostic)
-            cfg = th.HyTopKConfig(score_only=True)
-            ms, peak, _, _ = measure(lambda: th.hytopk_triton(q, k.unsqueeze(2), w, [hi], TOPK, spec, config=cfg),
-                                     args.reps)
-            row(S, inp, "hytopk:score-only", ms, peak, None, "diagnostic: selection off")
+            if "hytopk:score-only" not in skip:
+                cfg = th.HyTopKConfig(score_only=True)
+                ms, peak, _, _ = measure(
+                    lambda: th.hytopk_triton(q, k.unsqueeze(2), w, [hi], TOPK, spec, config=cfg), args.reps)
+                row(S, inp, "hytopk:score-only", ms, peak, None, "diagnostic: selection off")
             if "score+topk" not in skip:
                 ms, peak, idx, _ = measure(lambda: score_then_topk(q, k, w), args.reps)
                 row(S, inp, "score+topk", ms, peak, check_rows(idx, q, k, w, rows))

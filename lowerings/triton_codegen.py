@@ -37,7 +37,7 @@ from .spec import MaskTerm, ScoreSpec, SpecError, skippable_mask_terms
 
 # Bumped whenever the template changes in a way the hash of the source would not show
 # (it always does today: the version is part of the source text).
-CODEGEN_VERSION = 2
+CODEGEN_VERSION = 3
 
 _MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
 _LOCK = threading.Lock()
@@ -591,7 +591,7 @@ def {{KERNEL_NAME}}(
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, TF32: tl.constexpr, RETURN_VALUES: tl.constexpr,
-    RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr,
+    RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr,
 ):
     # Persistent programs take row blocks from an atomic counter, heaviest first (the last
     # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
@@ -679,9 +679,15 @@ def {{KERNEL_NAME}}(
             t0 = t_stop
             if t0 < v1:
                 tl.debug_barrier()  # the appended keys are visible to every thread
+                # every row with less than LOW_WATER free slots (not only the rows that
+                # cannot take one more tile) is compacted now, so that the next inner loop
+                # runs at least LOW_WATER // BLOCK_N tiles: without it, rows filling slowly
+                # near CAP cut the loop into one-tile pieces (docs/kernel-design.md,
+                # "Selection overhead: analysis"). When a compaction runs never changes
+                # which keys are selected.
                 for r in range(BLOCK_M):
                     c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
-                    if c > CAP - BLOCK_N:
+                    if c > CAP - LOW_WATER:
                         kth = _compact_row(scr + r * CAP, c, TOPK, CAP)
                         cnt = tl.where(offs_m == r, TOPK, cnt)
                         thr = tl.where(offs_m == r, kth, thr)

@@ -41,6 +41,10 @@ class HyTopKConfig:
     # Benchmarks only: score every tile but select nothing (outputs are garbage). Shows
     # what the selection costs on top of the scoring.
     score_only: bool = False
+    # Free slots (keys) a row's buffer must have after the compactions between two inner
+    # loops: every row with fewer is compacted then. None: 8 tiles (clamped to CAP - k).
+    # Only the number of compactions and loop restarts depends on it, never the result.
+    low_water: Optional[int] = None
 
 
 def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True) -> HyTopKConfig:
@@ -167,6 +171,9 @@ def hytopk_triton(
     block_d = max(16, _next_pow2(D))
     topk_p2 = _next_pow2(topk)
     cap = _next_pow2(topk + cfg.block_n)
+    low_water = 8 * cfg.block_n if cfg.low_water is None else int(cfg.low_water)
+    # >= BLOCK_N: room for one more tile; <= CAP - k: a compacted row holds more than k keys
+    low_water = max(cfg.block_n, min(low_water, cap - topk))
     num_row_blocks = triton_cdiv(S, block_m)
     num_blocks = B * num_row_blocks
     if cfg.num_programs is not None:
@@ -209,7 +216,7 @@ def hytopk_triton(
         HK=Hk, G=G, GP=gp, D=D, TOPK=topk, TOPK_P2=topk_p2, CAP=cap,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         UPCAST=upcast, TF32=tf32, RETURN_VALUES=write_vals, RANK_SORT=sort == "rank",
-        SCORE_ONLY=bool(cfg.score_only),
+        SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water,
     )
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)

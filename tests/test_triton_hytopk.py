@@ -444,6 +444,26 @@ def test_compaction_with_boundary_ties(interpret):
 
 
 @pytest.mark.interpret
+def test_low_water_compaction_policy_does_not_change_bits(interpret):
+    # k=20, 16-key tiles: CAP=64, so rows are compacted many times. low_water=16 is the
+    # v2 policy (compact only rows that cannot take one more tile); 32 and the clamped
+    # 1000 (-> CAP - k = 44) compact earlier and more rows at once. Zero ReLU ties at the
+    # boundary exercise the index-word search. Results must be bit-identical.
+    g = _gen(151)
+    B, S, T, H, D, topk = 1, 8, 300, 2, 16, 20
+    q = torch.randint(-3, 2, (B, S, H, D), generator=g).float()
+    k = torch.randint(0, 3, (B, T, 1, D), generator=g).float()
+    w = torch.randint(1, 3, (B, S, H), generator=g).float()
+    spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum")
+    outs = []
+    for lw in (16, 32, 1000):
+        v, i = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, low_water=lw))
+        outs.append((v.view(torch.int32), i))
+    for v, i in outs[1:]:
+        assert torch.equal(v, outs[0][0]) and torch.equal(i, outs[0][1])
+
+
+@pytest.mark.interpret
 def test_padded_head_groups_and_block_m(interpret):
     # G = 3 heads per kv head (padded to 4 dot columns per row); several block_m values.
     # Dyadic inputs keep every sum exact, so the bits must not depend on block_m.
