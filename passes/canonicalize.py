@@ -1096,8 +1096,16 @@ def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
     if not chains:
         where = f" (followed the top-k axis back to {', '.join(sorted(set(stops)))})" if stops else ""
         raise Unsupported(f"no contraction (einsum/matmul/bmm) feeds the top-k scores{where}")
+    # A contraction that is a step of a deeper candidate (HF's weights matmul over the
+    # scores) is the head reduction, not the score: never try it on its own, or a failure
+    # of the real score contraction would fall back to a rewrite that keeps the table.
+    # Deeper candidates that are linear layers (a parameter operand) do not count.
+    real = [c for c in chains if not _linear_layer(facts, c[0][0])]
+    shadowed = {n for c in real for n, _ in c[1:]}
     first = None
     for chain in chains:
+        if chain[0][0] in shadowed:
+            continue
         try:
             if chain[0][0].target in BIASED:
                 _biased(facts, chain[0][0])
@@ -1105,6 +1113,17 @@ def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
         except Unsupported as e:
             first = first or e
     raise first
+
+
+def _linear_layer(facts, n) -> bool:
+    """A contraction with a parameter or buffer operand (an nn.Linear and friends)."""
+    if n.target in BIASED:
+        return True
+    for a in n.args[:2]:
+        src, _ = walk_views(a)
+        if src.op == "get_attr" or (src.op == "placeholder" and src.name in facts.params):
+            return True
+    return False
 
 
 def _biased(facts, n):
