@@ -40,7 +40,7 @@ CALLS = {"hytopk": 0}
 
 def _impl(q, k, w, masks, topk, spec, return_values):
     CALLS["hytopk"] += 1
-    parsed = parse_spec(spec)
+    parsed = parse_spec(spec).validate(num_mask_operands=len(masks)).resolve_operands(masks)
     if q.device.type == "cuda" and os.environ.get("HYSCALE_KERNEL", "triton") != "reference":
         from .triton_hytopk import hytopk_triton
 

@@ -52,6 +52,11 @@ ELEMENTWISE_OPS = {
     "round": 1,  # round to dtype name and back to fp32
     "neg": 0,
     "sigmoid": 0,
+    # x * operands[j] / x / operands[j]: a 0-d tensor the graph computes at run time (a scale
+    # that depends on a dynamic shape). ``resolve_operands`` turns them into constants
+    # before the op computes, so implementations only ever see mul/div.
+    "mul_operand": 1,
+    "div_operand": 1,
 }
 REDUCTIONS = ("weighted_sum", "sum", "none")
 MASK_KINDS = ("add", "fill", "range")
@@ -189,6 +194,9 @@ class ScoreSpec:
                     raise SpecError(f"{where} step {step!r} takes {ELEMENTWISE_OPS[op]} argument(s)")
                 if op == "round":
                     dtype_of(args[0])
+                elif op in ("mul_operand", "div_operand"):
+                    if not isinstance(args[0], int) or (num_mask_operands is not None and not 0 <= args[0] < num_mask_operands):
+                        raise SpecError(f"{where} step {step!r} names no operand")
                 elif args and not isinstance(args[0], (int, float)):
                     raise SpecError(f"{where} step {step!r}: argument must be a number")
         used = [s[1] for s in self.post if s[0] == "mask"]
@@ -208,6 +216,27 @@ class ScoreSpec:
         return self
 
     # -- helpers -------------------------------------------------------------------------
+    def resolve_operands(self, operands) -> "ScoreSpec":
+        """The same spec with every ``*_operand`` step replaced by the constant its 0-d
+        operand holds now (one host read per such operand)."""
+        if not any(st[0].endswith("_operand") for st in tuple(self.epilogue) + tuple(self.post)):
+            return self
+
+        def fix(steps):
+            out = []
+            for st in steps:
+                if st[0] in ("mul_operand", "div_operand"):
+                    t = operands[st[1]]
+                    if t.numel() != 1:
+                        raise SpecError(f"step {st!r}: operand has shape {tuple(t.shape)}, expected a scalar")
+                    # the graph multiplies an fp32 tensor by this scalar in fp32
+                    out.append((st[0][:3], float(t.to(torch.float32).item())))
+                else:
+                    out.append(st)
+            return tuple(out)
+
+        return dataclasses.replace(self, epilogue=fix(self.epilogue), post=fix(self.post))
+
     def mask_terms_in_order(self) -> Sequence[MaskTerm]:
         return [self.masks[s[1]] for s in self.post if s[0] == "mask"]
 

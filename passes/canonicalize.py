@@ -422,6 +422,7 @@ class SiteAnalysis:
         self.topk = topk
         self.chain = chain
         self.u = Unifier()
+        self.scalar_operands: List[OperandPlan] = []  # 0-d run-time scales (``*_operand`` steps)
 
     # ---- entry -------------------------------------------------------------------------
     def run(self) -> SiteMatch:
@@ -584,8 +585,8 @@ class SiteAnalysis:
             if pending_w is not None and t not in (aten.sum.dim_IntList,):
                 # (e * w) * c == (e * c) * w up to fp32 reassociation: a constant scale
                 # between the weighting and the head sum moves into the epilogue
-                step = _scalar_step(facts, n, ci)
-                if step is not None and step[0] in ("mul", "div") and dtype_of_node(n) == torch.float32:
+                step = _scalar_step(facts, n, ci) or self.runtime_scalar(n, ci)
+                if step is not None and step[0] in ("mul", "div", "mul_operand", "div_operand") and dtype_of_node(n) == torch.float32:
                     steps.append(step)
                     continue
                 raise Unsupported(f"weights multiply not followed by a head sum (found {_opname(n)})")
@@ -610,15 +611,15 @@ class SiteAnalysis:
                 if dtype_of_node(n) != torch.float32:
                     steps.append(("round", dtype_name(dtype_of_node(n))))
                 continue
-            step = _scalar_step(facts, n, ci)
+            step = _scalar_step(facts, n, ci) or self.runtime_scalar(n, ci)
             other = n.args[1 - ci] if len(n.args) > 1 and ci in (0, 1) else None
             if step is None and (
                 isinstance(val(other), (torch.SymFloat, torch.SymInt))
                 or (isinstance(val(other), torch.Tensor) and val(other).dim() == 0)
             ):
                 raise Unsupported(
-                    f"the scores are combined ({_opname(n)}) with a scalar that depends on a dynamic shape "
-                    f"({val(other)}): the spec needs constants; keep that dim static (e.g. the head dim)"
+                    f"the scores are combined ({_opname(n)}) with a run-time scalar ({val(other)}) in a way "
+                    "the spec cannot carry (only * and / by a 0-d tensor are supported)"
                 )
             if step is not None:
                 steps.append(step)
@@ -643,6 +644,23 @@ class SiteAnalysis:
         if pending_w is not None:
             raise Unsupported("the scores are multiplied by a tensor but never summed over heads")
         return steps, w_plan, reduced, mask_plans
+
+    def runtime_scalar(self, n, ci) -> Optional[tuple]:
+        """``s * c`` / ``s / c`` with ``c`` a 0-d tensor the graph computes (e.g. ``D ** -0.5``
+        with a dynamic head dim): the tensor becomes an operand, read at run time."""
+        if n.target not in (aten.mul.Tensor, aten.div.Tensor) or ci not in (0, 1):
+            return None
+        if n.target is aten.div.Tensor and ci != 0:
+            return None
+        other = n.args[1 - ci]
+        v = val(other)
+        if not (isinstance(other, fx.Node) and isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point()):
+            return None
+        if other in self.facts.dep:
+            return None
+        self.scalar_operands.append(OperandPlan(other, [], []))
+        op = "mul_operand" if n.target is aten.mul.Tensor else "div_operand"
+        return (op, len(self.scalar_operands) - 1)
 
     def mask_step(self, n, ci, lay, key_labels, after_reduce) -> Optional[MaskPlan]:
         facts = self.facts
@@ -888,6 +906,13 @@ class SiteAnalysis:
                 hi=None if term.hi is None else remap[term.hi],
             )
             mask_terms.append(term)
+        base = len(mask_operands)
+        mask_operands.extend(self.scalar_operands)
+
+        def remap(steps):
+            return [(st[0], st[1] + base) if st[0].endswith("_operand") else st for st in steps]
+
+        spec_epi, spec_post = remap(spec_epi), remap(spec_post)
         score_dtype = dtype_name(dtype_of_node(tk.args[0]))
         logit_dtype = "float32"
         if spec_epi and spec_epi[0][0] == "round" and reduce != "none":
@@ -920,6 +945,8 @@ class SiteAnalysis:
         else:
             w_plan = None
         for op in mask_operands:
+            if isinstance(op, OperandPlan) and op.groups == []:
+                continue  # a 0-d scale
             if isinstance(op, OperandPlan):
                 op.layout = u.apply(op.layout)
                 op.groups = [B, S, key_labels]

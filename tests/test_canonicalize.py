@@ -105,17 +105,16 @@ def test_dynamic_shapes(name):
         assert_same_outputs(f(*case.args), case.fn(*case.args))
 
 
-def test_dynamic_scale_is_named():
-    """dynamic=True makes the head dim symbolic too, so ``D ** -0.5`` is a SymFloat the spec
-    cannot carry: the site is left alone and the reason says what to do."""
-    for name in ("hf_v4_position_ids_threshold", "hf_v32_nograd_bool_bf16"):
-        case = FORMS[name](0)
-        with torch.no_grad():
-            report = hyscale_compile.explain(case.fn, *case.args, dynamic=True)
-        # left alone with the reason; in particular not "rewritten" at HF's head-sum matmul,
-        # which would keep the whole score table
-        assert not report.rewritten, str(report)
-        assert len(report.left_alone) == 1 and "dynamic shape" in report.left_alone[0].reason, str(report)
+@pytest.mark.parametrize("name", ["hf_v4_position_ids_threshold", "hf_v32_nograd_bool_bf16"])
+def test_dynamic_scale_becomes_a_runtime_operand(name):
+    """dynamic=True makes the head dim symbolic too, so ``D ** -0.5`` is a 0-d tensor the
+    graph computes: it becomes an operand of the op (``mul_operand``), read at run time."""
+    case = FORMS[name](fresh_seed(name) % 1000)
+    with torch.no_grad():
+        report = hyscale_compile.explain(case.fn, *case.args, dynamic=True)
+        (site,) = report.rewritten
+        assert "mul_operand" in site.spec and site.variant == "dsa", site.line()
+        assert_same_outputs(compiled(case.fn, dynamic=True)(*case.args), case.fn(*case.args))
 
 
 # ---- spellings that neither the research notes nor the zoo write verbatim ----------------

@@ -148,3 +148,18 @@ def test_bitwise_identical_across_processes():
     outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120) for _ in range(2)]
     assert all(o.returncode == 0 for o in outs), outs[0].stderr[-2000:]
     assert outs[0].stdout.strip() == outs[1].stdout.strip() != ""
+
+
+def test_runtime_scalar_operands():
+    """``mul_operand``/``div_operand`` steps read a 0-d operand at run time and give the
+    same bits as the constant they hold."""
+    q, k, w = make(fresh_seed("operands"))
+    hi = causal_hi(2, 24, 40)
+    scale = torch.tensor(0.125)
+    with_operand = ScoreSpec(epilogue=(("relu",), ("mul_operand", 1)), post=(("div_operand", 2), ("mask", 0)), masks=(CAUSAL,))
+    constant = ScoreSpec(epilogue=(("relu",), ("mul", 0.125)), post=(("div", 3.0), ("mask", 0)), masks=(CAUSAL,))
+    a = torch.ops.hyscale.hytopk_values(q, k, w, [hi, scale, torch.tensor(3.0)], 9, with_operand.to_json())
+    b = torch.ops.hyscale.hytopk_values(q, k, w, [hi], 9, constant.to_json())
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with pytest.raises(SpecError, match="names no operand"):
+        torch.ops.hyscale.hytopk(q, k, w, [hi], 9, with_operand.to_json())
