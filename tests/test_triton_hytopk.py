@@ -96,23 +96,6 @@ def int_operands(g, B, S, T, H, Hk, D, dtype, lo=-3, hi=4, w_hi=3, kb=None):
 # ------------------------------------------------------------------------------------
 # float64 reference and the contract checks
 # ------------------------------------------------------------------------------------
-def _ew64(x, step):
-    op = step[0]
-    if op == "mul":
-        return x * step[1]
-    if op == "add":
-        return x + step[1]
-    if op == "relu":
-        return torch.relu(x)
-    if op == "neg":
-        return -x
-    if op == "sigmoid":
-        return torch.sigmoid(x)
-    if op == "round":
-        return x.to(dtype_of(step[1])).double()
-    raise AssertionError(step)
-
-
 def scores64(q, k, w, masks, spec):
     """[B, S, T] float64 scores and the per-entry error scale sum_h |w_h| |c| sum_d |q k|."""
     B, S, H, D = q.shape
@@ -121,9 +104,11 @@ def scores64(q, k, w, masks, spec):
     x = torch.einsum("bshd,bthd->bsht", q.double(), kk)
     ax = torch.einsum("bshd,bthd->bsht", q.double().abs(), kk.abs())
     for step in spec.epilogue:
-        x = _ew64(x, step)
+        x = ref._apply_elementwise(x, step)  # float64 in, float64 out (round steps included)
         if step[0] == "mul":
             ax = ax * abs(step[1])
+        elif step[0] == "div":
+            ax = ax / abs(step[1])
     if spec.reduce == "weighted_sum":
         y = torch.einsum("bsh,bsht->bst", w.double(), x)
         ay = torch.einsum("bsh,bsht->bst", w.double().abs(), ax)
@@ -135,9 +120,11 @@ def scores64(q, k, w, masks, spec):
         if step[0] == "mask":
             y = ref._apply_mask(y, spec.masks[step[1]], masks, 0, B, 0, S, 0, T, B, S, T)
         else:
-            y = _ew64(y, step)
+            y = ref._apply_elementwise(y, step)
             if step[0] == "mul":
                 ay = ay * abs(step[1])
+            elif step[0] == "div":
+                ay = ay / abs(step[1])
     return y, ay
 
 
