@@ -810,10 +810,12 @@ class SiteAnalysis:
             return KeyAffine(0, Bound(c))
         if not isinstance(n, fx.Node):
             raise Unsupported("mask operand is not a tensor")
-        lay = L.broadcast_align(shape_of(n), lay) if len(shape_of(n)) != len(lay) else lay
+        lay = L.broadcast_align(shape_of(n), lay)  # its unit dims carry no axis
         if not (set(L.labels(lay)) & key_labels):
             if dtype_of_node(n).is_floating_point or dtype_of_node(n) == torch.bool:
                 raise Unsupported("mask bound is not an integer tensor")
+            while n.op == "call_function" and n.target is aten.unsqueeze.default:
+                lay, n = self.back_layout(n.args[0], [n], lay), n.args[0]  # the tensor itself
             return KeyAffine(0, Bound(0, [(1, OperandPlan(n, lay))]))
         t = n.target
         if t is prims.iota.default:

@@ -15,6 +15,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from . import diagnostics
@@ -34,20 +35,51 @@ def _source_files():
     return tuple(out)
 
 
+def canonicalize_noop_views(graph: fx.Graph) -> None:
+    """Spell no-op indexing as views: a full ``slice`` is its input, ``select`` of a size-1
+    dim is ``squeeze``. (``x[:, None, :]``, ``mask[:, 0]``.) Values do not change."""
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target not in (aten.slice.Tensor, aten.select.int):
+            continue
+        v = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+        if not isinstance(v, torch.Tensor):
+            continue
+        shape = v.shape
+        if n.target is aten.slice.Tensor:
+            dim, start, end, step = (list(n.args[1:]) + [0, None, None, 1][len(n.args) - 1 :])[:4]
+            if start in (0, None) and step == 1 and (end is None or (isinstance(end, int) and statically_known_true(end >= shape[dim]))):
+                n.replace_all_uses_with(n.args[0])
+                graph.erase_node(n)
+        elif n.target is aten.select.int and statically_known_true(shape[n.args[1]] == 1):
+            with graph.inserting_before(n):
+                sq = graph.call_function(aten.squeeze.dim, (n.args[0], n.args[1]))
+            sq.meta = dict(n.meta)
+            n.replace_all_uses_with(sq)
+            graph.erase_node(n)
+
+
 def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph_kind: str = "", replay: bool = True) -> int:
     """Rewrite every selection top-k in ``graph``; returns how many were rewritten."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     params = {placeholders[i].name for i in param_indices if i < len(placeholders)}
     facts = GraphFacts(graph, params)
     topks = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.topk.default]
+    if topks:
+        canonicalize_noop_views(graph)
     count = 0
     for tk in topks:
         line = diagnostics.user_line(tk)
         try:
             m = analyse_site(facts, tk)
-            apply_match(graph, m, replay=replay)
+            apply_match(graph, m, replay=replay)  # rolls its own nodes back if it fails
         except Unsupported as e:
             diagnostics.record(diagnostics.SiteRecord(node=tk.name, source=line, rewritten=False, reason=str(e), graph=graph_kind))
+            continue
+        except Exception as e:  # a bug of ours must not break the user's compile: leave the site
+            diagnostics.log.warning("hyscale: internal error at %s, site left alone", tk.name, exc_info=True)
+            diagnostics.record(diagnostics.SiteRecord(node=tk.name, source=line, rewritten=False,
+                                                      reason=f"internal error ({type(e).__name__}: {e}); please report",
+                                                      graph=graph_kind))
             continue
         count += 1
         diagnostics.record(

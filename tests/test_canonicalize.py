@@ -201,6 +201,39 @@ def test_key_projection_is_not_mistaken_for_the_score_contraction():
     assert not site.table_consumers
 
 
+def test_pooled_keys_head_sum_and_dim0():
+    """QSA-like: keys mean-pooled per block, relu(q.k) summed over heads / sqrt(d), a
+    block-causal bound from position ids (``blk[None, None, :] > pos[..., None] // r``), and
+    the same scores laid out [blocks, queries] with ``s[0].topk(dim=0)``."""
+    B, S, H, D, r = 1, 64, 4, 32, 4
+
+    def qsa(q, kraw, pos):
+        kbar = kraw.view(B, S // r, r, D).float().mean(2)
+        s = F.relu(torch.einsum("bshd,bnd->bsnh", q.float(), kbar)).sum(-1) / math.sqrt(D)
+        blk = torch.arange(kbar.shape[1])
+        s = s.masked_fill(blk[None, None, :] > (pos[..., None] // r), float("-inf"))
+        return s.topk(8, dim=-1).indices
+
+    def qsa_dim0(q, kraw, pos):
+        kbar = kraw.view(B, S // r, r, D).float().mean(2)
+        s = torch.einsum("bnd,bshd->bnsh", kbar, q.float()).relu().sum(-1) / math.sqrt(D)
+        return s[0].topk(8, dim=0).indices
+
+    g = torch.Generator().manual_seed(fresh_seed("qsa"))
+    q, kraw, pos = torch.randn(B, S, H, D, generator=g), torch.randn(B, S, D, generator=g), torch.arange(S)[None]
+    for fn, mask in ((qsa, "mask:range"), (qsa_dim0, None)):
+        with torch.no_grad():
+            (site,) = hyscale_compile.explain(fn, q, kraw, pos).rewritten
+            assert site.variant == "head-sum-relu" and site.sizes["T"] == S // r and site.sizes["H"] == H, site.line()
+            assert mask is None or mask in site.spec
+            out = compiled(fn)(q, kraw, pos)
+            (scores, kk, dim), = spy_topk(fn, q, kraw, pos)
+        # ReLU zero ties are possible with 4 heads: compare selected scores, then the tie rule
+        got = torch.gather(scores, dim, out).sort(dim).values
+        ref = torch.gather(scores, dim, scores.topk(kk, dim=dim).indices).sort(dim).values
+        assert torch.equal(got, ref)
+
+
 def test_near_misses_say_why():
     def smallest(q, k):
         return torch.einsum("bsd,btd->bst", q, k).topk(2, largest=False).indices
