@@ -571,7 +571,6 @@ class SiteAnalysis:
             if val(n) is not None and getattr(val(n), "dtype", None) == torch.float64:
                 raise Unsupported("the scores are computed in float64 (the op computes in fp32)")
             lay_in = self.u.apply(lays[i - 1])
-            self._has_reduction_ahead = bool(red_at) and i < red_at[0]
             t = n.target
             if t in _VIEWS:
                 continue
@@ -636,7 +635,7 @@ class SiteAnalysis:
                     raise Unsupported("the scores are multiplied by a tensor that varies along the keys")
                 pending_w = OperandPlan(other, wl)
                 continue
-            mp = self.mask_step(n, ci, lay_in, key_labels, reduced is not None)
+            mp = self.mask_step(n, ci, lay_in, key_labels, per_head=bool(red_at) and i < red_at[0])
             if mp is None:
                 raise Unsupported(f"unsupported op between the contraction and the top-k: {_opname(n)}")
             steps.append(("mask", len(mask_plans)))
@@ -662,7 +661,7 @@ class SiteAnalysis:
         op = "mul_operand" if n.target is aten.mul.Tensor else "div_operand"
         return (op, len(self.scalar_operands) - 1)
 
-    def mask_step(self, n, ci, lay, key_labels, after_reduce) -> Optional[MaskPlan]:
+    def mask_step(self, n, ci, lay, key_labels, per_head: bool) -> Optional[MaskPlan]:
         facts = self.facts
         t = n.target
         where_true = None
@@ -681,7 +680,7 @@ class SiteAnalysis:
             m = n.args[1 - ci]
             if not isinstance(m, fx.Node) or m in facts.dep:
                 return None
-            self._check_mask_site(after_reduce)
+            self._check_mask_site(per_head)
             rng = self.additive_range(m, lay, key_labels)
             if rng is not None:
                 return rng
@@ -690,7 +689,7 @@ class SiteAnalysis:
             return MaskPlan(MaskTerm("add", operand=0), [OperandPlan(m, L.broadcast_align(shape_of(m), lay))])
         else:
             return None
-        self._check_mask_site(after_reduce)
+        self._check_mask_site(per_head)
         if not isinstance(fill, float):
             fill = float(fill)
         cl = L.broadcast_align(shape_of(cond), lay)
@@ -710,11 +709,10 @@ class SiteAnalysis:
         ol = L.broadcast_align(shape_of(operand), lay)
         return MaskPlan(MaskTerm("fill", operand=0, where=polarity, value=fill), [OperandPlan(operand, ol)])
 
-    def _check_mask_site(self, after_reduce):
-        if self._has_reduction_ahead:
+    @staticmethod
+    def _check_mask_site(per_head: bool):
+        if per_head:
             raise Unsupported("a mask applied per head, before the head reduction")
-
-    _has_reduction_ahead = False
 
     def additive_range(self, m, lay, key_labels) -> Optional[MaskPlan]:
         """``s + where(cond, c, 0)`` (e.g. ``full(-inf).triu(1)``) -> a range term."""
