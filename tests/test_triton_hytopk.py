@@ -415,17 +415,23 @@ def test_launch_parameters_do_not_change_bits(interpret):
     check_exact(q, k, w, masks, topk, DSA, outs[0][0].view(torch.float32), outs[0][1])
 
 
+def _compaction_case(seed):
+    """k=20 over T=300 small-integer keys, weights >= 1: many compactions per row and
+    exact-zero ReLU ties at the k-th score."""
+    g = _gen(seed)
+    B, S, T, H, D, topk = 1, 8, 300, 2, 16, 20
+    q = torch.randint(-3, 2, (B, S, H, D), generator=g).float()
+    k = torch.randint(0, 3, (B, T, 1, D), generator=g).float()
+    w = torch.randint(1, 3, (B, S, H), generator=g).float()
+    return q, k, w, topk, ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum")
+
+
 @pytest.mark.interpret
 def test_compaction_with_boundary_ties(interpret):
     # Buffers much smaller than T (k=20, 16-key tiles: CAP=64), so rows are compacted many
     # times inside the scored-tile loop; exact-zero ReLU ties at the k-th score make the
     # threshold search resolve the boundary on the index bits too.
-    g = _gen(141)
-    B, S, T, H, D, topk = 1, 8, 300, 2, 16, 20
-    q = torch.randint(-3, 2, (B, S, H, D), generator=g).float()
-    k = torch.randint(0, 3, (B, T, 1, D), generator=g).float()
-    w = torch.randint(1, 3, (B, S, H), generator=g).float()
-    spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum")
+    q, k, w, topk, spec = _compaction_case(141)
     vals, _ = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16))
     assert (vals == 0).any(), "the case should have zero ties inside the selection"
 
@@ -436,12 +442,7 @@ def test_low_water_compaction_policy_does_not_change_bits(interpret):
     # v2 policy (compact only rows that cannot take one more tile); 32 and the clamped
     # 1000 (-> CAP - k = 44) compact earlier and more rows at once. Zero ReLU ties at the
     # boundary exercise the index-word search. Results must be bit-identical.
-    g = _gen(151)
-    B, S, T, H, D, topk = 1, 8, 300, 2, 16, 20
-    q = torch.randint(-3, 2, (B, S, H, D), generator=g).float()
-    k = torch.randint(0, 3, (B, T, 1, D), generator=g).float()
-    w = torch.randint(1, 3, (B, S, H), generator=g).float()
-    spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum")
+    q, k, w, topk, spec = _compaction_case(151)
     outs = []
     for lw in (16, 32, 1000):
         v, i = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, low_water=lw))
