@@ -4,11 +4,15 @@ One op family, parameterized by the score description (``spec``, a JSON ``ScoreS
 
     hyscale::hytopk(q, k, w, masks, topk, spec) -> Tensor            indices [B,S,k]
     hyscale::hytopk_values(q, k, w, masks, topk, spec) -> (values, indices)
+    hyscale::hytopk_values_backward(grad, q, k, w, masks, idx, spec, needs_q, needs_k, needs_w)
+        -> (gq, gk, gw)     gradients computed at the k selected keys only (``backward.py``)
 
 Indices are int32 (int64 when the key axis has 2**31 or more entries); the rewrite casts
 them for consumers that expected ``aten.topk``'s int64. The values variant exists for
 graphs that read the top-k values: they come from the same selection, so they are
 bit-identical to what it compared. Both always return (value desc, index asc) order.
+``hytopk_values`` is differentiable in q, k and w (``register_autograd``); the joint-graph
+pass inserts ``hytopk_values_backward`` itself (``passes/sparse_backward.py``).
 
 Implementations: CPU -> ``reference.streaming_topk`` (chunked, exact); CUDA -> the Triton
 kernel generated from the spec (``triton_hytopk``), or the reference when
@@ -72,5 +76,42 @@ def _(q, k, w, masks, topk, spec):
     vals = q.new_empty((B, S, topk), dtype=dtype_of(parse_spec(spec).score_dtype))
     return vals, q.new_empty((B, S, topk), dtype=reference.index_dtype(k.shape[1]))
 
+
+@torch.library.custom_op(f"{LIB}::hytopk_values_backward", mutates_args=())
+def hytopk_values_backward(
+    grad: Tensor, q: Tensor, k: Tensor, w: Optional[Tensor], masks: List[Tensor], idx: Tensor, spec: str,
+    needs_q: bool, needs_k: bool, needs_w: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    from .backward import values_backward
+
+    parsed = parse_spec(spec).validate(num_mask_operands=len(masks)).resolve_operands(masks)
+    return values_backward(grad, q, k, w, list(masks), idx, parsed, (needs_q, needs_k, needs_w))
+
+
+@hytopk_values_backward.register_fake
+def _(grad, q, k, w, masks, idx, spec, needs_q, needs_k, needs_w):
+    empty = q.new_empty(0)
+    return (
+        q.new_empty(q.shape) if needs_q else empty,
+        k.new_empty(k.shape) if needs_k else empty,
+        w.new_empty(w.shape) if (needs_w and w is not None) else empty,
+    )
+
+
+def _values_setup_context(ctx, inputs, output):
+    q, k, w, masks, topk, spec = inputs
+    ctx.spec, ctx.n_masks, ctx.has_w = spec, len(masks), w is not None
+    ctx.save_for_backward(q, k, w if w is not None else q.new_empty(0), output[1], *masks)
+
+
+def _values_backward(ctx, grad_values, grad_indices):
+    q, k, w, idx, *masks = ctx.saved_tensors
+    w = w if ctx.has_w else None
+    nq, nk, nw = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    gq, gk, gw = torch.ops.hyscale.hytopk_values_backward(grad_values, q, k, w, masks, idx, ctx.spec, nq, nk, nw)
+    return (gq if nq else None), (gk if nk else None), (gw if nw else None), [None] * ctx.n_masks, None, None
+
+
+hytopk_values.register_autograd(_values_backward, setup_context=_values_setup_context)
 
 SELECTION_OPS = (torch.ops.hyscale.hytopk.default, torch.ops.hyscale.hytopk_values.default)

@@ -69,10 +69,11 @@ def _bcast_rows(t: torch.Tensor, B: int, S: int) -> torch.Tensor:
     return torch.broadcast_to(t, (B, S)).unsqueeze(-1)
 
 
-def _apply_mask(y, term: MaskTerm, masks, b0, b1, s0, s1, t0, t1, B, S, T):
-    """y: [b1-b0, s1-s0, t1-t0] fp32 score block for keys [t0, t1)."""
+def _apply_mask(y, term: MaskTerm, masks, b0, b1, s0, s1, t0, t1, B, S, T, keys=None):
+    """y: [b1-b0, s1-s0, n] fp32 scores of keys [t0, t1), or of the key indices ``keys``
+    ([b1-b0, s1-s0, n] int64) when given (the sparse backward scores selected keys)."""
     if term.kind == "range":
-        t = torch.arange(t0, t1, device=y.device)
+        t = torch.arange(t0, t1, device=y.device) if keys is None else keys
         hidden = torch.zeros(y.shape, dtype=torch.bool, device=y.device)
         if term.lo is not None:
             lo = _bcast_rows(masks[term.lo], B, S)[b0:b1, s0:s1]
@@ -83,10 +84,33 @@ def _apply_mask(y, term: MaskTerm, masks, b0, b1, s0, s1, t0, t1, B, S, T):
         if term.mode == "fill":
             return y.masked_fill(hidden, term.value)
         return y + torch.where(hidden, term.value, 0.0)
-    m = torch.broadcast_to(masks[term.operand], (B, S, T))[b0:b1, s0:s1, t0:t1]
+    m = torch.broadcast_to(masks[term.operand], (B, S, T))[b0:b1, s0:s1]
+    m = m[..., t0:t1] if keys is None else m.gather(-1, keys)
     if term.kind == "add":
         return y + m  # promotes like the graph's add: fp32 + bf16 -> fp32 (exact upcast)
     return y.masked_fill(m == term.where, term.value)
+
+
+def finish_scores(x, wb, spec: ScoreSpec, apply_mask) -> torch.Tensor:
+    """Per-head logits x [nb, ns, H, n] -> scores [nb, ns, n]: logit rounding, epilogue,
+    head reduction, post steps (``apply_mask(y, term)`` applies one mask term)."""
+    dtype = x.dtype
+    if spec.logit_dtype != "float32":
+        x = x.to(dtype_of(spec.logit_dtype)).to(dtype)
+    for step in spec.epilogue:
+        x = _apply_elementwise(x, step)
+    if spec.reduce == "weighted_sum":
+        y = torch.matmul(wb.to(dtype).unsqueeze(-2), x).squeeze(-2)
+    elif spec.reduce == "sum":
+        y = x.sum(dim=2)
+    else:
+        y = x[:, :, 0]
+    for step in spec.post:
+        if step[0] == "mask":
+            y = apply_mask(y, spec.masks[step[1]])
+        else:
+            y = _apply_elementwise(y, step)
+    return y
 
 
 def score_block(q, k, w, masks, spec: ScoreSpec, b0, b1, s0, s1, t0, t1, shape, dtype=torch.float32) -> torch.Tensor:
@@ -105,23 +129,8 @@ def score_block(q, k, w, masks, spec: ScoreSpec, b0, b1, s0, s1, t0, t1, shape, 
     qg = qb.view(nb, ns, Hk, G, D).permute(0, 2, 1, 3, 4).reshape(nb, Hk, ns * G, D)
     kg = kb.permute(0, 2, 3, 1)
     x = torch.matmul(qg, kg).view(nb, Hk, ns, G, nt).permute(0, 2, 1, 3, 4).reshape(nb, ns, H, nt)
-    if spec.logit_dtype != "float32":
-        x = x.to(dtype_of(spec.logit_dtype)).to(dtype)
-    for step in spec.epilogue:
-        x = _apply_elementwise(x, step)
-    if spec.reduce == "weighted_sum":
-        wb = w[b0:b1, s0:s1].to(dtype)
-        y = torch.matmul(wb.unsqueeze(-2), x).squeeze(-2)
-    elif spec.reduce == "sum":
-        y = x.sum(dim=2)
-    else:
-        y = x[:, :, 0]
-    for step in spec.post:
-        if step[0] == "mask":
-            y = _apply_mask(y, spec.masks[step[1]], masks, b0, b1, s0, s1, t0, t1, B, S, T)
-        else:
-            y = _apply_elementwise(y, step)
-    return y
+    wb = w[b0:b1, s0:s1] if spec.reduce == "weighted_sum" else None
+    return finish_scores(x, wb, spec, lambda y, term: _apply_mask(y, term, masks, b0, b1, s0, s1, t0, t1, B, S, T))
 
 
 def _hidden_everywhere(spec: ScoreSpec, masks, b0, b1, s0, s1, t0, t1, B, S) -> bool:

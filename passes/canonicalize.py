@@ -73,6 +73,31 @@ def val(n):
     return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
+def is_backward_node(n: fx.Node) -> bool:
+    """True for nodes autograd wrote into a joint graph's backward (tangents included)."""
+    tag = n.meta.get("partitioner_tag")
+    if tag is not None:
+        return tag in ("is_backward", "must_be_in_backward")
+    if n.op == "placeholder":
+        return n.name.startswith("tangents")
+    return bool(n.meta.get("autograd_backward"))
+
+
+def _feeds_only_backward(n: fx.Node) -> bool:
+    """True when ``n`` is a backward node or a forward node (a saved alias) read only by
+    backward nodes: it is the backward's business, not another forward consumer."""
+    seen, stack = set(), [n]
+    while stack:
+        x = stack.pop()
+        if x in seen or is_backward_node(x):
+            continue
+        seen.add(x)
+        if x.op == "output" or not x.users:
+            return False
+        stack.extend(x.users)
+    return True
+
+
 def shape_of(n) -> Tuple:
     v = val(n)
     if not isinstance(v, torch.Tensor):
@@ -443,7 +468,8 @@ class SiteAnalysis:
         qk = chain[0][0]
         in_chain = {n for n, _ in chain}
         self.other_consumers = sorted(
-            {_opname(c) for n, _ in chain for c in n.users if c not in in_chain and c is not tk}
+            {_opname(c) for n, _ in chain for c in n.users
+             if c not in in_chain and c is not tk and not _feeds_only_backward(c)}
         )
         a, b = qk.args[0], qk.args[1]
         sa, sb = analyse_operand(a, "a"), analyse_operand(b, "b")

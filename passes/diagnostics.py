@@ -33,6 +33,9 @@ class SiteRecord:
     values_used: bool = False
     table_consumers: List[str] = dataclasses.field(default_factory=list)
     graph: str = ""  # "forward"/"joint"/"inference"
+    # joint graphs whose top-k values carry gradient: "sparse" (at the k selected keys) or
+    # "dense: <why>" (the original backward, which rebuilds the score table); else ""
+    backward: str = ""
 
     def line(self) -> str:
         where = f" at {self.source}" if self.source else ""
@@ -40,6 +43,10 @@ class SiteRecord:
             sz = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
             extra = f"; table still materialized by {', '.join(self.table_consumers)}" if self.table_consumers else ""
             vals = " (values used)" if self.values_used else ""
+            if self.backward == "sparse":
+                extra += "; backward: sparse, at the k selected keys"
+            elif self.backward:
+                extra += f"; backward: {self.backward} (the score table is rebuilt for it)"
             return f"[rewritten] {self.node}{where}: {self.variant} k={self.k} {sz}{vals} | {self.spec}{extra}"
         return f"[left alone] {self.node}{where}: {self.reason}"
 
@@ -51,6 +58,8 @@ def record(rec: SiteRecord) -> None:
     if rec.rewritten:
         counters["hyscale"]["rewritten"] += 1
         counters["hyscale"][f"rewritten:{rec.variant}"] += 1
+        if rec.backward:
+            counters["hyscale"]["backward:" + rec.backward.split(":")[0]] += 1
     else:
         counters["hyscale"]["left_alone"] += 1
         counters["hyscale"][f"left_alone:{rec.reason}"] += 1

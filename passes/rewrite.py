@@ -8,6 +8,7 @@ The score subgraph is then dead unless something else reads it, and DCE removes 
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -58,7 +59,7 @@ class Emitter:
                 n.meta["val"] = target(*fa, **fk)
         else:
             n.meta["val"] = target(*fa, **fk)
-        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "partitioner_tag", "autograd_backward"):
             if key in self.anchor.meta:
                 n.meta[key] = self.anchor.meta[key]
         return n
@@ -187,8 +188,22 @@ class Emitter:
         return out
 
 
-def apply_match(graph: fx.Graph, m: SiteMatch, replay: bool = True) -> fx.Node:
-    """Insert the op for ``m`` and reroute the top-k's consumers. Returns the op node."""
+@dataclasses.dataclass
+class Applied:
+    """What ``apply_match`` inserted (the sparse backward builds on it)."""
+
+    call: fx.Node  # the selection op
+    q: fx.Node  # canonical operands, views of m.q.node / m.k.node / m.w.node
+    k: fx.Node
+    w: Optional[fx.Node]
+    masks: List[fx.Node]
+    idx: fx.Node  # the op's int32 indices [B, S, k]
+    values: Optional[fx.Node]  # the op's values [B, S, k] ...
+    values_out: Optional[fx.Node]  # ... and as laid out for the top-k's consumers
+
+
+def apply_match(graph: fx.Graph, m: SiteMatch, replay: bool = True) -> Applied:
+    """Insert the op for ``m`` and reroute the top-k's consumers."""
     tk = m.topk
     em = Emitter(graph, tk)
     try:
@@ -228,7 +243,7 @@ def apply_match(graph: fx.Graph, m: SiteMatch, replay: bool = True) -> fx.Node:
         i = gi.args[1]
         if i in outs:
             gi.replace_all_uses_with(outs[i])
-    return call
+    return Applied(call=call, q=q, k=k, w=w, masks=masks, idx=idx, values=vals, values_out=outs.get(0))
 
 
 def _to_score_layout(em: Emitter, x: fx.Node, m: SiteMatch) -> fx.Node:

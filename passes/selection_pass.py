@@ -21,6 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from . import diagnostics
 from .canonicalize import GraphFacts, Unsupported, analyse_site
 from .rewrite import apply_match
+from .sparse_backward import rewrite_backward
 
 aten = torch.ops.aten
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -71,7 +72,7 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
         line = diagnostics.user_line(tk)
         try:
             m = analyse_site(facts, tk)
-            apply_match(graph, m, replay=replay)  # rolls its own nodes back if it fails
+            applied = apply_match(graph, m, replay=replay)  # rolls its own nodes back if it fails
         except Unsupported as e:
             diagnostics.record(diagnostics.SiteRecord(node=tk.name, source=line, rewritten=False, reason=str(e), graph=graph_kind))
             continue
@@ -82,11 +83,18 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
                                                       graph=graph_kind))
             continue
         count += 1
+        backward = ""
+        if graph_kind == "joint":
+            try:
+                backward = rewrite_backward(graph, m, applied)
+            except Exception as e:  # the forward rewrite stands; the dense backward stays
+                diagnostics.log.warning("hyscale: internal error in the sparse backward at %s", tk.name, exc_info=True)
+                backward = f"dense: internal error ({type(e).__name__}: {e}); please report"
         diagnostics.record(
             diagnostics.SiteRecord(
                 node=tk.name, source=line, rewritten=True, variant=m.spec.name, k=m.k_arg if not isinstance(m.k_arg, fx.Node) else str(m.k_arg.meta.get("val", m.k_arg)),
                 sizes={k: v for k, v in m.sizes.items()}, spec=m.spec.describe(), values_used=m.values_used,
-                table_consumers=m.other_consumers, graph=graph_kind,
+                table_consumers=m.other_consumers, graph=graph_kind, backward=backward,
             )
         )
     if count:

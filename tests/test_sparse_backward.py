@@ -1,0 +1,254 @@
+"""The sparse backward (lowerings/backward.py, passes/sparse_backward.py).
+
+When top-k values carry gradient, the rewrite's backward works at the k selected keys per
+query (``hyscale.hytopk_values_backward``), never rebuilding the dense query x key table,
+and its gradients equal the original's (DESIGN.md, 'Values and gradients')."""
+import functools
+import math
+
+import pytest
+import torch
+import torch._functorch.config as fconfig
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import hyscale_compile
+from hyscale_compile.lowerings import reference as ref
+from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
+from hyscale_compile.testing import graph_text
+from tests.contract import fresh_seed
+
+# ---------------------------------------------------------------------------------------
+# The op: autograd of hytopk_values against a float64 dense reference at the same indices
+
+B, S, T, D, K = 2, 12, 16, 8, 5
+
+
+def _spec_cases():
+    causal_hi = lambda: (torch.arange(S) + 4).view(1, S)  # row s sees keys < s + 4: some rows < K keys
+    return {
+        "dsa_relu_range_fill": (ScoreSpec(epilogue=(("relu",), ("mul", 0.25)), post=(("mask", 0),),
+                                          masks=(MaskTerm(kind="range", hi=0, mode="fill"),)), 4, 1, "w", [causal_hi]),
+        "sum_additive_float_mask": (ScoreSpec(reduce="sum", epilogue=(("relu",),), post=(("div", 2.0), ("mask", 0)),
+                                              masks=(MaskTerm(kind="add", operand=0),)), 2, 2, None,
+                                    [lambda: torch.randn(1, S, T)]),
+        "sigmoid_range_add_gqa": (ScoreSpec(epilogue=(("sigmoid",),), post=(("mask", 0),),
+                                            masks=(MaskTerm(kind="range", hi=0, mode="add"),)), 4, 2, "w", [causal_hi]),
+        "bool_fill_bf16_logits": (ScoreSpec(logit_dtype="bfloat16", epilogue=(("relu",), ("neg",), ("add", 1.0)),
+                                            post=(("mask", 0),), masks=(MaskTerm(kind="fill", operand=0, where=False),)),
+                                  4, 4, "w", [lambda: torch.rand(B, S, T) > 0.3]),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_spec_cases()))
+def test_op_gradients_equal_dense_reference(name):
+    spec, H, Hk, has_w, mask_makers = _spec_cases()[name]
+    torch.manual_seed(fresh_seed(name))
+    masks = [m() for m in mask_makers]
+    q = torch.randn(B, S, H, D, dtype=torch.float64)
+    k = torch.randn(B, T, Hk, D, dtype=torch.float64)
+    w = torch.rand(B, S, H, dtype=torch.float64) + 0.1 if has_w else None
+    leaves = [t.clone().requires_grad_(True) for t in (q, k) + ((w,) if has_w else ())]
+    vals, idx = torch.ops.hyscale.hytopk_values(*[t.float() for t in leaves[:2]], leaves[2].float() if has_w else None,
+                                               masks, K, spec.to_json())
+    g = torch.randn(B, S, K)
+    (vals * g).sum().backward()
+    got = [t.grad for t in leaves]
+    # float64 reference: the dense scores' autograd, read at the op's own indices
+    ref_leaves = [t.clone().requires_grad_(True) for t in (q, k) + ((w,) if has_w else ())]
+    dense = ref.dense_scores(ref_leaves[0], ref_leaves[1], ref_leaves[2] if has_w else None, masks, spec,
+                             dtype=torch.float64)
+    picked = dense.gather(-1, idx.long())
+    finite = picked > -math.inf
+    assert torch.equal(finite, vals > -math.inf)
+    torch.testing.assert_close(vals[finite].double(), picked[finite], atol=1e-5, rtol=1e-5)
+    (picked * g.double()).sum().backward()
+    tol = 2e-2 if spec.logit_dtype != "float32" else 1e-5  # the bf16 rounding's gradient is bf16-rounded
+    for a, b, what in zip(got, [t.grad for t in ref_leaves], "qkw"):
+        torch.testing.assert_close(a, b.to(a.dtype), atol=tol, rtol=tol, msg=f"d/d{what}")
+
+
+def test_op_backward_bf16_operands_and_needs():
+    """bf16 operands get bf16 gradients (the original's upcast backward casts them); an
+    input that needs no gradient gets none."""
+    spec = ScoreSpec(epilogue=(("relu",),))
+    q = torch.randn(1, 8, 2, 16).bfloat16().requires_grad_(True)
+    k = torch.randn(1, 10, 1, 16).bfloat16()
+    w = torch.rand(1, 8, 2).requires_grad_(True)
+    vals, idx = torch.ops.hyscale.hytopk_values(q, k, w, [], 3, spec.to_json())
+    vals.sum().backward()
+    assert q.grad.dtype == torch.bfloat16 and k.grad is None
+    qd, kd, wd = q.detach().double().requires_grad_(True), k.double(), w.detach().double().requires_grad_(True)
+    ref.dense_scores(qd, kd, wd, [], spec, dtype=torch.float64).gather(-1, idx.long()).sum().backward()
+    torch.testing.assert_close(q.grad, qd.grad.bfloat16(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(w.grad, wd.grad.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_op_backward_rejects_bad_gradient_shape():
+    spec = ScoreSpec(epilogue=(("relu",),)).to_json()
+    q, k, w = torch.randn(1, 4, 2, 8), torch.randn(1, 6, 1, 8), torch.rand(1, 4, 2)
+    idx = torch.zeros(1, 4, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"must both be \[B,S,k\]"):
+        torch.ops.hyscale.hytopk_values_backward(torch.randn(1, 4, 2), q, k, w, [], idx, spec, True, True, True)
+
+
+# ---------------------------------------------------------------------------------------
+# The pass: models whose top-k values carry gradient, compiled with the debug backend
+
+E, H2, D2, K2, S2 = 32, 8, 16, 4, 24
+
+
+class GatedSelect(nn.Module):
+    """NSA-style differentiable gate: softmax over the selected scores weighs gathered values.
+    Row s sees keys < s + K2, so every row has >= K2 finite scores and (8 heads, positive
+    weights) its selection is unique."""
+
+    def __init__(self, bf16: bool = False):
+        super().__init__()
+        self.wq, self.wk, self.ww, self.wv = nn.Linear(E, H2 * D2), nn.Linear(E, D2), nn.Linear(E, H2), nn.Linear(E, E)
+        self.bf16 = bf16
+
+    def forward(self, x):
+        Bx, Sx, _ = x.shape
+        q, k, w = self.wq(x).view(Bx, Sx, H2, D2), self.wk(x), self.ww(x).exp()
+        if self.bf16:  # HF/Megatron: bf16 activations upcast right before the contraction
+            q, k = q.bfloat16().float(), k.bfloat16().float()
+        s = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(2) * D2**-0.5
+        s = s + torch.full((Sx, Sx), float("-inf"), device=x.device).triu(K2)
+        vals, idx = s.topk(K2, dim=-1)
+        v = self.wv(x)
+        gathered = torch.gather(v.unsqueeze(1).expand(Bx, Sx, Sx, E), 2, idx.unsqueeze(-1).expand(Bx, Sx, K2, E))
+        return x + (vals.softmax(-1).unsqueeze(-1) * gathered).sum(2)
+
+
+class KLIndexer(nn.Module):
+    """An indexer trained with a KL loss over its selected set (DSA's indexer warm-up):
+    the target is the main attention restricted to the selected keys, detached."""
+
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk, self.ww = nn.Linear(E, H2 * D2), nn.Linear(E, D2), nn.Linear(E, H2)
+        self.aq, self.ak = nn.Linear(E, D2), nn.Linear(E, D2)
+
+    def forward(self, x):
+        Bx, Sx, _ = x.shape
+        q, k, w = self.wq(x).view(Bx, Sx, H2, D2), self.wk(x), torch.sigmoid(self.ww(x))
+        s = torch.matmul(q, k.transpose(1, 2).unsqueeze(1)).relu()  # [B, S, H, T]
+        s = (s * w.unsqueeze(-1)).sum(2)
+        s = s.masked_fill(torch.ones(Sx, Sx, dtype=torch.bool, device=x.device).triu(K2), float("-inf"))
+        vals, idx = torch.topk(s, K2, dim=-1)
+        with torch.no_grad():
+            att = torch.einsum("bsd,btd->bst", self.aq(x), self.ak(x))
+            target = att.gather(-1, idx).softmax(-1)
+        return F.kl_div(vals.log_softmax(-1), target, reduction="batchmean")
+
+
+def _recompute_all(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+SETUPS = {
+    "no_checkpoint": (lambda m, x: m(x), None),
+    "checkpoint": (lambda m, x: checkpoint(m, x, use_reentrant=False), None),
+    "sac_recompute_everything": (
+        lambda m, x: checkpoint(m, x, use_reentrant=False,
+                                context_fn=functools.partial(create_selective_checkpoint_contexts, _recompute_all)), None),
+    "budget_0": (lambda m, x: m(x), 0.0),
+}
+
+
+def _grads(model, run, x0):
+    x = x0.clone().requires_grad_(True)
+    out = run(model, x)
+    (out.pow(2).sum() if out.dim() else out).backward()
+    grads = [x.grad] + [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+    model.zero_grad()
+    return grads
+
+
+def _compile_grads(model, run, x0, budget=None, **kw):
+    cap = []
+    torch._dynamo.reset()
+    with fconfig.patch(activation_memory_budget=fconfig.activation_memory_budget if budget is None else budget):
+        got = _grads(model, torch.compile(run, backend="hyscale_debug", options={"hyscale.capture": cap}, **kw), x0)
+    fw = graph_text(next(g for k, g in cap if k == "forward").graph)
+    bw = graph_text(next(g for k, g in cap if k == "backward").graph)
+    return got, fw, bw
+
+
+def _assert_sparse_backward(fw, bw):
+    assert fw.count("hyscale.hytopk_values(") == 1, fw
+    assert bw.count("hyscale.hytopk_values_backward(") == 1, bw
+    assert "hyscale.hytopk_values(" not in bw and "aten.topk" not in bw
+    # no score contraction and no dense [.., S, T] gradient: the original backward scattered
+    # the values' gradient into a [B, S, T] table (aten.scatter) and ran two bmms over it
+    assert "aten.bmm" not in bw and "aten.scatter.src" not in bw and "aten.scatter.value" not in bw, bw
+
+
+def _assert_same(got, want, tol=1e-5):
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_gated_selection_backward_is_sparse(setup):
+    run, budget = SETUPS[setup]
+    torch.manual_seed(fresh_seed(setup))
+    model, x0 = GatedSelect(), torch.randn(2, S2, E)
+    want = _grads(model, run, x0)
+    got, fw, bw = _compile_grads(model, run, x0, budget)
+    _assert_sparse_backward(fw, bw)
+    _assert_same(got, want)
+
+
+def test_kl_trained_indexer_backward_is_sparse():
+    torch.manual_seed(fresh_seed("kl"))
+    model, x0 = KLIndexer(), torch.randn(2, S2, E)
+    run = lambda m, x: m(x)
+    want = _grads(model, run, x0)
+    got, fw, bw = _compile_grads(model, run, x0)
+    _assert_sparse_backward(fw, bw)
+    _assert_same(got, want)
+    report = hyscale_compile.explain(model, x0)
+    assert "backward: sparse, at the k selected keys" in str(report), str(report)
+
+
+def test_bf16_upcast_and_dynamic_shapes():
+    torch.manual_seed(fresh_seed("bf16_dynamic"))
+    model = GatedSelect(bf16=True)
+    run = lambda m, x: m(x)
+    for s in (S2, S2 + 8):  # dynamic=True: the second length reuses the symbolic graph
+        x0 = torch.randn(1, s, E)
+        want = _grads(model, run, x0)
+        got, fw, bw = _compile_grads(model, run, x0, dynamic=True)
+        _assert_sparse_backward(fw, bw)
+        _assert_same(got, want, tol=1e-2)  # q, k gradients pass a bf16 rounding (the cast's backward)
+
+
+def test_dense_scores_also_in_the_loss_keep_the_dense_backward():
+    """A loss that reads the dense scores keeps its dense backward (DESIGN.md); the
+    selection is still rewritten, the diagnostics say why the backward is dense."""
+
+    class AlsoDense(GatedSelect):
+        def forward(self, x):
+            Bx, Sx, _ = x.shape
+            q, k, w = self.wq(x).view(Bx, Sx, H2, D2), self.wk(x), self.ww(x).exp()
+            s = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(2)
+            s = s + torch.full((Sx, Sx), float("-inf")).triu(K2)
+            vals, idx = s.topk(K2, dim=-1)
+            return vals.softmax(-1).sum() + torch.logsumexp(s, -1).mean()
+
+    torch.manual_seed(fresh_seed("also_dense"))
+    model, x0 = AlsoDense(), torch.randn(2, S2, E)
+    run = lambda m, x: m(x)
+    want = _grads(model, run, x0)
+    got, fw, bw = _compile_grads(model, run, x0)
+    assert "hyscale.hytopk_values_backward" not in bw
+    _assert_same(got, want)
+    report = hyscale_compile.explain(model, x0)
+    (site,) = report.rewritten
+    assert site.backward.startswith("dense: the scores get gradient from more than the top-k values"), site.line()
+    assert site.table_consumers, site.line()
