@@ -3,6 +3,9 @@
 Public API:
     hyscale_backend / hyscale_debug_backend   the backends ("hyscale", "hyscale_debug")
     explain(model, *args, **kwargs)           which top-k sites were rewritten, and why not
+    register_score_mod(name, fn)              teach the matcher an elementwise function of
+                                              the score (registry.py); unregister_score_mod,
+                                              registered_score_mods, ScoreModError
     ScoreSpec, MaskTerm                       the score description the op carries
 
 The op itself is ``torch.ops.hyscale.hytopk`` / ``hytopk_values`` (importing this
@@ -25,8 +28,10 @@ from .lowerings import ops as _ops  # noqa: F401  registers torch.ops.hyscale
 from .lowerings.spec import MaskTerm, ScoreSpec
 from .backend import hyscale_backend, hyscale_debug_backend
 from .explain import ExplainReport, explain
+from .registry import ScoreModError, register_score_mod, registered_score_mods, unregister_score_mod
 
-__all__ = ["hyscale_backend", "hyscale_debug_backend", "explain", "ExplainReport", "ScoreSpec", "MaskTerm"]
+__all__ = ["hyscale_backend", "hyscale_debug_backend", "explain", "ExplainReport", "ScoreSpec", "MaskTerm",
+           "register_score_mod", "unregister_score_mod", "registered_score_mods", "ScoreModError"]
 
 
 def _register_backends():

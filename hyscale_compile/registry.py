@@ -1,20 +1,60 @@
-"""Variants the backend knows beyond the built-in canonicalizer (issue: registration API).
+"""Teaching the backend a variant it does not know: ``register_score_mod``.
 
-The canonicalizer recognizes the DSA family structurally; this registry is where user
-registrations will live. Its ``fingerprint`` is part of the pass's cache key, so a
-registration changes the key and a cached graph compiled without it is never reused.
+The canonicalizer recognizes the selection's structure by itself (contraction layouts,
+head reductions, masks, scales, ReLU, sigmoid, casts); what it cannot know is an
+elementwise function of the score it has never seen: a soft-capped indexer
+(``c * tanh(s / c)``), a softplus or SiLU gate, a squared ReLU. Register the function once
+and every selection that applies it, per head or after the head sum, becomes the fused
+op with the function compiled into the generated kernel::
+
+    import hyscale_compile
+
+    hyscale_compile.register_score_mod("softcap30", lambda s: 30.0 * torch.tanh(s / 30.0))
+    model = torch.compile(model, backend="hyscale")
+
+Write ``fn`` the way the model writes it (the match is on the ops it traces to, with
+their constants). Registration checks it right away and raises ``ScoreModError`` naming
+the problem: not elementwise, an op the kernel cannot generate, a captured tensor, a cast
+to a reduced dtype, a name that is taken. Registrations are part of the compile cache key
+and show in ``explain`` (the site's variant and spec name the mod).
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Dict
+from typing import Callable, List
 
-_VARIANTS: Dict[str, str] = {}
+import torch
+
+from .lowerings import mods as _mods
+from .lowerings.mods import ScoreModError
+
+__all__ = ["register_score_mod", "unregister_score_mod", "registered_score_mods", "ScoreModError", "fingerprint"]
+
+
+def register_score_mod(name: str, fn: Callable[[torch.Tensor], torch.Tensor], *, replace: bool = False) -> None:
+    """Register ``fn``, an elementwise float32 function of the score, under ``name``.
+
+    ``replace=True`` overwrites an earlier registration of the same name (otherwise
+    registering a name twice raises)."""
+    if not replace and name in _mods.registered():
+        raise ScoreModError(f"register_score_mod: {name!r} is already registered (pass replace=True to overwrite)")
+    _mods.add(_mods.build(name, fn))
+
+
+def unregister_score_mod(name: str) -> None:
+    """Forget a registration (graphs compiled with it keep working in this process only
+    while it is registered)."""
+    _mods.remove(name)
+
+
+def registered_score_mods() -> List[str]:
+    return sorted(_mods.registered())
 
 
 def fingerprint() -> str:
+    """A digest of every registration: part of the pass's cache key."""
     h = hashlib.sha256()
-    for name in sorted(_VARIANTS):
+    for name, mod in sorted(_mods.registered().items()):
         h.update(name.encode())
-        h.update(_VARIANTS[name].encode())
+        h.update(mod.source().encode())
     return h.hexdigest()

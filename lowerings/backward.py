@@ -62,6 +62,10 @@ def _step_grad(g: torch.Tensor, step, x: torch.Tensor, y: torch.Tensor) -> torch
         return g * y * (1 - y)
     if op == "round":
         return g.to(dtype_of(step[1])).to(g.dtype)
+    if op == "mod":
+        from . import mods
+
+        return mods.grad(step[1], x, g)
     raise SpecError(f"no derivative for step {step!r}")
 
 

@@ -114,4 +114,18 @@ def _values_backward(ctx, grad_values, grad_indices):
 
 hytopk_values.register_autograd(_values_backward, setup_context=_values_setup_context)
 
+@torch.library.custom_op(f"{LIB}::score_mod", mutates_args=())
+def score_mod(x: Tensor, name: str) -> Tensor:
+    """A registered score mod (``mods.py``) as one node. Only the matcher creates it, and
+    only while it analyses a site: it never stays in a compiled graph."""
+    from . import mods
+
+    return mods.apply(name, x).clone()
+
+
+@score_mod.register_fake
+def _(x, name):
+    return torch.empty_like(x)
+
+
 SELECTION_OPS = (torch.ops.hyscale.hytopk.default, torch.ops.hyscale.hytopk_values.default)

@@ -61,6 +61,10 @@ def _apply_elementwise(x: torch.Tensor, step) -> torch.Tensor:
         return torch.sigmoid(x)
     if op == "round":
         return x.to(dtype_of(step[1])).to(x.dtype)
+    if op == "mod":
+        from . import mods
+
+        return mods.apply(step[1], x)
     raise SpecError(f"unknown step {step!r}")
 
 

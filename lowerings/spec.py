@@ -57,6 +57,8 @@ ELEMENTWISE_OPS = {
     # before the op computes, so implementations only ever see mul/div.
     "mul_operand": 1,
     "div_operand": 1,
+    # a registered score mod (``mods.py``, ``hyscale_compile.register_score_mod``) by name
+    "mod": 1,
 }
 REDUCTIONS = ("weighted_sum", "sum", "none")
 MASK_KINDS = ("add", "fill", "range")
@@ -194,6 +196,10 @@ class ScoreSpec:
                     raise SpecError(f"{where} step {step!r} takes {ELEMENTWISE_OPS[op]} argument(s)")
                 if op == "round":
                     dtype_of(args[0])
+                elif op == "mod":
+                    from . import mods
+
+                    mods.get(args[0])  # raises, naming the registration that is missing
                 elif op in ("mul_operand", "div_operand"):
                     if not isinstance(args[0], int) or (num_mask_operands is not None and not 0 <= args[0] < num_mask_operands):
                         raise SpecError(f"{where} step {step!r} names no operand")
@@ -279,6 +285,10 @@ def _preserves_neg_inf(step, spec: ScoreSpec) -> bool:
         return True
     if op in ("relu", "neg", "sigmoid"):
         return False
+    if op == "mod":
+        from . import mods
+
+        return mods.get(step[1]).keeps_neg_inf
     if op == "mask":
         term = spec.masks[step[1]]
         if term.kind == "add":

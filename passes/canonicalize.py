@@ -438,6 +438,8 @@ def _scalar_step(facts: GraphFacts, n: fx.Node, chain_idx: int) -> Optional[tupl
         return ("neg",)
     if t is aten.sigmoid.default:
         return ("sigmoid",)
+    if t is torch.ops.hyscale.score_mod.default:
+        return ("mod", n.args[1])
     return None
 
 
@@ -646,6 +648,9 @@ class SiteAnalysis:
                     f"the scores are combined ({_opname(n)}) with a run-time scalar ({val(other)}) in a way "
                     "the spec cannot carry (only * and / by a 0-d tensor are supported)"
                 )
+            if step is not None and step[0] == "mod" and dtype_of_node(n) != torch.float32:
+                raise Unsupported(f"the registered score mod {step[1]!r} runs on {dtype_of_node(n)} scores (the graph "
+                                  "rounds after each of its ops; the kernel computes it in float32)")
             if step is not None:
                 steps.append(step)
                 if dtype_of_node(n) != torch.float32 and step[0] != "relu":
@@ -950,7 +955,7 @@ class SiteAnalysis:
             if torch.get_float32_matmul_precision() != "highest":
                 precision = "tf32"
         spec = ScoreSpec(
-            name=variant_name(reduce, spec_epi, G, Hk),
+            name=variant_name(reduce, spec_epi + spec_post, G, Hk),
             logit_dtype=logit_dtype,
             epilogue=tuple(spec_epi),
             reduce=reduce,
@@ -1012,7 +1017,8 @@ def variant_name(reduce: str, epilogue, G, Hk) -> str:
         name = "head-sum" + ("-relu" if relu else "")
     else:
         name = "single-head"
-    return name + ("-gqa" if Hk and G else "")
+    mods = [s[1] for s in epilogue if s[0] == "mod"]
+    return name + ("-gqa" if Hk and G else "") + "".join(f"+{m}" for m in mods)
 
 
 def _atoms(lay, label):
@@ -1037,6 +1043,7 @@ _POINTWISE = {
     aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.add.Tensor, aten.add.Scalar,
     aten.sub.Tensor, aten.sub.Scalar, aten.relu.default, aten.clamp_min.default, aten.maximum.default,
     aten.neg.default, aten.sigmoid.default, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+    torch.ops.hyscale.score_mod.default,  # a registered mod's stand-in (passes/score_mods.py)
 }
 _REDUCTIONS = {aten.sum.dim_IntList, aten.sum.default}
 MAX_CHAIN = 64
@@ -1110,6 +1117,7 @@ def candidate_chains(facts: GraphFacts, x: fx.Node, dim: int):
     operand is itself a score (HF's head sum as a matmul) is both a candidate and a step."""
     out = []
     stops = []  # where the key axis could not be followed further (for the diagnostic)
+    unknown = []  # ... at a float pointwise op the matcher does not know (a score mod?)
 
     def walk(node, d, suffix, depth):
         if len(out) >= MAX_CANDIDATES or depth > MAX_CHAIN or not isinstance(node, fx.Node):
@@ -1125,6 +1133,10 @@ def candidate_chains(facts: GraphFacts, x: fx.Node, dim: int):
             out.append([(node, None)] + suffix)
         elif not ins:
             stops.append(_opname(node))
+            v = val(node)
+            if (isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
+                    and isinstance(v, torch.Tensor) and v.is_floating_point()):
+                unknown.append(_opname(node))
         # several carriers (score + mask): try the contraction-derived ones first
         ins.sort(key=lambda ij: node.args[ij[0]] not in facts.dep)
         for i, j in ins:
@@ -1135,7 +1147,7 @@ def candidate_chains(facts: GraphFacts, x: fx.Node, dim: int):
     # weights matmul over the scores) is tried after that candidate. Candidates deeper
     # than the score contraction (the key projection ``x @ Wk``) fail the selection check.
     steps = [{n for n, _ in c[1:]} for c in out]
-    return sorted(out, key=lambda c: sum(c[0][0] in st for st in steps)), stops
+    return sorted(out, key=lambda c: sum(c[0][0] in st for st in steps)), (stops, unknown)
 
 
 def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
@@ -1145,10 +1157,12 @@ def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
         raise Unsupported("top-k of a 0-d tensor")
     args = list(topk.args) + [None] * (5 - len(topk.args))
     dim = topk.kwargs.get("dim", args[2] if args[2] is not None else -1) % rank
-    chains, stops = candidate_chains(facts, x, dim)
+    chains, (stops, unknown) = candidate_chains(facts, x, dim)
     if not chains:
         where = f" (followed the top-k axis back to {', '.join(sorted(set(stops)))})" if stops else ""
-        raise Unsupported(f"no contraction (einsum/matmul/bmm) feeds the top-k scores{where}")
+        hint = (f"; {', '.join(sorted(set(unknown)))}: elementwise, and not known to the matcher (if a "
+                "contraction feeds it, teach it with hyscale_compile.register_score_mod)") if unknown else ""
+        raise Unsupported(f"no contraction (einsum/matmul/bmm) feeds the top-k scores{where}{hint}")
     # A contraction that is a step of a deeper candidate (HF's weights matmul over the
     # scores) is the head reduction, not the score: never try it on its own, or a failure
     # of the real score contraction would fall back to a rewrite that keeps the table.

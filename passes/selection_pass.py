@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from . import diagnostics
+from . import diagnostics, score_mods
 from .canonicalize import GraphFacts, Unsupported, analyse_site
 from .rewrite import apply_match
 from .sparse_backward import rewrite_backward
@@ -67,6 +67,7 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
     topks = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.topk.default]
     if topks:
         canonicalize_noop_views(graph)
+    stand_ins = score_mods.collapse(graph, topks)  # registered mods -> one node each
     count = 0
     for tk in topks:
         line = diagnostics.user_line(tk)
@@ -97,6 +98,7 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
                 table_consumers=m.other_consumers, graph=graph_kind, backward=backward,
             )
         )
+    score_mods.restore(graph, stand_ins)
     if count:
         graph.eliminate_dead_code()
         from torch._inductor.fx_passes.post_grad import stable_topological_sort  # noqa

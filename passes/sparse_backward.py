@@ -27,6 +27,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .canonicalize import SiteMatch, is_backward_node, val
 from .rewrite import Applied, Emitter
+from .score_mods import MOD_NODES
 
 aten = torch.ops.aten
 
@@ -130,6 +131,8 @@ def _site_nodes(topk: fx.Node, sources: Set[fx.Node]) -> Set[fx.Node]:
             continue
         below.add(n)
         stack.extend(n.users)
+    # a registered mod's stand-in: the original nodes it stands for are the site's too
+    below |= {m for n in below for m in n.meta.get(MOD_NODES, ())}
     return below | {topk} | {u for u in topk.users if u.target is operator.getitem}
 
 

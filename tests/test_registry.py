@@ -1,0 +1,194 @@
+"""``register_score_mod`` (hyscale_compile/registry.py, lowerings/mods.py, passes/score_mods.py):
+validation at registration, the rewrite of sites that apply a registered mod (outputs and
+gradients equal eager), the cache key, the diagnostics, and the generated kernel."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hyscale_compile
+from hyscale_compile.lowerings import reference as ref
+from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec, SpecError
+from hyscale_compile.registry import ScoreModError, register_score_mod, unregister_score_mod
+from tests.contract import fresh_seed
+from tests.test_triton_hytopk import cuda, interpret, kernel_cache  # noqa: F401  (fixtures)
+
+
+@pytest.fixture
+def registered():
+    """Registers what a test asks for and forgets it afterwards (the registry is global)."""
+    names = []
+
+    def add(name, fn):
+        register_score_mod(name, fn)
+        names.append(name)
+
+    yield add
+    for n in names:
+        unregister_score_mod(n)
+
+
+# ---------------------------------------------------------------------------------------
+# validation: a bad registration fails at registration, naming the problem
+
+@pytest.mark.parametrize("name,fn,message", [
+    ("not an identifier", torch.tanh, "must be a Python identifier"),
+    ("relu", torch.tanh, "built-in step name"),
+    ("cumsum_mod", lambda s: s.cumsum(0), "aten.cumsum.default is not an elementwise op"),
+    ("to_double", lambda s: s.double(), "casts to torch.float64"),
+    ("to_bf16", lambda s: s.bfloat16().float(), "casts to torch.bfloat16"),
+    ("captures", lambda s: s + torch.ones(16), "tracing fn on a float32 tensor failed"),
+    ("shape_dependent", lambda s: s * s.shape[0], "depends on the input's shape"),
+    ("not_callable", 3.0, "must be callable"),
+    ("identity", lambda s: s, "computes nothing"),
+])
+def test_bad_registrations_raise_naming_the_problem(name, fn, message):
+    with pytest.raises(ScoreModError, match=message):
+        register_score_mod(name, fn)
+    assert name not in hyscale_compile.registered_score_mods()
+
+
+def test_duplicate_name_needs_replace(registered):
+    registered("softcap30", lambda s: 30.0 * torch.tanh(s / 30.0))
+    with pytest.raises(ScoreModError, match="already registered"):
+        register_score_mod("softcap30", torch.tanh)
+    register_score_mod("softcap30", lambda s: 30.0 * torch.tanh(s / 30.0), replace=True)
+
+
+def test_unknown_mod_in_a_spec_is_a_clear_error():
+    spec = ScoreSpec(epilogue=(("mod", "never_registered"),)).to_json()
+    with pytest.raises(ScoreModError, match="unknown score mod 'never_registered'"):
+        torch.ops.hyscale.hytopk(torch.randn(1, 4, 2, 8), torch.randn(1, 6, 1, 8), torch.rand(1, 4, 2), [], 2, spec)
+
+
+def test_registration_changes_the_cache_key(registered):
+    from hyscale_compile.passes.selection_pass import HyScaleJointPass
+
+    before = HyScaleJointPass().uuid()
+    registered("softcap30", lambda s: 30.0 * torch.tanh(s / 30.0))
+    after = HyScaleJointPass().uuid()
+    unregister_score_mod("softcap30")
+    register_score_mod("softcap30", lambda s: 20.0 * torch.tanh(s / 20.0))  # same name, other arithmetic
+    assert len({before, after, HyScaleJointPass().uuid()}) == 3
+
+
+# ---------------------------------------------------------------------------------------
+# the rewrite
+
+B, S, H, D, K = 2, 24, 4, 8, 4
+
+
+def softcapped_indexer(q, k, w):
+    """A soft-capped indexer (Gemma-style logit capping), per head, before the head sum."""
+    s = torch.einsum("bshd,btd->bsht", q, k)
+    s = 30.0 * torch.tanh(s / 30.0)
+    s = (s * w.unsqueeze(-1)).sum(2)
+    s = s + torch.full((S, S), float("-inf")).triu(K)  # every row has >= K keys
+    vals, idx = s.topk(K, dim=-1)
+    return vals.softmax(-1), idx
+
+
+def softplus_after_sum(q, k):
+    """A mod after the head reduction (QSA-like unweighted sum, then softplus)."""
+    s = torch.matmul(q.transpose(1, 2), k.unsqueeze(1).transpose(-1, -2))  # [B, H, S, T]
+    s = F.softplus(s.sum(1) * D**-0.5)
+    return s.topk(K, dim=-1).indices
+
+
+def _inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, S, H, D, generator=g), torch.randn(B, S, D, generator=g),
+            torch.rand(B, S, H, generator=g) + 0.1)
+
+
+def test_unregistered_mod_is_left_alone_with_a_hint():
+    q, k, w = _inputs(fresh_seed("unregistered") % 1000)
+    report = hyscale_compile.explain(softcapped_indexer, q, k, w)
+    (site,) = report.left_alone
+    assert "tanh" in site.reason and "register_score_mod" in site.reason, site.reason
+
+
+def test_registered_mod_is_rewritten_and_equals_eager(registered):
+    registered("softcap30", lambda s: 30.0 * torch.tanh(s / 30.0))
+    q, k, w = [t.requires_grad_(True) for t in _inputs(fresh_seed("softcap") % 1000)]
+    report = hyscale_compile.explain(softcapped_indexer, q, k, w)
+    (site,) = report.rewritten
+    assert site.variant.endswith("+softcap30") and "mod('softcap30')" in site.spec, site.line()
+    assert site.backward == "sparse", site.line()
+
+    def run(fn):
+        gate, idx = fn(q, k, w)
+        gate.pow(2).sum().backward()
+        grads = [t.grad.clone() for t in (q, k, w)]
+        for t in (q, k, w):
+            t.grad = None
+        return gate, idx, grads
+
+    want = run(softcapped_indexer)
+    torch._dynamo.reset()
+    got = run(torch.compile(softcapped_indexer, backend="hyscale_debug"))
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+    for a, b in zip(got[2], want[2]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_constants_are_part_of_the_match(registered):
+    registered("softcap50", lambda s: 50.0 * torch.tanh(s / 50.0))  # the model caps at 30
+    q, k, w = _inputs(fresh_seed("constants") % 1000)
+    report = hyscale_compile.explain(softcapped_indexer, q, k, w)
+    assert len(report.left_alone) == 1 and not report.rewritten, str(report)
+    torch._dynamo.reset()
+    out = torch.compile(softcapped_indexer, backend="hyscale_debug")(q, k, w)  # left exactly as it was
+    assert torch.equal(out[1], softcapped_indexer(q, k, w)[1])
+
+
+def test_mod_after_the_head_sum(registered):
+    registered("softplus", F.softplus)
+    q, k, _ = _inputs(fresh_seed("softplus") % 1000)
+    with torch.no_grad():
+        report = hyscale_compile.explain(softplus_after_sum, q, k)
+        (site,) = report.rewritten
+        assert "+softplus" in site.variant, site.line()
+        torch._dynamo.reset()
+        got = torch.compile(softplus_after_sum, backend="hyscale_debug")(q, k)
+    assert torch.equal(got, softplus_after_sum(q, k))
+
+
+# ---------------------------------------------------------------------------------------
+# the generated kernel (Triton interpreter on CPU; compiled on a GPU)
+
+def _kernel_case(device, seed):
+    from hyscale_compile.lowerings.triton_hytopk import hytopk_triton
+    from tests.test_triton_hytopk import check_threshold
+
+    g = torch.Generator().manual_seed(seed)
+    Bk, Sk, T, Hh, Dd, topk = 1, 16, 64, 4, 16, 8
+    q = torch.randn(Bk, Sk, Hh, Dd, generator=g).to(device)
+    k = torch.randn(Bk, T, 1, Dd, generator=g).to(device)
+    w = (torch.rand(Bk, Sk, Hh, generator=g) + 0.1).to(device)
+    hi = (torch.arange(Sk) * 4 + 8).view(1, Sk).to(device)
+    spec = ScoreSpec(epilogue=(("mod", "softcap8"),), post=(("mod", "softplus"), ("mask", 0)),
+                     masks=(MaskTerm(kind="range", hi=0, mode="fill"),))
+    vals, idx = hytopk_triton(q, k, w, [hi], topk, spec, return_values=True)
+    s64 = ref.dense_scores(q.cpu().double(), k.cpu().double(), w.cpu().double(), [hi.cpu()], spec, dtype=torch.float64)
+    # |tanh'| <= 1 and |softplus'| <= 1: the per-head error bound carries through; the
+    # transcendental functions add a few ulps each
+    scale = torch.einsum("bshd,btd->bsht", q.cpu().double().abs(), k.cpu().double().abs()[:, :, 0])
+    scale = (scale * w.cpu().double().unsqueeze(-1)).sum(2) + 8.0 * Hh
+    check_threshold(vals, idx, s64, scale, Dd, Hh, 2.0**-22)
+
+
+@pytest.mark.interpret
+def test_kernel_with_registered_mods(interpret, registered):
+    registered("softcap8", lambda s: 8.0 * torch.tanh(s / 8.0))
+    registered("softplus", F.softplus)
+    _kernel_case("cpu", fresh_seed("kernel_mods"))
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_with_registered_mods(cuda, registered):
+    registered("softcap8", lambda s: 8.0 * torch.tanh(s / 8.0))
+    registered("softplus", F.softplus)
+    _kernel_case("cuda", fresh_seed("gpu_kernel_mods"))
