@@ -84,6 +84,7 @@ def hyscale_debug_backend(gm: fx.GraphModule, example_inputs, *, mode=None, opti
     """Same pass and partitioner as ``hyscale``, graphs run eagerly (tests, explain)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
+    import torch._inductor.lowering  # noqa: F401  (some of select_decomp_table's entries need it loaded)
     from torch._inductor.decomposition import select_decomp_table
 
     _, hy_opts = split_options(mode, options)

@@ -33,8 +33,12 @@ import torch
 from .reference import _apply_elementwise, _apply_mask, check_operands
 from .spec import ScoreSpec, SpecError, dtype_of
 
-# Bytes of fp32 gathered keys and per-head logits one chunk of rows may hold.
-DEFAULT_CHUNK_BYTES = int(os.environ.get("HYSCALE_BWD_CHUNK_BYTES", 64 << 20))
+# Bytes of fp32 gathered keys and per-head logits one chunk of rows may hold: small on the
+# CPU (cache-sized), 1 GiB on a GPU, where each chunk is a handful of kernel launches and
+# small chunks would leave the time to launch overhead.
+DEFAULT_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
+if "HYSCALE_BWD_CHUNK_BYTES" in os.environ:
+    DEFAULT_CHUNK_BYTES = {d: int(os.environ["HYSCALE_BWD_CHUNK_BYTES"]) for d in DEFAULT_CHUNK_BYTES}
 
 
 def _steps_forward(x: torch.Tensor, steps) -> List[torch.Tensor]:
@@ -150,7 +154,7 @@ def values_backward(
     idx: torch.Tensor,
     spec: ScoreSpec,
     needs: Tuple[bool, bool, bool] = (True, True, True),
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: Optional[int] = None,
 ):
     """(gq, gk, gw) for ``grad`` = d loss / d values [B, S, k]; an input that needs no
     gradient (``needs``) gets an empty tensor."""
@@ -164,6 +168,8 @@ def values_backward(
     gq = torch.zeros(q.shape, dtype=f32, device=q.device) if need_q else None
     gk = torch.zeros(k.shape, dtype=f32, device=k.device) if need_k else None
     gw = torch.zeros(w.shape, dtype=f32, device=w.device) if need_w else None
+    if chunk_bytes is None:
+        chunk_bytes = DEFAULT_CHUNK_BYTES.get(q.device.type, DEFAULT_CHUNK_BYTES["cpu"])
     if topk > 0 and (need_q or need_k or need_w):
         per_row = 4 * topk * (2 * Hk * D + 4 * H)  # gathered keys + their grad, logits + temporaries
         rows = max(1, chunk_bytes // per_row)

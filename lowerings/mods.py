@@ -111,17 +111,17 @@ _UNARY = {
     aten.abs.default: "tl.abs({0})",
     aten.erf.default: "tl.erf({0})",
     aten.neg.default: "-{0}",
-    aten.tanh.default: ("libdevice.tanh({0})", "(1.0 - 2.0 / (tl.exp(2.0 * {0}) + 1.0))"),
+    aten.tanh.default: ("libdevice.tanh({0})", "(1.0 - tl.div_rn(2.0, tl.exp(2.0 * {0}) + 1.0))"),
     aten.log1p.default: ("libdevice.log1p({0})", "tl.log(1.0 + {0})"),
     aten.expm1.default: ("libdevice.expm1({0})", "(tl.exp({0}) - 1.0)"),
-    aten.reciprocal.default: "1.0 / {0}",
+    aten.reciprocal.default: "tl.div_rn(1.0, {0})",
     aten.relu.default: "tl.where({0} < 0.0, 0.0, {0})",
     aten.bitwise_not.default: "~{0}",
     aten.logical_not.default: "~{0}",
 }
 _BINARY = {
     aten.mul.Tensor: "{0} * {1}", aten.mul.Scalar: "{0} * {1}",
-    aten.div.Tensor: "{0} / {1}", aten.div.Scalar: "{0} / {1}",
+    aten.div.Tensor: "tl.div_rn({0}, {1})", aten.div.Scalar: "tl.div_rn({0}, {1})",  # IEEE, as torch
     aten.add.Tensor: "{0} + {1}", aten.add.Scalar: "{0} + {1}",
     aten.sub.Tensor: "{0} - {1}", aten.sub.Scalar: "{0} - {1}",
     aten.maximum.default: "tl.maximum({0}, {1})", aten.minimum.default: "tl.minimum({0}, {1})",
@@ -227,6 +227,7 @@ def _translate(name: str, gm: fx.GraphModule, interpret: bool = False) -> Tuple[
 class _TorchTL:
     """``tl`` / ``libdevice`` as torch functions: evaluates the translation on the CPU."""
 
+    div_rn = staticmethod(lambda a, b: torch.as_tensor(a, dtype=torch.float32) / b)
     exp, log, sqrt, rsqrt, sigmoid, abs, erf = (torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.sigmoid,
                                                  torch.abs, torch.erf)
     tanh, log1p, expm1 = torch.tanh, torch.log1p, torch.expm1

@@ -39,7 +39,7 @@ def parse_spec(spec: str) -> ScoreSpec:
 
 
 # Calls of the op's implementation in this process (benchmarks count selections per step).
-CALLS = {"hytopk": 0}
+CALLS = {"hytopk": 0, "topk_table": 0}
 
 
 def _impl(q, k, w, masks, topk, spec, return_values):
@@ -114,6 +114,20 @@ def _values_backward(ctx, grad_values, grad_indices):
 
 hytopk_values.register_autograd(_values_backward, setup_context=_values_setup_context)
 
+@torch.library.custom_op(f"{LIB}::topk_table", mutates_args=())
+def topk_table(x: Tensor, topk: int) -> Tensor:
+    """Top-k indices along the last dim of a score table the graph already materialized
+    (variants the fused kernel does not cover: ``passes/table_select.py``), by the tie rule,
+    as int32 (int64 past 2**31 keys). The values are a ``gather`` at these indices."""
+    CALLS["topk_table"] += 1
+    return reference.table_topk(x, topk)
+
+
+@topk_table.register_fake
+def _(x, topk):
+    return x.new_empty((*x.shape[:-1], topk), dtype=reference.index_dtype(x.shape[-1]))
+
+
 @torch.library.custom_op(f"{LIB}::score_mod", mutates_args=())
 def score_mod(x: Tensor, name: str) -> Tensor:
     """A registered score mod (``mods.py``) as one node. Only the matcher creates it, and
@@ -128,4 +142,5 @@ def _(x, name):
     return torch.empty_like(x)
 
 
-SELECTION_OPS = (torch.ops.hyscale.hytopk.default, torch.ops.hyscale.hytopk_values.default)
+SELECTION_OPS = (torch.ops.hyscale.hytopk.default, torch.ops.hyscale.hytopk_values.default,
+                 torch.ops.hyscale.topk_table.default)

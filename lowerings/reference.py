@@ -206,6 +206,24 @@ def dense_scores(q, k, w, masks, spec: ScoreSpec, dtype=torch.float32) -> torch.
     return score_block(q, k, w, masks, spec, 0, B, 0, S, 0, T, shape, dtype)
 
 
+def table_topk(x: torch.Tensor, topk: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
+    """Indices of the top-k along the last dim of a score table that already exists, by the
+    tie rule (value desc, index asc; NaN above everything, as ``torch.topk``). Rows are
+    sorted in chunks so the sort's workspace stays near ``chunk_bytes``."""
+    if not x.is_floating_point():
+        raise SpecError(f"table_topk: the scores must be floating point, got {x.dtype}")
+    T = x.shape[-1] if x.dim() else 1
+    if not 0 <= topk <= T:
+        raise SpecError(f"table_topk: k={topk} must be in [0, {T}] (the size of the last dim)")
+    rows = x.reshape(-1, T) if x.dim() else x.reshape(1, 1)
+    out = torch.empty((rows.shape[0], topk), dtype=index_dtype(T), device=x.device)
+    step = max(1, chunk_bytes // max(1, 16 * T))  # values + int64 indices, twice
+    for r0 in range(0, rows.shape[0], step):
+        part = rows[r0 : r0 + step]
+        out[r0 : r0 + step] = torch.sort(part, dim=-1, descending=True, stable=True).indices[:, :topk].to(out.dtype)
+    return out.view(*x.shape[:-1], topk) if x.dim() else out.view(topk)
+
+
 def stable_topk(scores: torch.Tensor, topk: int):
     """(values, indices) by (value desc, index asc) over the last dim: the tie rule."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :topk]

@@ -73,6 +73,9 @@ def _elementwise_lines(var: str, step) -> List[str]:
         return [f"{var} = {var} * {_lit(step[1])}"]
     if op == "add":
         return [f"{var} = {var} + {_lit(step[1])}"]
+    if op == "div":
+        # IEEE round-to-nearest, as torch divides (Triton's `/` on fp32 is the approximate div.full)
+        return [f"{var} = tl.div_rn({var}, {_lit(step[1])})"]
     if op == "relu":
         # where(x < 0) rather than maximum: keeps NaN a NaN, as torch.relu does.
         return [f"{var} = tl.where({var} < 0.0, 0.0, {var})"]

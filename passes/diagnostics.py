@@ -25,7 +25,7 @@ class SiteRecord:
     node: str  # the aten.topk node's name in its graph
     source: str  # the user line that called topk, if known
     rewritten: bool
-    reason: str = ""  # why not, when not rewritten
+    reason: str = ""  # why not, when not rewritten (for variant "table": why not fused)
     variant: str = ""
     k: Any = None
     sizes: Dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -39,6 +39,9 @@ class SiteRecord:
 
     def line(self) -> str:
         where = f" at {self.source}" if self.source else ""
+        if self.rewritten and self.variant == "table":
+            return (f"[rewritten: table] {self.node}{where}: selected from the materialized score table "
+                    f"(hyscale.topk_table, k={self.k}); not fused because: {self.reason}")
         if self.rewritten:
             sz = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
             extra = f"; table still materialized by {', '.join(self.table_consumers)}" if self.table_consumers else ""

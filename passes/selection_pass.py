@@ -19,7 +19,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from . import diagnostics, score_mods
-from .canonicalize import GraphFacts, Unsupported, analyse_site
+from .canonicalize import GraphFacts, Unsupported, analyse_site, shape_of
+from .table_select import select_from_table
 from .rewrite import apply_match
 from .sparse_backward import rewrite_backward
 
@@ -75,7 +76,19 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
             m = analyse_site(facts, tk)
             applied = apply_match(graph, m, replay=replay)  # rolls its own nodes back if it fails
         except Unsupported as e:
-            diagnostics.record(diagnostics.SiteRecord(node=tk.name, source=line, rewritten=False, reason=str(e), graph=graph_kind))
+            try:
+                table = select_from_table(graph, facts, tk, replay=replay)
+            except Exception:  # a bug of ours: the site stays as it was
+                diagnostics.log.warning("hyscale: internal error selecting from the table at %s", tk.name, exc_info=True)
+                table = None
+            if table is not None:
+                count += 1
+                diagnostics.record(diagnostics.SiteRecord(
+                    node=tk.name, source=line, rewritten=True, variant="table", reason=str(e), graph=graph_kind,
+                    k=tk.args[1], sizes={"T": shape_of(tk.args[0])[-1 if len(tk.args) < 3 else tk.args[2]]}))
+            else:
+                diagnostics.record(diagnostics.SiteRecord(node=tk.name, source=line, rewritten=False, reason=str(e),
+                                                          graph=graph_kind))
             continue
         except Exception as e:  # a bug of ours must not break the user's compile: leave the site
             diagnostics.log.warning("hyscale: internal error at %s, site left alone", tk.name, exc_info=True)

@@ -115,9 +115,11 @@ def test_uuid_keys_on_registry_options_and_chained_pass(monkeypatch):
     assert isinstance(base, bytes) and base == HyScaleJointPass().uuid()
     assert HyScaleJointPass(options={"enable": False}).uuid() != base
     assert HyScaleJointPass(param_indices=[0]).uuid() != base
-    monkeypatch.setitem(registry._VARIANTS, "my_variant", "spec-source")
-    assert HyScaleJointPass().uuid() != base  # a registration changes the key
-    monkeypatch.delitem(registry._VARIANTS, "my_variant")
+    registry.register_score_mod("my_variant", lambda s: s * 0.5 + 1.0)
+    try:
+        assert HyScaleJointPass().uuid() != base  # a registration changes the key
+    finally:
+        registry.unregister_score_mod("my_variant")
     assert HyScaleJointPass().uuid() == base
 
     class NoUuid:

@@ -330,6 +330,18 @@ def test_round_and_elementwise_steps_exact(interpret):
 
 
 @pytest.mark.interpret
+def test_div_steps_round_like_torch(interpret):
+    """x / c is IEEE division in torch; the kernel must not use an approximate divide:
+    dividing by 3 and by sqrt(128) rounds, and the result must equal the reference bit for bit."""
+    g = _gen(83)
+    B, S, T, H, D, topk = 1, 16, 64, 2, 24, 12
+    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32, lo=-9, hi=10)
+    spec = ScoreSpec(epilogue=(("div", 3.0), ("relu",)), reduce="weighted_sum",
+                     post=(("div", math.sqrt(128.0)), ("mask", 0)), masks=(MaskTerm(kind="range", hi=0),))
+    run_exact(q, k, w, [causal_hi(B, S, T)], topk, spec)
+
+
+@pytest.mark.interpret
 def test_sigmoid_threshold(interpret):
     g = _gen(91)
     B, S, T, H, D, topk = 1, 16, 64, 4, 16, 10

@@ -264,7 +264,7 @@ class _LucidrainsNSA(nn.Module):
         return t.repeat(1, self.num_grouped_queries, *([1] * (t.ndim - 2)))
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        batch, seq_len, scale, device = *inp.shape[:2], self.scale, inp.device
+        batch, seq_len, device = *inp.shape[:2], inp.device
         compress_divisible_seq_len = seq_len // self.compress_block_size * self.compress_block_size
         num_compress_blocks = compress_divisible_seq_len // self.compress_block_size
         fine_divisible_seq_len = math.ceil(seq_len / self.selection_block_size) * self.selection_block_size

@@ -1,0 +1,30 @@
+#!/bin/bash
+# One device call (docs/performance.md, "How the GPU numbers were taken"): install, GPU
+# tests, the joint-graph tests on this machine's torch, then the given benchmark steps.
+#   bash benchmarks/gpu_checks.sh tests sweep        # step names: tests, sweep, sparse, variants, train
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then  # expecttest is not in the GPU image
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { echo "install failed"; tail "$OUT/install.log"; }
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+for step in "$@"; do
+  t0=$(date +%s)
+  case $step in
+    tests)
+      timeout 240 python3 -m pytest -q -m gpu tests/ > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?: $(tail -1 "$OUT/gpu_tests.log")"
+      timeout 200 python3 -m pytest -q -m "not inductor and not gpu" tests/test_sparse_backward.py tests/test_partition.py \
+        tests/test_registry.py tests/test_variants.py > "$OUT/cpu_side.log" 2>&1 || true
+      echo "joint-graph tests on this torch: $(tail -1 "$OUT/cpu_side.log")" ;;
+    sweep) timeout 300 python3 benchmarks/sweep_hytopk_config.py --seq 32768 --deadline 200 ${SWEEP_CONFIGS:+--configs $SWEEP_CONFIGS} \
+             > "$OUT/sweep.md" 2> "$OUT/sweep.log"; echo "sweep rc=$?"; cat "$OUT/sweep.md" ;;
+    sparse) timeout 300 python3 benchmarks/bench_sparse_backward.py --seqs ${SPARSE_SEQS:-8192,16384,32768} \
+             > "$OUT/sparse.md" 2> "$OUT/sparse.log"; echo "sparse rc=$?"; cat "$OUT/sparse.md" ;;
+    variants) timeout 300 python3 benchmarks/bench_variants.py --seqs ${VARIANT_SEQS:-8192,32768} \
+             > "$OUT/variants.md" 2> "$OUT/variants.log"; echo "variants rc=$?"; cat "$OUT/variants.md" ;;
+    *) echo "unknown step $step" ;;
+  esac
+  echo "[$step took $(( $(date +%s) - t0 )) s]"
+done

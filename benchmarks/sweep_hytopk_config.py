@@ -1,0 +1,94 @@
+"""Launch-parameter sweep of the generated HyTopK kernel at the DSA shape (one GPU).
+
+    python benchmarks/sweep_hytopk_config.py --seq 32768 [--configs default,w8,...] [--deadline 300]
+
+For each ``HyTopKConfig`` in the list: the full kernel's median time, the same kernel with
+selection off (``score_only``: what the scoring alone costs under that config), whether
+sampled rows pass the DESIGN.md threshold check, and whether the indices are bit-identical
+to the default config's (launch parameters must never change the result). Shape and inputs
+are ``bench_hytopk.py``'s (H=64, D=128, k=2048, causal, bf16, iid). Prints a table last;
+configs past ``--deadline`` seconds are listed as skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_hytopk as bh  # noqa: E402
+
+CONFIGS = {
+    # name: HyTopKConfig kwargs (block_m None: 256 // heads-per-kv-head = 4 rows at H=64)
+    "default": dict(block_n=64, num_warps=4, num_stages=2),
+    "w8": dict(block_n=64, num_warps=8, num_stages=2),
+    "n128w8": dict(block_n=128, num_warps=8, num_stages=2),
+    "m2s3": dict(block_m=2, block_n=64, num_warps=4, num_stages=3),
+    "n32s3": dict(block_n=32, num_warps=4, num_stages=3),
+    "m8w8": dict(block_m=8, block_n=64, num_warps=8, num_stages=2),
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--configs", default="default,w8,n128w8,m2s3")
+    ap.add_argument("--deadline", type=float, default=1e9)
+    args = ap.parse_args(argv)
+    names = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; known: {sorted(CONFIGS)}")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+    from hyscale_compile.lowerings import triton_hytopk as th
+
+    t_start = time.time()
+    S = args.seq
+    q, k, w = bh.make_inputs(S, "iid", seed=0)
+    hi = (torch.arange(S, device="cuda") + 1).view(1, S)
+    spec = bh.dsa_spec()
+    floor = bh.H * bh.D * 2 * S * (S + 1) / 2 / bh.matmul_rate() * 1e3
+    rows = bh.sample_rows(S)
+    ref_idx = None
+    table = []
+    for name in names:
+        if time.time() - t_start > args.deadline:
+            table.append((name, None, None, None, None, "SKIPPED (deadline)"))
+            continue
+        kw = CONFIGS[name]
+        cfg = th.HyTopKConfig(**kw)
+        t0 = time.time()
+        ms, _, idx, _ = bh.measure(lambda: th.hytopk_triton(q, k.unsqueeze(2), w, [hi], bh.TOPK, spec, config=cfg))
+        first = time.time() - t0
+        exact = bh.check_rows(idx, q, k, w, rows)
+        same = None
+        if ref_idx is None and name == "default":
+            ref_idx = idx.clone()
+        if ref_idx is not None:
+            same = bool(torch.equal(idx, ref_idx))
+        so = th.HyTopKConfig(**kw, score_only=True)
+        ms_so, _, _, _ = bh.measure(lambda: th.hytopk_triton(q, k.unsqueeze(2), w, [hi], bh.TOPK, spec, config=so))
+        table.append((name, ms, ms_so, exact, same, f"{kw}; first call {first:.1f} s"))
+        bh.log(name, ms, ms_so, exact, same)
+    print(f"\nS={S}, H={bh.H}, D={bh.D}, k={bh.TOPK}, causal, iid bf16; floor {floor:.2f} ms "
+          f"({torch.cuda.get_device_name()}, torch {torch.__version__})")
+    print("| config | hytopk ms (x floor) | score-only ms (x floor) | exact | bits = default | parameters |")
+    print("|---|---|---|---|---|---|")
+    for name, ms, ms_so, exact, same, note in table:
+        if ms is None:
+            print(f"| {name} | - | - | - | - | {note} |")
+            continue
+        print(f"| {name} | {ms:.2f} ({ms / floor:.2f}) | {ms_so:.2f} ({ms_so / floor:.2f}) | "
+              f"{'yes' if exact else 'NO'} | {'-' if same is None else ('yes' if same else 'NO')} | {note} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
