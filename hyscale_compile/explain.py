@@ -14,6 +14,9 @@ from .passes.diagnostics import SiteRecord
 class ExplainReport:
     sites: List[SiteRecord]
     graph_breaks: int
+    # frames Dynamo gave up on and ran eagerly (e.g. a graph break inside a per-query
+    # Python loop): top-k calls in them never reach the backend, so no site lists them
+    skipped_frames: List[str] = dataclasses.field(default_factory=list)
 
     @property
     def rewritten(self) -> List[SiteRecord]:
@@ -28,7 +31,10 @@ class ExplainReport:
             f"hyscale: {len(self.sites)} top-k site(s): {len(self.rewritten)} rewritten, "
             f"{len(self.left_alone)} left alone; {self.graph_breaks} graph break(s)"
         )
-        return "\n".join([head] + ["  " + s.line() for s in self.sites])
+        lines = [head] + ["  " + s.line() for s in self.sites]
+        lines += [f"  [not compiled] {f}: Dynamo ran this frame eagerly, so the backend never saw its top-k "
+                  "calls (a graph break inside a loop, e.g. a per-query loop)" for f in self.skipped_frames]
+        return "\n".join(lines)
 
 
 def explain(model: Callable, *args: Any, dynamic: Any = None, **kwargs: Any) -> ExplainReport:
@@ -45,11 +51,17 @@ def explain(model: Callable, *args: Any, dynamic: Any = None, **kwargs: Any) -> 
     torch._dynamo.reset()
     diagnostics.clear()
     breaks = 0
-    before = dict(torch._dynamo.utils.counters["graph_break"])
+    counters = torch._dynamo.utils.counters
+    before = dict(counters["graph_break"])
+    unimpl_before = dict(counters["unimplemented"])
     compiled = torch.compile(model, backend=hyscale_debug_backend, dynamic=dynamic)
     compiled(*args, **kwargs)
-    after = torch._dynamo.utils.counters["graph_break"]
+    after = counters["graph_break"]
     breaks = sum(after.values()) - sum(before.values())
-    report = ExplainReport(sites=diagnostics.records(), graph_breaks=breaks)
+    skipped = []
+    for msg, n in counters["unimplemented"].items():
+        if n > unimpl_before.get(msg, 0) and "frame skipped:" in msg:
+            skipped.append(msg.split("frame skipped:", 1)[1].splitlines()[0].strip())
+    report = ExplainReport(sites=diagnostics.records(), graph_breaks=breaks, skipped_frames=sorted(set(skipped)))
     torch._dynamo.reset()
     return report
