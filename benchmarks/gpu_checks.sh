@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call (docs/performance.md, "How the GPU numbers were taken"): install, GPU
 # tests, the joint-graph tests on this machine's torch, then the given benchmark steps.
-#   bash benchmarks/gpu_checks.sh tests sweep        # step names: tests, sweep, sparse, variants, train
+#   bash benchmarks/gpu_checks.sh tests sweep        # step names: tests, sweep, sparse, variants, varianttests, train, demo
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -24,6 +24,11 @@ for step in "$@"; do
              > "$OUT/sparse.md" 2> "$OUT/sparse.log"; echo "sparse rc=$?"; cat "$OUT/sparse.md" ;;
     variants) timeout 300 python3 benchmarks/bench_variants.py --seqs ${VARIANT_SEQS:-8192,32768} \
              > "$OUT/variants.md" 2> "$OUT/variants.log"; echo "variants rc=$?"; cat "$OUT/variants.md" ;;
+    train) timeout 400 python3 examples/train_dsa.py --device cuda --seq ${TRAIN_SEQ:-32768} --steps ${TRAIN_STEPS:-30} \
+             --out "$OUT/train_dsa_loss.png" > "$OUT/train.log" 2>&1; echo "train rc=$?"; grep -v "it/s\]" "$OUT/train.log" | tail -25 ;;
+    demo) timeout 400 python3 examples/demo.py --seq ${DEMO_SEQ:-16384} > "$OUT/demo.log" 2>&1; echo "demo rc=$?"; tail -12 "$OUT/demo.log" ;;
+    varianttests) timeout 300 python3 -m pytest -q -m gpu tests/test_variants.py > "$OUT/variant_tests.log" 2>&1
+             echo "variant gpu tests rc=$?: $(tail -1 "$OUT/variant_tests.log")" ;;
     *) echo "unknown step $step" ;;
   esac
   echo "[$step took $(( $(date +%s) - t0 )) s]"

@@ -326,12 +326,17 @@ class StableTopK(torch.overrides.TorchFunctionMode):
 
 
 def tolerances(plan: Plan) -> Dict[str, float]:
-    # fp32: torch.testing's own float32 defaults; bf16 logits: its bfloat16 defaults (eager and
-    # Inductor round bf16 intermediates at different places, so fp32 tolerances cannot hold).
-    return dict(rtol=1.3e-6, atol=1e-5) if plan.dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-5)
+    # fp32: torch.testing's own float32 defaults. bf16 logits: eager, Inductor and hyscale
+    # round bf16 intermediates at different places (each compile fuses the graph its own
+    # way), so a logit near zero can carry one bf16 ulp of a large intermediate: compare
+    # normwise, atol = rtol * the largest |logit| (a few bf16 ulps of the largest logit).
+    return dict(rtol=1.3e-6, atol=1e-5) if plan.dtype == torch.float32 else dict(rtol=1.6e-2, atol=1.6e-2, normwise=True)
 
 
 def close(a, b, tol) -> Optional[str]:
+    tol = dict(tol)
+    if tol.pop("normwise", False):
+        tol["atol"] = tol["atol"] * max(1.0, b.abs().max().item())
     try:
         torch.testing.assert_close(a, b, **tol)
         return None
@@ -425,7 +430,8 @@ def main(argv=None) -> int:
 
     say("\n[4/5] checking outputs against eager ...")
     tol = tolerances(plan)
-    say(f"      torch.testing.assert_close(logits, eager_logits, rtol={tol['rtol']}, atol={tol['atol']})")
+    atol = f"{tol['atol']} x max|eager logit|" if tol.get("normwise") else tol["atol"]
+    say(f"      torch.testing.assert_close(logits, eager_logits, rtol={tol['rtol']}, atol={atol})")
     eager = results["eager"].get("logits")
     equal: Dict[str, str] = {}
     hyscale_ok = False
