@@ -37,7 +37,7 @@ from .spec import MaskTerm, ScoreSpec, SpecError, skippable_mask_terms
 
 # Bumped whenever the template changes in a way the hash of the source would not show
 # (it always does today: the version is part of the source text).
-CODEGEN_VERSION = 3
+CODEGEN_VERSION = 4
 
 _MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
 _LOCK = threading.Lock()
@@ -617,6 +617,8 @@ def {{KERNEL_NAME}}(
     d_ok = offs_d < D
     scr = SCRATCH + pid.to(tl.int64) * (BLOCK_M * CAP)
     scr_cols = scr + offs_m.to(tl.int64)[None, :] * CAP  # [1, BLOCK_M] row starts
+    # this program's per-row append counters (after the scheduler's counter at COUNTER[0])
+    cnt_ptrs = COUNTER + 1 + pid * BLOCK_M + offs_m  # [BLOCK_M]
     chk = tl.zeros([BLOCK_M], dtype=tl.float32)
     j = tl.atomic_add(COUNTER, 1)
     while j < num_blocks:
@@ -660,6 +662,10 @@ def {{KERNEL_NAME}}(
         while t0 < v1:
             space = tl.min(CAP - cnt, axis=0)
             t_stop = tl.minimum(v1, t0 + (space // BLOCK_N) * BLOCK_N)
+            filling = tl.max(tl.where(row_ok, thr, EMPTY), axis=0) == EMPTY
+            if (not SCORE_ONLY) and (not filling):
+                tl.store(cnt_ptrs, cnt)
+                tl.debug_barrier()  # the counters hold cnt before any atomic
             for tt in range(t0, t_stop, BLOCK_N):
                 keys64 = tt + offs_n.to(tl.int64)
                 key_ok = keys64 < t_end
@@ -679,13 +685,24 @@ def {{KERNEL_NAME}}(
                 )
                 if SCORE_ONLY:
                     chk += tl.sum(tl.where(key_ok[:, None], y, 0.0), axis=0)
+                elif filling:
+                    # no row has a threshold yet: every valid key is taken, its slot is
+                    # its offset in the tile (valid keys are a prefix of the tile)
+                    p = _pack(y, keys64[:, None])
+                    slot = cnt[None, :] + offs_n[:, None]
+                    tl.store(scr_cols + slot, p, mask=key_ok[:, None] & row_ok[None, :])
+                    cnt += tl.where(row_ok, tl.minimum(t_end - tt, BLOCK_N).to(tl.int32), 0)
                 else:
+                    # slots from the per-row counters (relaxed atomics): no cross-warp
+                    # scan or reduction per tile; counts are read back after the loop
                     p = _pack(y, keys64[:, None])
                     take = (p > thr[None, :]) & key_ok[:, None] & row_ok[None, :]
-                    take32 = take.to(tl.int32)
-                    pos = cnt[None, :] + tl.cumsum(take32, axis=0) - take32
-                    tl.store(scr_cols + pos, p, mask=take)
-                    cnt += tl.sum(take32, axis=0)
+                    slot = tl.atomic_add(cnt_ptrs[None, :] + tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32), 1,
+                                         mask=take, sem="relaxed")
+                    tl.store(scr_cols + slot, p, mask=take)
+            if (not SCORE_ONLY) and (not filling):
+                tl.debug_barrier()  # every atomic and store of the loop is done
+                cnt = tl.atomic_add(cnt_ptrs, 0, sem="relaxed")
             t0 = t_stop
             if t0 < v1:
                 tl.debug_barrier()  # the appended keys are visible to every thread

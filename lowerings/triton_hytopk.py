@@ -203,7 +203,8 @@ def hytopk_triton(
     else:
         w_arg, w_strides = w, w.stride()
     scratch = torch.empty(nprog * block_m * cap, dtype=torch.int64, device=device)
-    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    # [0]: the persistent scheduler's block counter; then BLOCK_M append counters per program
+    counter = torch.zeros(1 + nprog * block_m, dtype=torch.int32, device=device)
     write_vals = return_values
     if cfg.score_only:
         vals32 = torch.empty(nprog * block_m, dtype=torch.float32, device=device)
