@@ -37,7 +37,7 @@ from .spec import MaskTerm, ScoreSpec, SpecError, skippable_mask_terms
 
 # Bumped whenever the template changes in a way the hash of the source would not show
 # (it always does today: the version is part of the source text).
-CODEGEN_VERSION = 5
+CODEGEN_VERSION = 4
 
 _MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
 _LOCK = threading.Lock()
@@ -490,27 +490,18 @@ def _rank_desc(keys):
 
 @triton.jit
 def _kth_largest(keys, valid, TOPK: tl.constexpr):
-    # The TOPK-th largest of the valid keys (distinct; at least TOPK of them). First the
-    # boundary score: an 8-bit radix select over the high words (4 histogram passes: the
-    # largest v with #{key >= v} >= TOPK), then, only when the boundary score is shared by
-    # more keys than are needed, a bitwise search over the low words (the index) of the
-    # keys with that score.
+    # The TOPK-th largest of the valid keys (distinct; at least TOPK of them), by a
+    # bitwise search for the largest value v with #{key >= v} >= TOPK: first over the
+    # high words (the score), then, only when the boundary score is shared by more keys
+    # than are needed, over the low words (the index) of the keys with that score.
     u = (keys >> 32) + 2147483648                   # score bits as 0 .. 2^32-1, order kept
     prefix = tl.zeros([], dtype=tl.int64)
-    need = tl.zeros([], dtype=tl.int32) + TOPK
-    bins = tl.arange(0, 256)
-    for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
-        if p == 0:
-            sel = valid
-        else:
-            sel = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-        digit = ((u >> shift) & 255).to(tl.int32)
-        hist = tl.histogram(digit, 256, mask=sel)
-        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-        dstar = tl.max(tl.where(at_or_above >= need, bins, -1), axis=0)
-        need = need - tl.sum(tl.where(bins > dstar, hist, 0), axis=0)
-        prefix = prefix + (dstar.to(tl.int64) << shift)
+    step = tl.zeros([], dtype=tl.int64) + 2147483648
+    for _ in range(32):
+        cand = prefix + step
+        c = tl.sum(tl.where(valid & (u >= cand), 1, 0), axis=0)
+        prefix = tl.where(c >= TOPK, cand, prefix)
+        step = step // 2
     eq = valid & (u == prefix)
     n_above = tl.sum(tl.where(valid & (u > prefix), 1, 0), axis=0)
     n_eq = tl.sum(tl.where(eq, 1, 0), axis=0)
