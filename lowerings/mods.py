@@ -139,15 +139,12 @@ SUPPORTED_OPS = sorted(str(o) for o in list(_UNARY) + list(_BINARY) + list(_TERN
 
 
 def _lit(v) -> str:
+    from .triton_codegen import _lit as float_literal
+
     if isinstance(v, bool):
         return repr(v)
     if isinstance(v, (int, float)):
-        v = float(v)
-        if math.isnan(v):
-            return 'float("nan")'
-        if math.isinf(v):
-            return 'float("inf")' if v > 0 else '(-float("inf"))'
-        return repr(v)
+        return float_literal(v)
     raise ScoreModError(f"constant {v!r} of type {type(v).__name__} cannot appear in a score mod")
 
 

@@ -13,6 +13,7 @@ import hyscale_compile
 from hyscale_compile.lowerings.reference import table_topk
 from hyscale_compile.testing import graph_text
 from tests.contract import fresh_seed
+from tests.test_canonicalize import assert_same_outputs
 from tests.models.variant_forms import VARIANT_FORMS
 
 # where each family lands today: fused into the generated kernel, or selected from the table
@@ -74,12 +75,7 @@ def test_variant_selections_become_hyscale_calls_and_equal_eager(name):
         else:
             with stable_topk_in_eager():
                 ref = case.fn(*case.args)
-    for a, b in zip(_as_tuple(out), _as_tuple(ref)):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        if a.is_floating_point():
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-        else:
-            assert torch.equal(a, b)
+    assert_same_outputs(out, ref)
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
