@@ -20,6 +20,7 @@ import operator
 import os
 from typing import Optional
 
+import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
@@ -43,8 +44,31 @@ def tag_saved(node: fx.Node) -> None:
 
 
 def has_selection(gm: fx.GraphModule) -> bool:
+    """A selection op in ``gm`` or in any subgraph it calls (invoke_subgraph regions)."""
     ops = selection_ops()
-    return any(n.op == "call_function" and n.target in ops for n in gm.graph.nodes)
+    return any(
+        n.op == "call_function" and n.target in ops
+        for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
+    )
+
+
+def tag_selection_regions(gm: fx.GraphModule) -> None:
+    """MUST_SAVE on forward ``invoke_subgraph`` calls (``nested_compile_region``) whose
+    subgraph selects: a region is one op to the outer partitioner, so recomputing it in
+    the backward would run its selection again. Its outputs are what the region's own
+    partition chose to save (the int32 indices and little else under a budget of 0)."""
+    from .canonicalize import is_backward_node
+
+    hop = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    if hop is None:
+        return
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not hop or is_backward_node(n):
+            continue
+        sub = n.args[0]
+        mod = getattr(gm, sub.target, None) if isinstance(sub, fx.Node) and sub.op == "get_attr" else None
+        if isinstance(mod, fx.GraphModule) and has_selection(mod):
+            tag_saved(n)
 
 
 class HyScalePartitioner(CustomPartitionerFn):
@@ -56,6 +80,7 @@ class HyScalePartitioner(CustomPartitionerFn):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         inner = self.chained if self.chained is not None else min_cut_rematerialization_partition
+        tag_selection_regions(gm)
         budget = fconfig.activation_memory_budget
         for n in gm.graph.nodes:
             if isinstance(n.meta.get("memory_budget"), float):

@@ -112,3 +112,41 @@ def test_replay_off_recomputes_under_checkpoint():
                   options={"hyscale.capture": cap, "hyscale.replay": False})(x).sum().backward()
     bw = graph_text(next(g for k, g in cap if k == "backward").graph)
     assert bw.count("hyscale.hytopk") == 1
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_region"), reason="needs torch.compiler.nested_compile_region")
+@pytest.mark.parametrize("budget", [None, 0.0])
+def test_replay_inside_a_nested_compile_region(budget):
+    """A block compiled once and reused (``torch.compiler.nested_compile_region``, the
+    invoke_subgraph path): the selection inside is rewritten, the backward subgraph holds
+    no selection and no score bmm, and gradients equal eager."""
+    torch.manual_seed(fresh_seed("nested_region"))
+    blk = Block()
+    region = torch.compiler.nested_compile_region(lambda x: blk(x))
+
+    def run(x):
+        return region(region(x))
+
+    x0 = torch.randn(B, S, E)
+
+    def grads(fn):
+        x = x0.clone().requires_grad_(True)
+        fn(x).pow(2).sum().backward()
+        out = [x.grad] + [None if p.grad is None else p.grad.clone() for p in blk.parameters()]
+        blk.zero_grad()
+        return out
+
+    want = grads(run)
+    cap = []
+    torch._dynamo.reset()
+    with fconfig.patch(activation_memory_budget=fconfig.activation_memory_budget if budget is None else budget):
+        got = grads(torch.compile(run, backend="hyscale_debug", options={"hyscale.capture": cap}))
+    graphs = {k: [graph_text(g.graph)] + [graph_text(m.graph) for _, m in g.named_children()]
+              for k, g in cap if k in ("forward", "backward")}
+    fw, bw = "\n".join(graphs["forward"]), "\n".join(graphs["backward"])
+    assert "hyscale.hytopk" in fw and "aten.topk" not in fw
+    assert "hyscale.hytopk" not in bw and "aten.topk" not in bw and "aten.bmm" not in bw
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-5 * max(1.0, b.abs().max().item()), rtol=1e-5)
