@@ -35,7 +35,9 @@ def register_score_mod(name: str, fn: Callable[[torch.Tensor], torch.Tensor], *,
     """Register ``fn``, an elementwise float32 function of the score, under ``name``.
 
     ``replace=True`` overwrites an earlier registration of the same name (otherwise
-    registering a name twice raises)."""
+    registering a name twice raises). Graphs already compiled in this process refer to
+    the mod by name, so from their next call they compute the new function; call
+    ``torch._dynamo.reset()`` after replacing to recompile them from scratch."""
     if not replace and name in _mods.registered():
         raise ScoreModError(f"register_score_mod: {name!r} is already registered (pass replace=True to overwrite)")
     _mods.add(_mods.build(name, fn))

@@ -176,27 +176,63 @@ def streaming_topk(
     for b in range(B):
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
+            # Running candidates per row, in ascending key order (so among equal scores
+            # the earlier entry is the smaller key index): values, order keys, indices.
             vals = torch.empty((1, s1 - s0, 0), dtype=torch.float32, device=device)
+            keys = torch.empty((1, s1 - s0, 0), dtype=torch.int64, device=device)
             inds = torch.empty((1, s1 - s0, 0), dtype=torch.int64, device=device)
+            kth = None  # per-row k-th best order key once every row holds k candidates
             for t0 in range(0, T, tc):
                 t1 = min(T, t0 + tc)
-                full = vals.shape[-1] == topk and bool((vals[..., -1] > -math.inf).all())
-                if full and _hidden_everywhere(spec, masks, b, b + 1, s0, s1, t0, t1, B, S):
+                if kth is not None and bool((vals > -math.inf).sum(-1).min() >= topk) and _hidden_everywhere(
+                        spec, masks, b, b + 1, s0, s1, t0, t1, B, S):
                     continue  # nothing in this chunk can reach any row's top-k
                 y = score_block(q, k, w, masks, spec, b, b + 1, s0, s1, t0, t1, shape)
-                if vals.shape[-1] == topk and not bool((y > vals[..., -1:]).any()):
-                    continue  # no candidate beats any row's current k-th value
+                yk = order_keys(y)
+                if kth is not None and not bool((yk > kth).any()):
+                    continue  # no candidate beats any row's current k-th (ties lose: larger index)
                 t_idx = torch.arange(t0, t1, device=device).expand_as(y)
-                cat_v = torch.cat([vals, y], dim=-1)
-                cat_i = torch.cat([inds, t_idx], dim=-1)
-                # Stable: among equal values, earlier entries (smaller key index) stay first.
-                order = torch.sort(cat_v, dim=-1, descending=True, stable=True).indices[..., :topk]
-                vals = torch.gather(cat_v, -1, order)
-                inds = torch.gather(cat_i, -1, order)
-            idx_out[b, s0:s1] = inds[0].to(idx_out.dtype)
+                vals, keys, inds = _merge(vals, keys, inds, y, yk, t_idx, topk)
+                if keys.shape[-1] == topk:
+                    kth = keys.amin(-1, keepdim=True)
+            # (value desc, index asc): a stable sort of index-ascending candidates
+            order = torch.sort(keys, dim=-1, descending=True, stable=True).indices
+            idx_out[b, s0:s1] = torch.gather(inds, -1, order)[0].to(idx_out.dtype)
             if return_values:
-                val_out[b, s0:s1] = vals[0].to(val_out.dtype)
+                val_out[b, s0:s1] = torch.gather(vals, -1, order)[0].to(val_out.dtype)
     return (val_out, idx_out) if return_values else idx_out
+
+
+def order_keys(y: torch.Tensor) -> torch.Tensor:
+    """fp32 scores -> int64 keys in the same order as torch.sort's: -0.0 equals +0.0 and
+    every NaN is above +inf (the kernel's ``_pack`` high word)."""
+    y = torch.where(y == 0, 0.0, y).to(torch.float32)
+    b = y.view(torch.int32).to(torch.int64)
+    b = torch.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return torch.where(torch.isnan(y), 1 << 40, b)
+
+
+def _merge(vals, keys, inds, y, yk, t_idx, topk):
+    """The k best of (running candidates ++ a new chunk of later keys), in key order.
+
+    Exact without sorting: the k-th largest order key comes from ``torch.topk`` (its value
+    does not depend on how topk breaks ties); every candidate above it is kept, and of the
+    candidates equal to it the earliest (smallest key index) fill the remaining slots."""
+    cv = torch.cat([vals, y], dim=-1)
+    ck = torch.cat([keys, yk], dim=-1)
+    ci = torch.cat([inds, t_idx], dim=-1)
+    if ck.shape[-1] <= topk:
+        return cv, ck, ci
+    kth = torch.topk(ck, topk, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    above = ck > kth
+    tied = ck == kth
+    need = topk - above.sum(-1, keepdim=True)
+    take = above | (tied & (tied.cumsum(-1) <= need))
+    # compaction that keeps the order: taken entry j goes to slot (#taken before j)
+    slot = torch.where(take, take.cumsum(-1) - 1, topk)
+    shape = (*ck.shape[:-1], topk + 1)
+    out = [torch.zeros(shape, dtype=x.dtype, device=x.device).scatter_(-1, slot, x)[..., :topk] for x in (cv, ck, ci)]
+    return out[0], out[1], out[2]
 
 
 def dense_scores(q, k, w, masks, spec: ScoreSpec, dtype=torch.float32) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch.fx as fx
 from ..lowerings.spec import MaskTerm, ScoreSpec, dtype_name
 from . import layout as L
 from .layout import Atom, Layout, Unsupported
+from .score_mods import MOD_NODES
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -469,9 +470,11 @@ class SiteAnalysis:
         chain = self.chain
         qk = chain[0][0]
         in_chain = {n for n, _ in chain}
+        # a registered mod's stand-in replaced these nodes: they die with the rewrite
+        replaced = {r for n, _ in chain for r in n.meta.get(MOD_NODES, ())}
         self.other_consumers = sorted(
             {_opname(c) for n, _ in chain for c in n.users
-             if c not in in_chain and c is not tk and not _feeds_only_backward(c)}
+             if c not in in_chain and c is not tk and c not in replaced and not _feeds_only_backward(c)}
         )
         a, b = qk.args[0], qk.args[1]
         sa, sb = analyse_operand(a, "a"), analyse_operand(b, "b")

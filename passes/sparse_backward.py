@@ -71,6 +71,11 @@ def _rewrite(graph: fx.Graph, m: SiteMatch, applied: Applied) -> str:
     g_in = grads_in.pop()
     if not _same_shape(g_in, applied.values_out):
         raise KeepDense(f"the gradient entering the score backward ({g_in.name}) is not shaped like the top-k values")
+    # ... and it must enter through the top-k's own backward (with k == T a gradient of
+    # the dense scores has the values' shape too, but arrives in key order elsewhere)
+    tk_seq = m.topk.meta.get("seq_nr")
+    if tk_seq is None or any(u.meta.get("seq_nr") != tk_seq for u in g_in.users if u in rset):
+        raise KeepDense(f"the gradient entering the score backward ({g_in.name}) is not the top-k values' gradient")
 
     # each exit of the region is the gradient of one operand
     by_source: Dict[str, fx.Node] = {}

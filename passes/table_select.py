@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .canonicalize import CONTRACTIONS, GraphFacts, _linear_layer, shape_of, val
+from .canonicalize import BIASED, CONTRACTIONS, GraphFacts, _linear_layer, shape_of, val
 from .partition import tag_saved
 from .rewrite import Emitter
 
@@ -44,6 +44,8 @@ def score_contraction(facts: GraphFacts, x: fx.Node) -> Optional[fx.Node]:
         if n in seen or depth > MAX_DEPTH or not isinstance(n, fx.Node) or n.op != "call_function":
             continue
         seen.add(n)
+        if n.target in BIASED:
+            continue  # a linear layer with a bias: its output is a feature, not a score
         if n.target in CONTRACTIONS:
             if _linear_layer(facts, n):
                 continue

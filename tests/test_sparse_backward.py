@@ -257,6 +257,33 @@ def test_dense_scores_also_in_the_loss_keep_the_dense_backward():
     assert site.table_consumers, site.line()
 
 
+def test_k_equal_to_T_with_a_dense_loss_keeps_the_dense_backward():
+    """``topk(min(k, T))`` on a short sequence gives k == T: then a gradient of the dense
+    scores has the values' shape. It must not be taken for the values' gradient (it is in
+    key order); the values here carry none (only ``vals == -inf`` reads them)."""
+    Sx = 8
+
+    class Indexer(GatedSelect):
+        def forward(self, x):
+            Bx = x.shape[0]
+            q, k, w = self.wq(x).view(Bx, Sx, H2, D2), self.wk(x), self.ww(x)
+            s = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(2)
+            s = s.masked_fill(torch.ones(Sx, Sx, dtype=torch.bool).triu(1), float("-inf"))
+            vals, idx = s.topk(min(16, Sx), dim=-1)
+            idx = idx.masked_fill(vals == float("-inf"), -1)
+            return torch.logsumexp(s, -1).mean() + 0 * idx.sum()
+
+    torch.manual_seed(fresh_seed("k_eq_T"))
+    model, x0 = Indexer(), torch.randn(2, Sx, E)
+    run = lambda m, x: m(x)
+    want = _grads(model, run, x0)
+    got, fw, bw = _compile_grads(model, run, x0)
+    assert "hytopk_values_backward" not in bw
+    _assert_same(got, want)
+    (site,) = hyscale_compile.explain(model, x0).rewritten
+    assert site.backward.startswith("dense: ") and "not the top-k values' gradient" in site.backward, site.line()
+
+
 @pytest.mark.gpu
 def test_gpu_op_backward_dsa_like_shape():
     """CUDA: the Triton forward and the sparse backward at S=T=2048, H=16, D=64, k=256,

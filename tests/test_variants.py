@@ -120,6 +120,25 @@ def test_routers_are_not_table_selected():
     assert not report.rewritten and len(report.left_alone) == case.num_other_topk, str(report)
 
 
+def test_biased_router_after_attention_is_not_table_selected():
+    """A router that is a biased linear layer (addmm) over hidden states that went through
+    attention (an activation x activation bmm upstream) is still a router."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.router = torch.nn.Linear(32, 96), torch.nn.Linear(32, 8, bias=True)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, -1)
+            h = x + torch.softmax(q @ k.transpose(-1, -2) / 32**0.5, -1) @ v
+            return torch.topk(self.router(h).softmax(-1), 2, dim=-1)
+
+    with torch.no_grad():
+        report = hyscale_compile.explain(Block(), torch.randn(2, 6, 32))
+    assert not report.rewritten and len(report.left_alone) == 1, str(report)
+
+
 def test_table_topk_rejects_bad_input():
     from hyscale_compile.lowerings.spec import SpecError
 
