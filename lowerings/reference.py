@@ -16,7 +16,7 @@ import torch
 from .spec import MaskTerm, ScoreSpec, SpecError, dtype_of
 
 # Bytes of fp32 per-head logits one step may hold: rows x heads x keys x 4.
-DEFAULT_CHUNK_BYTES = int(os.environ.get("HYSCALE_CPU_CHUNK_BYTES", 64 << 20))
+DEFAULT_CHUNK_BYTES = int(os.environ.get("HYSCALE_CPU_CHUNK_BYTES", 16 << 20))
 
 
 def index_dtype(num_keys: int) -> torch.dtype:
@@ -45,20 +45,23 @@ def check_operands(q, k, w, masks, topk, spec: ScoreSpec):
     return B, S, H, D, T, Hk
 
 
-def _apply_elementwise(x: torch.Tensor, step) -> torch.Tensor:
+def _apply_elementwise(x: torch.Tensor, step, inplace: bool = False) -> torch.Tensor:
+    """One spec step. ``inplace``: ``x`` is a temporary the caller owns (no autograd):
+    writing into it saves a fresh allocation per step, which on the CPU costs more than
+    the arithmetic (page faults on a new multi-MiB buffer)."""
     op = step[0]
     if op == "mul":
-        return x * step[1]
+        return x.mul_(step[1]) if inplace else x * step[1]
     if op == "add":
-        return x + step[1]
+        return x.add_(step[1]) if inplace else x + step[1]
     if op == "div":
-        return x / step[1]
+        return x.div_(step[1]) if inplace else x / step[1]
     if op == "relu":
-        return torch.relu(x)
+        return x.relu_() if inplace else torch.relu(x)
     if op == "neg":
-        return -x
+        return x.neg_() if inplace else -x
     if op == "sigmoid":
-        return torch.sigmoid(x)
+        return x.sigmoid_() if inplace else torch.sigmoid(x)
     if op == "round":
         return x.to(dtype_of(step[1])).to(x.dtype)
     if op == "mod":
@@ -99,10 +102,11 @@ def finish_scores(x, wb, spec: ScoreSpec, apply_mask) -> torch.Tensor:
     """Per-head logits x [nb, ns, H, n] -> scores [nb, ns, n]: logit rounding, epilogue,
     head reduction, post steps (``apply_mask(y, term)`` applies one mask term)."""
     dtype = x.dtype
+    inplace = not (torch.is_grad_enabled() and x.requires_grad)  # x: the contraction's fresh output
     if spec.logit_dtype != "float32":
         x = x.to(dtype_of(spec.logit_dtype)).to(dtype)
     for step in spec.epilogue:
-        x = _apply_elementwise(x, step)
+        x = _apply_elementwise(x, step, inplace)
     if spec.reduce == "weighted_sum":
         y = torch.matmul(wb.to(dtype).unsqueeze(-2), x).squeeze(-2)
     elif spec.reduce == "sum":
