@@ -1,6 +1,7 @@
 """Graph-diff golden tests beyond DSA: the FX graph before and after the selection pass
-for QSA (fused head-sum), NSA (selected from the materialized table), a registered score
-mod (fused, the mod a spec step) and the sparse backward of differentiable values (the
+for QSA (fused head-sum), MoBA's efficient gate (fused, top-k over dim 0), NSA and an
+InfLLM-v2-like selection (selected from the materialized table), a registered score mod
+(fused, the mod a spec step) and the sparse backward of differentiable values (the
 backward graph). Regenerate with ``EXPECTTEST_ACCEPT=1 pytest tests/test_golden_variants.py``."""
 import math
 
@@ -43,6 +44,25 @@ def nsa(q, k):
     attn = attn.masked_fill((blk[None, :] + 1) * R - 1 > t[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
     sel = attn.masked_fill(blk[None, :] == t[:, None] // R, 1.0).view(B, 1, H, S, S // R).sum(2)
     return sel.topk(K, -1)[1]
+
+
+def moba_efficient(q, k):
+    """MoBA efficient gate: block-mean keys, einsum('nhd,shd->nhs'), top-k over the block
+    axis (dim=0)."""
+    kbar = k.view(S // R, R, 1, D).mean(1).expand(S // R, H, D)
+    gate = torch.einsum("nhd,shd->nhs", kbar, q[0])
+    return torch.topk(gate, K, dim=0, sorted=False).indices
+
+
+def infllm_like(q, k):
+    """InfLLM-v2 stage 1 + 2: per-head softmax over compressed keys, GQA sum, max-pooled to
+    blocks of 2 compressed keys, init block forced."""
+    kc = k.view(B, S // R, R, D).mean(2)
+    s = torch.einsum("bshd,bcd->bhsc", q, kc) / math.sqrt(D)
+    s = s.softmax(-1).sum(1)  # [B, S, C]
+    blk = F.max_pool1d(s, kernel_size=2, stride=2)
+    blk[..., 0] = float("inf")
+    return blk.topk(K, dim=-1).indices
 
 
 def softcapped(q, k, w):
@@ -241,6 +261,69 @@ v50: f32[1, 1, 16, 4] = aten.sum.dim_IntList(v49, [2])
 v51: i32[1, 1, 16, 2] = hyscale.topk_table(v50, 2)
 v52: i64[1, 1, 16, 2] = prims.convert_element_type(v51, i64)
 return (v52,)""")
+
+    def test_moba_efficient_fused(self):
+        self.assertExpectedInline(graphs(moba_efficient, self.q, self.k, kinds=("inference",)), """\
+INFERENCE
+in0: f32[1, 16, 8]
+in1: f32[1, 16, 2, 8]
+v0: f32[4, 4, 1, 8] = aten.view(in0, [4, 4, 1, 8])
+v1: f32[4, 1, 8] = aten.mean.dim(v0, [1])
+v2: f32[2, 16, 8, 1] = aten.permute(in1, [2, 1, 3, 0])
+v3: f32[1, 32, 1, 8] = aten.reshape(v2, [1, 32, 1, 8])
+v4: f32[4, 8, 1] = aten.permute(v1, [0, 2, 1])
+v5: f32[4, 8] = aten.squeeze.dim(v4, -1)
+v6: f32[1, 4, 8] = aten.unsqueeze(v5, 0)
+v7: f32[1, 4, 1, 8] = aten.unsqueeze(v6, 2)
+v8: i32[1, 32, 2] = hyscale.hytopk(v3, v7, None, [], 2, {"v":1,"name":"single-head","logit_dtype":"float32","epilogue":[],"reduce":"none","post":[],"masks":[],"score_dtype":"float32","fp32_precision":"ieee"})
+v9: i64[1, 32, 2] = prims.convert_element_type(v8, i64)
+v10: i64[2, 16, 2] = aten.view(v9, [2, 16, 2])
+v11: i64[2, 2, 16] = aten.permute(v10, [2, 0, 1])
+return (v11,)""")
+
+    def test_infllm_like_table(self):
+        self.assertExpectedInline(graphs(infllm_like, self.q, self.k, kinds=("inference",)), """\
+INFERENCE
+in0: f32[1, 16, 8]
+in1: f32[1, 16, 2, 8]
+v0: f32[1, 4, 4, 8] = aten.view(in0, [1, 4, 4, 8])
+v1: f32[1, 4, 8] = aten.mean.dim(v0, [2])
+v2: f32[1, 16, 2, 8, 1] = aten.unsqueeze(in1, 4)
+v3: f32[1, 2, 16, 1, 8] = aten.permute(v2, [0, 2, 1, 4, 3])
+v4: f32[1, 4, 8, 1] = aten.unsqueeze(v1, 3)
+v5: f32[1, 4, 8, 1, 1] = aten.unsqueeze(v4, 4)
+v6: f32[1, 1, 1, 4, 8] = aten.permute(v5, [0, 3, 4, 1, 2])
+v7: f32[2, 16, 8, 1, 1] = aten.permute(v3, [1, 2, 4, 0, 3])
+v8: f32[2, 16, 8, 1, 1] = aten.clone(v7)
+v9: f32[1, 32, 8] = aten.view(v8, [1, 32, 8])
+v10: f32[8, 1, 4, 1, 1] = aten.permute(v6, [4, 0, 3, 1, 2])
+v11: f32[1, 8, 4] = aten.view(v10, [1, 8, 4])
+v12: f32[1, 32, 4] = aten.bmm(v9, v11)
+v13: f32[2, 16, 1, 1, 4] = aten.view(v12, [2, 16, 1, 1, 4])
+v14: f32[1, 2, 16, 4, 1] = aten.permute(v13, [3, 0, 1, 4, 2])
+v15: f32[1, 2, 16, 4] = aten.view(v14, [1, 2, 16, 4])
+v16: f32[1, 2, 16, 4] = aten.div.Tensor(v15, 2.8284271247461903)
+v17: f32[1, 2, 16, 1] = aten.amax(v16, [-1], True)
+v18: f32[1, 2, 16, 4] = aten.sub.Tensor(v16, v17)
+v19: f32[1, 2, 16, 4] = aten.exp(v18)
+v20: f32[1, 2, 16, 1] = aten.sum.dim_IntList(v19, [-1], True)
+v21: f32[1, 2, 16, 4] = aten.div.Tensor(v19, v20)
+v22: f32[1, 16, 4] = aten.sum.dim_IntList(v21, [1])
+v23: f32[1, 16, 1, 4] = aten.unsqueeze(v22, -2)
+v24: (f32[1, 16, 1, 2], torch.int8[1, 16, 1, 2]) = prims._low_memory_max_pool_with_offsets(v23, [1, 2], [1, 2], [0, 0], [1, 1], False)
+v25: f32[1, 16, 1, 2] = getitem(v24, 0)
+v26: f32[1, 16, 2] = aten.squeeze.dim(v25, -2)
+v27: f32[] = get_attr:_tensor_constant0()
+v28: f32[] = aten.lift_fresh_copy(v27)
+v29: f32[1, 16] = aten.select.int(v26, 2, 0)
+v30: f32[1, 16] = aten.copy(v29, v28)
+v31: f32[1, 16, 2] = aten.squeeze.dim(v25, -2)
+v32: f32[1, 16, 2] = aten.select_scatter(v31, v30, 2, 0)
+v33: f32[1, 16, 1, 2] = aten.unsqueeze(v32, 2)
+v34: f32[1, 16, 2] = aten.squeeze.dim(v33, -2)
+v35: i32[1, 16, 2] = hyscale.topk_table(v34, 2)
+v36: i64[1, 16, 2] = prims.convert_element_type(v35, i64)
+return (v36,)""")
 
     def test_registered_mod_fused(self):
         hyscale_compile.register_score_mod("softcap10", lambda s: 10.0 * torch.tanh(s / 10.0))
