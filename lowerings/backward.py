@@ -59,6 +59,11 @@ def _step_grad(g: torch.Tensor, step, x: torch.Tensor, y: torch.Tensor) -> torch
     if op == "div":
         return g / step[1]
     if op == "relu":
+        spelling = step[1] if len(step) > 1 else "relu"
+        if spelling == "clamp_min":  # autograd: gradient where x >= min
+            return torch.where(x >= 0, g, 0.0)
+        if spelling == "maximum":  # autograd: a tie splits the gradient in half
+            return torch.where(x > 0, g, torch.where(x == 0, g * 0.5, 0.0))
         return torch.where(x > 0, g, 0.0)  # aten's threshold_backward: no gradient at 0
     if op == "neg":
         return -g

@@ -57,6 +57,8 @@ def _apply_elementwise(x: torch.Tensor, step, inplace: bool = False) -> torch.Te
     if op == "div":
         return x.div_(step[1]) if inplace else x / step[1]
     if op == "relu":
+        if len(step) > 1 and not inplace:  # the graph's own op, for its autograd at x == 0
+            return torch.clamp_min(x, 0.0) if step[1] == "clamp_min" else torch.maximum(x, torch.zeros_like(x))
         return x.relu_() if inplace else torch.relu(x)
     if op == "neg":
         return x.neg_() if inplace else -x

@@ -43,12 +43,16 @@ _FLOAT_DTYPES = {
 }
 _DTYPE_NAMES = {v: k for k, v in _FLOAT_DTYPES.items()}
 
+# max(x, 0) written as clamp_min(x, 0) or maximum(x, 0): the same values, but autograd
+# passes the gradient at x == 0 (clamp_min: all of it, maximum: half), relu does not.
+RELU_SPELLINGS = ("clamp_min", "maximum")
+
 # Elementwise steps allowed in ``epilogue`` and ``post``: name -> number of scalar args.
 ELEMENTWISE_OPS = {
     "mul": 1,  # x * c
     "add": 1,  # x + c
     "div": 1,  # x / c (kept apart from mul: x / c != x * (1 / c) in floating point)
-    "relu": 0,  # max(x, 0)
+    "relu": 0,  # max(x, 0); ("relu", "clamp_min"|"maximum") when the graph spelled it so
     "round": 1,  # round to dtype name and back to fp32
     "neg": 0,
     "sigmoid": 0,
@@ -192,6 +196,11 @@ class ScoreSpec:
                     continue
                 if op not in ELEMENTWISE_OPS:
                     raise SpecError(f"unknown {where} step {op!r}; known: {sorted(ELEMENTWISE_OPS)}")
+                if op == "relu" and len(args) == 1:
+                    # the same forward; which op the graph spelled decides the derivative at 0
+                    if args[0] not in RELU_SPELLINGS:
+                        raise SpecError(f"{where} step {step!r}: relu spelling must be one of {RELU_SPELLINGS}")
+                    continue
                 if len(args) != ELEMENTWISE_OPS[op]:
                     raise SpecError(f"{where} step {step!r} takes {ELEMENTWISE_OPS[op]} argument(s)")
                 if op == "round":

@@ -432,9 +432,9 @@ def _scalar_step(facts: GraphFacts, n: fx.Node, chain_idx: int) -> Optional[tupl
     if t is aten.relu.default:
         return ("relu",)
     if t in (aten.clamp_min.default,) and facts.constant(n.args[1]) == 0:
-        return ("relu",)
+        return ("relu", "clamp_min")  # same values; its own derivative at 0 (sparse backward)
     if t is aten.maximum.default and c == 0:
-        return ("relu",)
+        return ("relu", "maximum")
     if t is aten.neg.default:
         return ("neg",)
     if t is aten.sigmoid.default:

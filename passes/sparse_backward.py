@@ -96,7 +96,11 @@ def _rewrite(graph: fx.Graph, m: SiteMatch, applied: Applied) -> str:
             raise KeepDense(f"operand {role} gets its gradient from two places in the score backward")
         by_source[role] = e
 
-    em = Emitter(graph, g_in.next)
+    # insert after the gradient and after everything of the forward the op reads (the
+    # gradient may be a tangent placeholder, which comes before the whole forward)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = max((g_in, applied.values_out, applied.idx, applied.call), key=lambda n: order[n])
+    em = Emitter(graph, last.next)
     try:
         g = _invert_views(em, g_in, applied.values_out, applied.values)  # -> [B, S, k]
         needs = [role in by_source for role in ("q", "k", "w")]
