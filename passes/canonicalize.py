@@ -1165,7 +1165,7 @@ def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
         where = f" (followed the top-k axis back to {', '.join(sorted(set(stops)))})" if stops else ""
         hint = (f"; {', '.join(sorted(set(unknown)))}: elementwise, and not known to the matcher (if a "
                 "contraction feeds it, teach it with hyscale_compile.register_score_mod)") if unknown else ""
-        raise Unsupported(f"no contraction (einsum/matmul/bmm) feeds the top-k scores{where}{hint}")
+        raise Unsupported(f"no contraction (einsum/matmul/bmm) feeds the top-k scores{where}", hint=hint)
     # A contraction that is a step of a deeper candidate (HF's weights matmul over the
     # scores) is the head reduction, not the score: never try it on its own, or a failure
     # of the real score contraction would fall back to a rewrite that keeps the table.

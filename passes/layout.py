@@ -19,7 +19,12 @@ _fresh = itertools.count()
 
 
 class Unsupported(Exception):
-    """Raised while analysing a site: the message is the diagnostic reason."""
+    """Raised while analysing a site: the message is the diagnostic reason. ``hint``: what
+    a user could do about it, shown only where it applies (a query-key score upstream)."""
+
+    def __init__(self, msg: str, hint: str = ""):
+        super().__init__(msg)
+        self.hint = hint
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from . import diagnostics, score_mods
 from .canonicalize import GraphFacts, Unsupported, analyse_site, shape_of
-from .table_select import select_from_table
+from .table_select import score_contraction, select_from_table
 from .rewrite import apply_match
 from .sparse_backward import rewrite_backward
 
@@ -84,10 +84,13 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
             if table is not None:
                 count += 1
                 diagnostics.record(diagnostics.SiteRecord(
-                    node=tk.name, source=line, rewritten=True, variant="table", reason=str(e), graph=graph_kind,
-                    k=tk.args[1], sizes={"T": shape_of(tk.args[0])[-1 if len(tk.args) < 3 else tk.args[2]]}))
+                    node=tk.name, source=line, rewritten=True, variant="table", reason=str(e) + e.hint,
+                    graph=graph_kind, k=tk.args[1],
+                    sizes={"T": shape_of(tk.args[0])[-1 if len(tk.args) < 3 else tk.args[2]]}))
             else:
-                diagnostics.record(diagnostics.SiteRecord(node=tk.name, source=line, rewritten=False, reason=str(e),
+                # no query-key score upstream (a router, a sampler): the hint does not apply
+                reason = str(e) if score_contraction(facts, tk.args[0]) is None else str(e) + e.hint
+                diagnostics.record(diagnostics.SiteRecord(node=tk.name, source=line, rewritten=False, reason=reason,
                                                           graph=graph_kind))
             continue
         except Exception as e:  # a bug of ours must not break the user's compile: leave the site
