@@ -28,7 +28,7 @@ import keyword
 import math
 import re
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.fx as fx
@@ -240,10 +240,6 @@ class _TorchTL:
     @staticmethod
     def minimum(a, b):
         return torch.minimum(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32))
-
-    @staticmethod
-    def pow(a, b):
-        return torch.pow(a, b)
 
 
 def _eval_lines(lines, x: torch.Tensor) -> torch.Tensor:

@@ -31,9 +31,9 @@ import os
 import sys
 import tempfile
 import threading
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Tuple
 
-from .spec import MaskTerm, ScoreSpec, SpecError, skippable_mask_terms
+from .spec import ScoreSpec, SpecError, skippable_mask_terms
 
 # Bumped whenever the template changes in a way the hash of the source would not show
 # (it always does today: the version is part of the source text).

@@ -8,7 +8,6 @@ tensors under ``TRITON_INTERPRET=1`` (tests). Algorithm: docs/kernel-design.md.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional, Sequence
 
 import torch

@@ -18,6 +18,14 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 _fresh = itertools.count()
 
 
+def inverse_permutation(perm) -> list:
+    """``inv`` with ``permute(permute(x, perm), inv) == x``."""
+    inv = [0] * len(perm)
+    for i, d in enumerate(perm):
+        inv[d] = i
+    return inv
+
+
 class Unsupported(Exception):
     """Raised while analysing a site: the message is the diagnostic reason. ``hint``: what
     a user could do about it, shown only where it applies (a query-key score upstream)."""

@@ -76,20 +76,23 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
             m = analyse_site(facts, tk)
             applied = apply_match(graph, m, replay=replay)  # rolls its own nodes back if it fails
         except Unsupported as e:
-            try:
-                table = select_from_table(graph, facts, tk, replay=replay)
-            except Exception:  # a bug of ours: the site stays as it was
-                diagnostics.log.warning("hyscale: internal error selecting from the table at %s", tk.name, exc_info=True)
-                table = None
+            # no query-key score upstream (a router, a sampler): not a selection, and the
+            # hint (what a user could register) does not apply
+            scored = score_contraction(facts, tk.args[0]) is not None
+            table = None
+            if scored:
+                try:
+                    table = select_from_table(graph, facts, tk, replay=replay)
+                except Exception:  # a bug of ours: the site stays as it was
+                    diagnostics.log.warning("hyscale: internal error selecting from the table at %s", tk.name,
+                                            exc_info=True)
+            reason = str(e) + e.hint if scored else str(e)
             if table is not None:
                 count += 1
                 diagnostics.record(diagnostics.SiteRecord(
-                    node=tk.name, source=line, rewritten=True, variant="table", reason=str(e) + e.hint,
-                    graph=graph_kind, k=tk.args[1],
-                    sizes={"T": shape_of(tk.args[0])[-1 if len(tk.args) < 3 else tk.args[2]]}))
+                    node=tk.name, source=line, rewritten=True, variant="table", reason=reason, graph=graph_kind,
+                    k=tk.args[1], sizes={"T": shape_of(table.args[0])[-1]}))  # the op reads [..., T]
             else:
-                # no query-key score upstream (a router, a sampler): the hint does not apply
-                reason = str(e) if score_contraction(facts, tk.args[0]) is None else str(e) + e.hint
                 diagnostics.record(diagnostics.SiteRecord(node=tk.name, source=line, rewritten=False, reason=reason,
                                                           graph=graph_kind))
             continue

@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .canonicalize import SiteMatch, is_backward_node, val
+from .layout import inverse_permutation
 from .rewrite import Applied, Emitter
 from .score_mods import MOD_NODES
 
@@ -171,11 +172,7 @@ def _invert_views(em: Emitter, g: fx.Node, out: fx.Node, inp: fx.Node) -> fx.Nod
     for n in chain:
         p = n.args[0]
         if n.target is aten.permute.default:
-            perm = list(n.args[1])
-            inv = [0] * len(perm)
-            for i, d in enumerate(perm):
-                inv[d] = i
-            g = em.call(aten.permute.default, [g, inv])
+            g = em.call(aten.permute.default, [g, inverse_permutation(list(n.args[1]))])
         elif n.target in _VIEWS:
             sizes = [int(s) if isinstance(s, int) or s.node.is_constant() else em.call(aten.sym_size.int, [p, d])
                      for d, s in enumerate(val(p).shape)]

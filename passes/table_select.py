@@ -26,7 +26,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .canonicalize import BIASED, CONTRACTIONS, GraphFacts, _linear_layer, shape_of, val
+from .canonicalize import BIASED, CONTRACTIONS, GraphFacts, _linear_layer, val
+from .layout import inverse_permutation
 from .partition import tag_saved
 from .rewrite import Emitter
 
@@ -57,8 +58,9 @@ def score_contraction(facts: GraphFacts, x: fx.Node) -> Optional[fx.Node]:
 
 
 def select_from_table(graph: fx.Graph, facts: GraphFacts, tk: fx.Node, replay: bool = True) -> Optional[fx.Node]:
-    """Rewrite ``tk`` into ``hyscale.topk_table`` when its scores are a query-key table;
-    returns the op node, or None (the site stays as it was)."""
+    """Rewrite ``tk``, whose scores the caller found to come from a query-key contraction
+    (``score_contraction``), into ``hyscale.topk_table``; returns the op node, or None
+    (the site stays as it was)."""
     x = tk.args[0]
     v = val(x)
     if not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.dim() == 0:
@@ -68,8 +70,6 @@ def select_from_table(graph: fx.Graph, facts: GraphFacts, tk: fx.Node, replay: b
     dim = tk.kwargs.get("dim", args[2] if args[2] is not None else -1) % v.dim()
     largest = tk.kwargs.get("largest", args[3] if args[3] is not None else True)
     if not largest or not isinstance(k, int) or any(u.target is not operator.getitem for u in tk.users):
-        return None
-    if score_contraction(facts, x) is None:
         return None
     users = {gi.args[1]: gi for gi in tk.users}
     em = Emitter(graph, tk)
@@ -84,10 +84,7 @@ def select_from_table(graph: fx.Graph, facts: GraphFacts, tk: fx.Node, replay: b
         idx = em.call(prims.convert_element_type.default, [call, torch.int64])
         idx.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE  # the backward keeps the int32
         if perm is not None:
-            inv = [0] * len(perm)
-            for i, d in enumerate(perm):
-                inv[d] = i
-            idx = em.call(aten.permute.default, [idx, inv])
+            idx = em.call(aten.permute.default, [idx, inverse_permutation(perm)])
         outs = {1: idx}
         if 0 in users and users[0].users:
             outs[0] = em.call(aten.gather.default, [x, dim, idx])
