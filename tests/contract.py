@@ -19,6 +19,18 @@ def fresh_seed(label: str) -> int:
     return seed
 
 
+def input_and_param_grads(fn, x0, module):
+    """Gradients of ``fn(x)`` (its sum of squares; a 0-d output itself) with respect to a
+    fresh copy of ``x0`` and to ``module``'s parameters (None where one gets none); the
+    parameters' gradients are zeroed afterwards, so eager and compiled runs can alternate."""
+    x = x0.clone().requires_grad_(True)
+    out = fn(x)
+    (out.pow(2).sum() if out.dim() else out).backward()
+    grads = [x.grad] + [None if p.grad is None else p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    return grads
+
+
 def reference_f64(q, k, w, masks, spec: ScoreSpec) -> torch.Tensor:
     """The scores in float64 along the spec's own dtype path (round steps included)."""
     return dense_scores(q, k, w, masks, spec, dtype=torch.float64)

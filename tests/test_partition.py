@@ -11,7 +11,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import hyscale_compile  # noqa: F401
 from hyscale_compile.testing import graph_text
-from tests.contract import fresh_seed
+from tests.contract import fresh_seed, input_and_param_grads
 
 B, S, H, D, E, K = 1, 24, 8, 16, 32, 4
 
@@ -65,11 +65,7 @@ def test_backward_replays_the_selection(setup):
     x0 = torch.randn(B, S, E)
 
     def grads(fn):
-        x = x0.clone().requires_grad_(True)
-        fn(blk, x).pow(2).sum().backward()
-        out = [x.grad] + [None if p.grad is None else p.grad.clone() for p in blk.parameters()]
-        blk.zero_grad()
-        return out
+        return input_and_param_grads(lambda x: fn(blk, x), x0, blk)
 
     ref = grads(run)
     cap = []
@@ -130,11 +126,7 @@ def test_replay_inside_a_nested_compile_region(budget):
     x0 = torch.randn(B, S, E)
 
     def grads(fn):
-        x = x0.clone().requires_grad_(True)
-        fn(x).pow(2).sum().backward()
-        out = [x.grad] + [None if p.grad is None else p.grad.clone() for p in blk.parameters()]
-        blk.zero_grad()
-        return out
+        return input_and_param_grads(fn, x0, blk)
 
     want = grads(run)
     cap = []

@@ -1,15 +1,13 @@
 """``register_score_mod`` (hyscale_compile/registry.py, lowerings/mods.py, passes/score_mods.py):
 validation at registration, the rewrite of sites that apply a registered mod (outputs and
 gradients equal eager), the cache key, the diagnostics, and the generated kernel."""
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import hyscale_compile
 from hyscale_compile.lowerings import reference as ref
-from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec, SpecError
+from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
 from hyscale_compile.registry import ScoreModError, register_score_mod, unregister_score_mod
 from tests.contract import fresh_seed
 from tests.test_triton_hytopk import cuda, interpret, kernel_cache  # noqa: F401  (fixtures)

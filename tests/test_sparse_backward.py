@@ -3,7 +3,6 @@
 When top-k values carry gradient, the rewrite's backward works at the k selected keys per
 query (``hyscale.hytopk_values_backward``), never rebuilding the dense query x key table,
 and its gradients equal the original's (DESIGN.md, 'Values and gradients')."""
-import functools
 import math
 
 import pytest
@@ -11,13 +10,13 @@ import torch
 import torch._functorch.config as fconfig
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import hyscale_compile
 from hyscale_compile.lowerings import reference as ref
 from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
 from hyscale_compile.testing import graph_text
-from tests.contract import fresh_seed
+from tests.contract import fresh_seed, input_and_param_grads
+from tests.test_partition import SETUPS as REPLAY_SETUPS
 
 # ---------------------------------------------------------------------------------------
 # The op: autograd of hytopk_values against a float64 dense reference at the same indices
@@ -144,27 +143,12 @@ class KLIndexer(nn.Module):
         return F.kl_div(vals.log_softmax(-1), target, reduction="batchmean")
 
 
-def _recompute_all(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_RECOMPUTE
-
-
-SETUPS = {
-    "no_checkpoint": (lambda m, x: m(x), None),
-    "checkpoint": (lambda m, x: checkpoint(m, x, use_reentrant=False), None),
-    "sac_recompute_everything": (
-        lambda m, x: checkpoint(m, x, use_reentrant=False,
-                                context_fn=functools.partial(create_selective_checkpoint_contexts, _recompute_all)), None),
-    "budget_0": (lambda m, x: m(x), 0.0),
-}
+# the replay tests' checkpointing setups (run(model, x), memory budget)
+SETUPS = {k: REPLAY_SETUPS[k] for k in ("no_checkpoint", "checkpoint", "sac_recompute_everything", "budget_0")}
 
 
 def _grads(model, run, x0):
-    x = x0.clone().requires_grad_(True)
-    out = run(model, x)
-    (out.pow(2).sum() if out.dim() else out).backward()
-    grads = [x.grad] + [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
-    model.zero_grad()
-    return grads
+    return input_and_param_grads(lambda x: run(model, x), x0, model)
 
 
 def _compile_grads(model, run, x0, budget=None, **kw):

@@ -188,6 +188,13 @@ def _first_diff(a, b):
     return f"first difference in row {r}: got {a[r][:12].tolist()} expected {b[r][:12].tolist()}"
 
 
+def assert_same_bits(outs):
+    """(values, indices) of one input under several launch configurations: bit-identical."""
+    v0, i0 = outs[0]
+    for v, i in outs[1:]:
+        assert torch.equal(v.view(torch.int32), v0.view(torch.int32)) and torch.equal(i, i0)
+
+
 def run_exact(q, k, w, masks, topk, spec, config=None):
     vals, idx = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=config)
     assert idx.dtype == torch.int32 and tuple(idx.shape) == (q.shape[0], q.shape[1], topk)
@@ -421,10 +428,9 @@ def test_launch_parameters_do_not_change_bits(interpret):
         HyTopKConfig(block_m=16, block_n=64, num_programs=2, sort="bitonic"),
     ):
         v, i = hytopk_triton(q, k, w, masks, topk, DSA, return_values=True, config=cfg)
-        outs.append((v.view(torch.int32), i))
-    for v, i in outs[1:]:
-        assert torch.equal(v, outs[0][0]) and torch.equal(i, outs[0][1])
-    check_exact(q, k, w, masks, topk, DSA, outs[0][0].view(torch.float32), outs[0][1])
+        outs.append((v, i))
+    assert_same_bits(outs)
+    check_exact(q, k, w, masks, topk, DSA, outs[0][0], outs[0][1])
 
 
 def _compaction_case(seed):
@@ -458,9 +464,8 @@ def test_low_water_compaction_policy_does_not_change_bits(interpret):
     outs = []
     for lw in (16, 32, 1000):
         v, i = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, low_water=lw))
-        outs.append((v.view(torch.int32), i))
-    for v, i in outs[1:]:
-        assert torch.equal(v, outs[0][0]) and torch.equal(i, outs[0][1])
+        outs.append((v, i))
+    assert_same_bits(outs)
 
 
 @pytest.mark.interpret
@@ -477,9 +482,8 @@ def test_padded_head_groups_and_block_m(interpret):
     outs = []
     for bm in (1, 4, 16):
         v, i = run_exact(q, k, w, masks, topk, spec, config=HyTopKConfig(block_m=bm, block_n=16))
-        outs.append((v.view(torch.int32), i))
-    for v, i in outs[1:]:
-        assert torch.equal(v, outs[0][0]) and torch.equal(i, outs[0][1])
+        outs.append((v, i))
+    assert_same_bits(outs)
 
 
 @pytest.mark.interpret
