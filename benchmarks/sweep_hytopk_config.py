@@ -1,11 +1,12 @@
 """Launch-parameter sweep of the generated HyTopK kernel at the DSA shape (one GPU).
 
     python benchmarks/sweep_hytopk_config.py --seq 32768 [--configs default,w8,...] [--deadline 300]
+    python benchmarks/sweep_hytopk_config.py --configs "default;nsplit=1,append=atomic"
 
 For each ``HyTopKConfig`` in the list: the full kernel's median time, the same kernel with
 selection off (``score_only``: what the scoring alone costs under that config), whether
 sampled rows pass the DESIGN.md threshold check, and whether the indices are bit-identical
-to the default config's (launch parameters must never change the result). Shape and inputs
+to the first config's (launch parameters must never change the result). Shape and inputs
 are ``bench_hytopk.py``'s (H=64, D=128, k=2048, causal, bf16, iid). Prints a table last;
 configs past ``--deadline`` seconds are listed as skipped.
 """
@@ -35,13 +36,28 @@ CONFIGS = {
 }
 
 
+def parse_fields(text: str) -> dict:
+    """'nsplit=2,append=atomic' -> {'nsplit': 2, 'append': 'atomic'} (ints where they parse)."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, _, val = item.partition("=")
+        out[key] = int(val) if val.lstrip("-").isdigit() else val
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--configs", default="default,w8,n128w8,m2s3")
     ap.add_argument("--deadline", type=float, default=1e9)
     args = ap.parse_args(argv)
-    names = [c for c in args.configs.split(",") if c]
+    # named configs separated by ","; or, when any "=" appears, ";"-separated items that are
+    # each a name or a comma-separated list of HyTopKConfig fields over the default
+    # ("nsplit=2,append=atomic")
+    names = [c.strip() for c in args.configs.split(";" if "=" in args.configs else ",") if c.strip()]
+    for c in names:
+        if "=" in c:
+            CONFIGS[c] = {**CONFIGS["default"], **parse_fields(c)}
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
         ap.error(f"unknown config(s) {unknown}; known: {sorted(CONFIGS)}")
@@ -69,7 +85,7 @@ def main(argv=None) -> int:
         first = time.time() - t0
         exact = bh.check_rows(idx, q, k, w, rows)
         same = None
-        if ref_idx is None and name == "default":
+        if ref_idx is None:  # the first config is the reference
             ref_idx = idx.clone()
         if ref_idx is not None:
             same = bool(torch.equal(idx, ref_idx))
@@ -79,7 +95,7 @@ def main(argv=None) -> int:
         bh.log(name, ms, ms_so, exact, same)
     print(f"\nS={S}, H={bh.H}, D={bh.D}, k={bh.TOPK}, causal, iid bf16; floor {floor:.2f} ms "
           f"({torch.cuda.get_device_name()}, torch {torch.__version__})")
-    print("| config | hytopk ms (x floor) | score-only ms (x floor) | exact | bits = default | parameters |")
+    print("| config | hytopk ms (x floor) | score-only ms (x floor) | exact | bits = first config | parameters |")
     print("|---|---|---|---|---|---|")
     for name, ms, ms_so, exact, same, note in table:
         if ms is None:

@@ -37,7 +37,7 @@ from .spec import ScoreSpec, SpecError, skippable_mask_terms
 
 # Bumped whenever the template changes in a way the hash of the source would not show
 # (it always does today: the version is part of the source text).
-CODEGEN_VERSION = 4
+CODEGEN_VERSION = 5
 
 _MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
 _LOCK = threading.Lock()
@@ -233,7 +233,7 @@ def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = 
         "SCORE_MASK_ARGS": "".join(f"{a}, " for a in _score_mask_args(spec)),
         "ROW_BOUNDS": _indent(_render_row_bounds(spec), 8) or "        pass",
         "SKIP_BOUNDS": _indent(_render_skip_bounds(spec), 8),
-        "REDUCE": _indent(_render_reduce(spec), 8),
+        "REDUCE": _indent(_render_reduce(spec), 4),
         "POST": _indent(_render_post(spec), 4) or "    pass",
         "ROW_BOUND_ARGS_DEF": "".join(f"{r}{j}, " for j, t in enumerate(spec.masks) if t.kind == "range"
                                       for r, bnd in (("lo", t.lo), ("hi", t.hi)) if bnd is not None),
@@ -413,15 +413,16 @@ def _head_sum(x, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr)
 
 
 @triton.jit
-def _load_q(Q, W, q_col_off, w_col_off, hk, col_ok, offs_d, d_ok,
-            stride_qh, stride_qd, stride_wh, G: tl.constexpr, UPCAST: tl.constexpr):
-    # Q block of kv head hk as [BLOCK_M * GP, BLOCK_D] (row m*GP + g = query row m, head
-    # hk*G + g), and the matching per-column head weights (0 for padding columns).
-    qb = tl.load(Q + q_col_off[:, None] + (hk * G) * stride_qh + offs_d[None, :] * stride_qd,
+def _load_q(Q, W, q_col_off, w_col_off, head0, col_ok, offs_d, d_ok,
+            stride_qh, stride_qd, stride_wh, UPCAST: tl.constexpr):
+    # One column chunk of the Q block as [BLOCK_M * GC, BLOCK_D]: column m*GC + i is query
+    # row m, head head0 + i*NSPLIT (the offsets carry the i*NSPLIT part), with the matching
+    # per-column head weights (0 for padding columns).
+    qb = tl.load(Q + q_col_off[:, None] + head0 * stride_qh + offs_d[None, :] * stride_qd,
                  mask=col_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         qb = qb.to(tl.float32)
-    wv = tl.load(W + w_col_off + (hk * G) * stride_wh, mask=col_ok, other=0.0).to(tl.float32)
+    wv = tl.load(W + w_col_off + head0 * stride_wh, mask=col_ok, other=0.0).to(tl.float32)
     return qb, wv
 
 
@@ -437,45 +438,91 @@ def _load_k(K, k_base, hk, keys64, key_ok, offs_d, d_ok, stride_kt, stride_kh, s
 
 
 @triton.jit
+def _chunk_sum(kt, qb, wv, col_ok, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GC: tl.constexpr,
+               PADDED: tl.constexpr, TF32: tl.constexpr):
+    # One column chunk: x[t, m*GC + i] = k[t] . q[m, head of column i] (fp32 accumulation),
+    # the per-head epilogue and weights, then the chunk's heads summed by the fixed tree.
+    if TF32:
+        x = tl.dot(kt, tl.trans(qb), input_precision="tf32", out_dtype=tl.float32)
+    else:
+        # IEEE for fp32 operands; for 16-bit operands the products are exact anyway
+        x = tl.dot(kt, tl.trans(qb), input_precision="ieee", out_dtype=tl.float32)
+    x = _epilogue(x)
+{{REDUCE}}
+    if PADDED:
+        x = tl.where(col_ok[None, :], x, 0.0)  # padding heads add exactly nothing
+    return _head_sum(x, BLOCK_N, BLOCK_M, GC)
+
+
+@triton.jit
 def _score_tile(
-    kt0, qb0,
+    kt0, qb0, qb1, qb2, qb3,
     Q, K, W, {{SCORE_MASK_ARGS}}
     stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_wh,
     {{ROW_BOUND_ARGS_DEF}}
-    b64, rows64, row_ok, q_col_off, w_col_off, col_ok, col_g_ok, k_base, keys64, key_ok,
+    b64, rows64, row_ok, q_col_off, w_col_off, col_row_ok, col_i, k_base, t_tile, keys64, key_ok,
     offs_d, d_ok, T,
-    HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+    HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, NSPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, TF32: tl.constexpr,
 ):
     # Final scores y [BLOCK_N, BLOCK_M] (fp32, keys x rows) of one key tile against the
-    # block's rows. Keys are the rows of the dot, (row, head) pairs its columns:
-    #   x[t, m*GP + g] = k[t] . q[m, hk*G + g]        (fp32 accumulation)
-    # then the per-head epilogue, the weights, and the head sum along the columns.
+    # block's rows. Keys are the rows of the dot, (row, head) pairs its columns.
+    #
+    # The heads of a kv head are summed by one fixed pairwise tree (_head_sum: level 1 adds
+    # head g and g + GP/2, ...). Its last log2(NSPLIT) levels add the partial sums of the
+    # head classes g mod NSPLIT, so the dot is split into NSPLIT column chunks, chunk c
+    # holding heads c, c + NSPLIT, ...: each chunk is summed by the same tree over its GC
+    # heads and the chunk sums are added in the tree's order. Same bits for every NSPLIT;
+    # the accumulator live at once is 1/NSPLIT of the whole (registers: docs/kernel-design.md).
+    GC: tl.constexpr = GP // NSPLIT
+    PADDED: tl.constexpr = GP != G
     ok = key_ok[:, None] & row_ok[None, :]
     y = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    # kv heads in a fixed order 0..HK-1; within a kv head the fixed tree of _head_sum.
+    # kv heads in a fixed order 0..HK-1
     for hk in range(HK):
         if HK == 1:
             kt = kt0
-            qb = qb0
-            # re-read per tile (L1): holding 64 weights per thread costs registers the
-            # accumulator needs
-            wv = tl.load(W + w_col_off, mask=col_ok, other=0.0).to(tl.float32)
         else:
             kt = _load_k(K, k_base, hk, keys64, key_ok, offs_d, d_ok, stride_kt, stride_kh, stride_kd, UPCAST)
-            qb, wv = _load_q(Q, W, q_col_off, w_col_off, hk, col_ok, offs_d, d_ok,
-                             stride_qh, stride_qd, stride_wh, G, UPCAST)
-        if TF32:
-            x = tl.dot(kt, tl.trans(qb), input_precision="tf32", out_dtype=tl.float32)
-        else:
-            # IEEE for fp32 operands; for 16-bit operands the products are exact anyway
-            x = tl.dot(kt, tl.trans(qb), input_precision="ieee", out_dtype=tl.float32)
-        x = _epilogue(x)
-{{REDUCE}}
-        if GP != G:
-            x = tl.where(col_g_ok[None, :], x, 0.0)  # padding heads add exactly nothing
-        y = y + _head_sum(x, BLOCK_N, BLOCK_M, GP)  # 0.0 + part == part (+-0 aside)
+        for c in tl.static_range(NSPLIT):
+            ok_c = col_row_ok & (col_i * NSPLIT + c < G)
+            if HK == 1:
+                if c == 0:
+                    qb = qb0
+                elif c == 1:
+                    qb = qb1
+                elif c == 2:
+                    qb = qb2
+                else:
+                    qb = qb3
+                # Re-read per tile (L1): held across the loop, the weights would take
+                # BLOCK_M*GC/4 registers per thread that the accumulator needs. The offset
+                # `t_tile // (T + 1)` is 0, but not provably, so Triton's LICM cannot hoist it.
+                wv = tl.load(W + w_col_off + (c * stride_wh + t_tile // (T + 1)), mask=ok_c,
+                             other=0.0).to(tl.float32)
+            else:
+                qb, wv = _load_q(Q, W, q_col_off, w_col_off, hk * G + c, ok_c, offs_d, d_ok,
+                                 stride_qh, stride_qd, stride_wh, UPCAST)
+            part = _chunk_sum(kt, qb, wv, ok_c, BLOCK_N, BLOCK_M, GC, PADDED, TF32)
+            # chunk sums in the tree's order: s0 + s1 | (s0 + s2) + (s1 + s3)
+            if NSPLIT == 1:
+                kv_sum = part
+            elif NSPLIT == 2:
+                if c == 0:
+                    kv_sum = part
+                else:
+                    kv_sum = kv_sum + part
+            else:
+                if c == 0:
+                    even = part
+                elif c == 1:
+                    odd = part
+                elif c == 2:
+                    even = even + part
+                else:
+                    kv_sum = even + (odd + part)
+        y = y + kv_sum  # 0.0 + part == part (+-0 aside)
 {{POST}}
     return y
 
@@ -489,19 +536,39 @@ def _rank_desc(keys):
 
 
 @triton.jit
-def _kth_largest(keys, valid, TOPK: tl.constexpr):
-    # The TOPK-th largest of the valid keys (distinct; at least TOPK of them), by a
-    # bitwise search for the largest value v with #{key >= v} >= TOPK: first over the
-    # high words (the score), then, only when the boundary score is shared by more keys
-    # than are needed, over the low words (the index) of the keys with that score.
+def _kth_largest(keys, valid, TOPK: tl.constexpr, RADIX: tl.constexpr):
+    # The TOPK-th largest of the valid keys (distinct; at least TOPK of them): the largest
+    # value v with #{key >= v} >= TOPK, first over the high words (the score), then, only
+    # when the boundary score is shared by more keys than are needed, over the low words
+    # (the index) of the keys with that score.
     u = (keys >> 32) + 2147483648                   # score bits as 0 .. 2^32-1, order kept
     prefix = tl.zeros([], dtype=tl.int64)
-    step = tl.zeros([], dtype=tl.int64) + 2147483648
-    for _ in range(32):
-        cand = prefix + step
-        c = tl.sum(tl.where(valid & (u >= cand), 1, 0), axis=0)
-        prefix = tl.where(c >= TOPK, cand, prefix)
-        step = step // 2
+    if RADIX:
+        # 8-bit radix select: 4 passes, each a 256-bin histogram of the next digit among
+        # the keys that match the prefix so far; the digit is the largest d with at least
+        # `need` keys at or above it.
+        need = tl.zeros([], dtype=tl.int32) + TOPK
+        bins = tl.arange(0, 256)
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p
+            if p == 0:
+                sel = valid
+            else:
+                sel = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+            digit = ((u >> shift) & 255).to(tl.int32)
+            hist = tl.histogram(digit, 256, mask=sel)
+            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+            dstar = tl.max(tl.where(at_or_above >= need, bins, -1), axis=0)
+            need = need - tl.sum(tl.where(bins > dstar, hist, 0), axis=0)
+            prefix = prefix + (dstar.to(tl.int64) << shift)
+    else:
+        # bitwise search: 32 count passes
+        step = tl.zeros([], dtype=tl.int64) + 2147483648
+        for _ in range(32):
+            cand = prefix + step
+            c = tl.sum(tl.where(valid & (u >= cand), 1, 0), axis=0)
+            prefix = tl.where(c >= TOPK, cand, prefix)
+            step = step // 2
     eq = valid & (u == prefix)
     n_above = tl.sum(tl.where(valid & (u > prefix), 1, 0), axis=0)
     n_eq = tl.sum(tl.where(eq, 1, 0), axis=0)
@@ -521,14 +588,14 @@ def _kth_largest(keys, valid, TOPK: tl.constexpr):
 
 
 @triton.jit
-def _compact_row(row_ptr, n, TOPK: tl.constexpr, CAP: tl.constexpr):
+def _compact_row(row_ptr, n, TOPK: tl.constexpr, CAP: tl.constexpr, RADIX: tl.constexpr):
     # Keep the TOPK best of the n (> TOPK) keys in row_ptr[0:n] at row_ptr[0:TOPK], in no
     # particular order; return the TOPK-th best (the row's new threshold). No sort: a
     # count-based search for the threshold, then one compaction.
     offs = tl.arange(0, CAP)
     valid = offs < n
     keys = tl.load(row_ptr + offs, mask=valid, other=EMPTY)
-    kth = _kth_largest(keys, valid, TOPK)
+    kth = _kth_largest(keys, valid, TOPK, RADIX)
     keep = valid & (keys >= kth)
     k32 = keep.to(tl.int32)
     pos = tl.cumsum(k32, axis=0) - k32
@@ -538,8 +605,33 @@ def _compact_row(row_ptr, n, TOPK: tl.constexpr, CAP: tl.constexpr):
 
 
 @triton.jit
+def _stage_tile(y, keys64, key_ok, row_ok, cnt, scr_cols, offs_n, left, BLOCK_N: tl.constexpr):
+    # Store every valid key of the tile at slot cnt + (its offset in the tile): valid keys
+    # are a prefix of the tile, so no filter, scan or atomic is needed per tile.
+    p = _pack(y, keys64[:, None])
+    slot = cnt[None, :] + offs_n[:, None]
+    tl.store(scr_cols + slot, p, mask=key_ok[:, None] & row_ok[None, :])
+    return cnt + tl.where(row_ok, tl.minimum(left, BLOCK_N).to(tl.int32), 0)
+
+
+@triton.jit
+def _filter_staged(ptr, n, thr, STAGE: tl.constexpr):
+    # Keep the keys of ptr[0:n] (n <= STAGE) that are above thr, packed at ptr[0:kept] in
+    # their order; return kept.
+    offs = tl.arange(0, STAGE)
+    staged = offs < n
+    keys = tl.load(ptr + offs, mask=staged, other=EMPTY)
+    keep = staged & (keys > thr)
+    k32 = keep.to(tl.int32)
+    pos = tl.cumsum(k32, axis=0) - k32
+    tl.debug_barrier()  # every staged key is read before any is moved
+    tl.store(ptr + pos, keys, mask=keep)
+    return tl.sum(k32, axis=0)
+
+
+@triton.jit
 def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
-                 TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr):
+                 TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr, RADIX: tl.constexpr):
     # p [BLOCK_N, BLOCK_M]: packed keys of one tile. Keys above a row's threshold are
     # appended, compacted, to that row's candidate buffer; a row whose buffer could
     # overflow is first compacted to its TOPK best (raising its threshold).
@@ -551,7 +643,7 @@ def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
             c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
             nr = tl.sum(tl.where(offs_m == r, n_take, 0), axis=0)
             if c + nr > CAP:
-                kth = _compact_row(scr + r * CAP, c, TOPK, CAP)
+                kth = _compact_row(scr + r * CAP, c, TOPK, CAP, RADIX)
                 cnt = tl.where(offs_m == r, TOPK, cnt)
                 thr = tl.where(offs_m == r, kth, thr)
         tl.debug_barrier()
@@ -568,11 +660,11 @@ def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
 
 @triton.jit
 def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-              CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr):
+              CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr, RADIX: tl.constexpr):
     # Write the TOPK best of the n (>= TOPK) keys in row_ptr[0:n], in (value desc, index
     # asc) order: compact to TOPK keys, then sort only those.
     if n > TOPK:
-        _compact_row(row_ptr, n, TOPK, CAP)
+        _compact_row(row_ptr, n, TOPK, CAP, RADIX)
         tl.debug_barrier()
     offs = tl.arange(0, TOPK_P2)
     keys = tl.load(row_ptr + offs, mask=offs < TOPK, other=EMPTY)
@@ -597,11 +689,12 @@ def {{KERNEL_NAME}}(
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_wb, stride_ws, stride_wh,
     S, T, num_row_blocks, num_blocks,
-    HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+    HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, NSPLIT: tl.constexpr, D: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, TF32: tl.constexpr, RETURN_VALUES: tl.constexpr,
-    RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr,
+    RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, RADIX: tl.constexpr,
+    DENSE: tl.constexpr, STAGE: tl.constexpr,
 ):
     # Persistent programs take row blocks from an atomic counter, heaviest first (the last
     # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
@@ -609,10 +702,10 @@ def {{KERNEL_NAME}}(
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, BLOCK_M * GP)     # dot columns: (row m, head-in-group g)
-    col_m = offs_c // GP
-    col_g = offs_c % GP
-    col_g_ok = col_g < G
+    # dot columns of one chunk: (row m, i), i.e. row m's head i*NSPLIT + c of chunk c
+    offs_c = tl.arange(0, BLOCK_M * (GP // NSPLIT))
+    col_m = offs_c // (GP // NSPLIT)
+    col_i = offs_c % (GP // NSPLIT)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     scr = SCRATCH + pid.to(tl.int64) * (BLOCK_M * CAP)
@@ -629,9 +722,9 @@ def {{KERNEL_NAME}}(
         rows64 = mb.to(tl.int64) * BLOCK_M + offs_m
         row_ok = rows64 < S
         col_rows64 = mb.to(tl.int64) * BLOCK_M + col_m
-        col_ok = (col_rows64 < S) & col_g_ok
-        q_col_off = b64 * stride_qb + col_rows64 * stride_qs + col_g * stride_qh
-        w_col_off = b64 * stride_wb + col_rows64 * stride_ws + col_g * stride_wh
+        col_row_ok = col_rows64 < S
+        q_col_off = b64 * stride_qb + col_rows64 * stride_qs + (col_i * NSPLIT) * stride_qh
+        w_col_off = b64 * stride_wb + col_rows64 * stride_ws + (col_i * NSPLIT) * stride_wh
         k_base = b64 * stride_kb
 {{ROW_BOUNDS}}
 {{SKIP_BOUNDS}}
@@ -648,10 +741,25 @@ def {{KERNEL_NAME}}(
         cnt = tl.zeros([BLOCK_M], dtype=tl.int32)
         thr = tl.zeros([BLOCK_M], dtype=tl.int64) + EMPTY
         if HK == 1:
-            qb, wv = _load_q(Q, W, q_col_off, w_col_off, 0, col_ok, offs_d, d_ok,
-                             stride_qh, stride_qd, stride_wh, G, UPCAST)
+            # the Q block stays on chip for the whole row block, one tensor per chunk
+            qb0, wv = _load_q(Q, W, q_col_off, w_col_off, 0, col_row_ok & (col_i * NSPLIT < G), offs_d, d_ok,
+                              stride_qh, stride_qd, stride_wh, UPCAST)
+            qb1 = qb0
+            qb2 = qb0
+            qb3 = qb0
+            if NSPLIT >= 2:
+                qb1, wv = _load_q(Q, W, q_col_off, w_col_off, 1, col_row_ok & (col_i * NSPLIT + 1 < G), offs_d,
+                                  d_ok, stride_qh, stride_qd, stride_wh, UPCAST)
+            if NSPLIT >= 4:
+                qb2, wv = _load_q(Q, W, q_col_off, w_col_off, 2, col_row_ok & (col_i * NSPLIT + 2 < G), offs_d,
+                                  d_ok, stride_qh, stride_qd, stride_wh, UPCAST)
+                qb3, wv = _load_q(Q, W, q_col_off, w_col_off, 3, col_row_ok & (col_i * NSPLIT + 3 < G), offs_d,
+                                  d_ok, stride_qh, stride_qd, stride_wh, UPCAST)
         else:
-            qb = tl.zeros([BLOCK_M * GP, BLOCK_D], dtype=Q.dtype.element_ty)
+            qb0 = tl.zeros([BLOCK_M * (GP // NSPLIT), BLOCK_D], dtype=Q.dtype.element_ty)
+            qb1 = qb0
+            qb2 = qb0
+            qb3 = qb0
         tl.debug_barrier()  # the previous block's last reads of SCRATCH are done
         # 1. scored tiles. The inner loop runs only as many tiles as every row's buffer can
         #    take without overflowing (a tile adds at most BLOCK_N keys per row), so it
@@ -663,7 +771,8 @@ def {{KERNEL_NAME}}(
             space = tl.min(CAP - cnt, axis=0)
             t_stop = tl.minimum(v1, t0 + (space // BLOCK_N) * BLOCK_N)
             filling = tl.max(tl.where(row_ok, thr, EMPTY), axis=0) == EMPTY
-            if (not SCORE_ONLY) and (not filling):
+            cnt_start = cnt
+            if (not SCORE_ONLY) and (not DENSE) and (not filling):
                 tl.store(cnt_ptrs, cnt)
                 tl.debug_barrier()  # the counters hold cnt before any atomic
             for tt in range(t0, t_stop, BLOCK_N):
@@ -675,23 +784,22 @@ def {{KERNEL_NAME}}(
                 else:
                     kt = tl.zeros([BLOCK_N, BLOCK_D], dtype=K.dtype.element_ty)
                 y = _score_tile(
-                    kt, qb,
+                    kt, qb0, qb1, qb2, qb3,
                     Q, K, W, {{SCORE_MASK_ARGS}}
                     stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_wh,
                     {{ROW_BOUND_ARGS_DEF}}
-                    b64, rows64, row_ok, q_col_off, w_col_off, col_ok, col_g_ok, k_base, keys64, key_ok,
+                    b64, rows64, row_ok, q_col_off, w_col_off, col_row_ok, col_i, k_base, tt, keys64, key_ok,
                     offs_d, d_ok, T,
-                    HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32,
+                    HK, G, GP, NSPLIT, BLOCK_M, BLOCK_N, UPCAST, TF32,
                 )
                 if SCORE_ONLY:
                     chk += tl.sum(tl.where(key_ok[:, None], y, 0.0), axis=0)
+                elif DENSE:
+                    # every key staged; filtered by the thresholds after the loop
+                    cnt = _stage_tile(y, keys64, key_ok, row_ok, cnt, scr_cols, offs_n, t_end - tt, BLOCK_N)
                 elif filling:
-                    # no row has a threshold yet: every valid key is taken, its slot is
-                    # its offset in the tile (valid keys are a prefix of the tile)
-                    p = _pack(y, keys64[:, None])
-                    slot = cnt[None, :] + offs_n[:, None]
-                    tl.store(scr_cols + slot, p, mask=key_ok[:, None] & row_ok[None, :])
-                    cnt += tl.where(row_ok, tl.minimum(t_end - tt, BLOCK_N).to(tl.int32), 0)
+                    # no row has a threshold yet: staging every key is the selection
+                    cnt = _stage_tile(y, keys64, key_ok, row_ok, cnt, scr_cols, offs_n, t_end - tt, BLOCK_N)
                 else:
                     # slots from the per-row counters (relaxed atomics): no cross-warp
                     # scan or reduction per tile; counts are read back after the loop
@@ -702,7 +810,17 @@ def {{KERNEL_NAME}}(
                     tl.store(scr_cols + slot, p, mask=take)
             if (not SCORE_ONLY) and (not filling):
                 tl.debug_barrier()  # every atomic and store of the loop is done
-                cnt = tl.atomic_add(cnt_ptrs, 0, sem="relaxed")
+                if DENSE:
+                    # keep each row's staged keys above its threshold, packed after its
+                    # earlier candidates
+                    for r in range(BLOCK_M):
+                        c0 = tl.sum(tl.where(offs_m == r, cnt_start, 0), axis=0)
+                        n = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0) - c0
+                        thr_r = tl.sum(tl.where(offs_m == r, thr, 0), axis=0)
+                        kept = _filter_staged(scr + r * CAP + c0, n, thr_r, STAGE)
+                        cnt = tl.where(offs_m == r, c0 + kept, cnt)
+                else:
+                    cnt = tl.atomic_add(cnt_ptrs, 0, sem="relaxed")
             t0 = t_stop
             if t0 < v1:
                 tl.debug_barrier()  # the appended keys are visible to every thread
@@ -715,7 +833,7 @@ def {{KERNEL_NAME}}(
                 for r in range(BLOCK_M):
                     c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
                     if c > CAP - LOW_WATER:
-                        kth = _compact_row(scr + r * CAP, c, TOPK, CAP)
+                        kth = _compact_row(scr + r * CAP, c, TOPK, CAP, RADIX)
                         cnt = tl.where(offs_m == r, TOPK, cnt)
                         thr = tl.where(offs_m == r, kth, thr)
                 tl.debug_barrier()
@@ -730,7 +848,7 @@ def {{KERNEL_NAME}}(
                         key_ok = keys64 < t_end
                         p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) - float("inf"), keys64[:, None])
                         cnt, thr = _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m, TOPK, CAP,
-                                                BLOCK_M)
+                                                BLOCK_M, RADIX)
             # 3. per row: compact to the TOPK best, sort those, write them
             tl.debug_barrier()
             for r in range(BLOCK_M):
@@ -738,7 +856,7 @@ def {{KERNEL_NAME}}(
                 if s < S:
                     c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
                     _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
-                              TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES)
+                              TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, RADIX)
             tl.debug_barrier()
         j = tl.atomic_add(COUNTER, 1)
     if SCORE_ONLY:

@@ -44,6 +44,18 @@ class HyTopKConfig:
     # loops: every row with fewer is compacted then. None: 8 tiles (clamped to CAP - k).
     # Only the number of compactions and loop restarts depends on it, never the result.
     low_water: Optional[int] = None
+    # Column chunks of the dot per kv head (1, 2 or 4; chunk c holds heads c, c + nsplit,
+    # ...): a smaller accumulator live at once; the same bits for every value (the head-sum
+    # tree's last levels add the chunk sums). None: chunks of 128 dot columns where possible.
+    nsplit: Optional[int] = None
+    # How a compaction finds a row's k-th best key: "radix" (4 passes of a 256-bin
+    # histogram) or "bitwise" (32 count passes). The same key either way.
+    select: str = "radix"
+    # How a scored tile's keys reach a row's buffer once the row has a threshold: "dense"
+    # (every key is staged at a fixed slot; after each inner loop the staged keys are
+    # filtered by the threshold in one scan) or "atomic" (each key above the threshold
+    # takes a slot from a per-row atomic counter). The same keys survive either way.
+    append: str = "dense"
 
 
 def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True) -> HyTopKConfig:
@@ -67,6 +79,20 @@ def _block_m(cfg: HyTopKConfig, gp: int, interpret: bool) -> int:
         return max(1, min(16, 64 // gp))
     # 256 dot columns (4 query rows x 64 heads at the DSA shape); at least 16 (tl.dot)
     return max(1, min(64, 256 // gp), -(-16 // gp))
+
+
+def _nsplit(cfg: HyTopKConfig, gp: int, block_m: int, interpret: bool) -> int:
+    if cfg.nsplit is None:
+        n = 1
+        while n < 4 and gp % (2 * n) == 0 and block_m * gp // (2 * n) >= 128:
+            n *= 2
+        return n
+    n = cfg.nsplit
+    if n not in (1, 2, 4) or n > gp:
+        raise SpecError(f"nsplit must be 1, 2 or 4 and at most the padded heads per kv head ({gp}), got {cfg}")
+    if not interpret and block_m * gp // n < 16:
+        raise SpecError(f"block_m * heads per kv head / nsplit = {block_m * gp // n} < 16 (tl.dot minimum), got {cfg}")
+    return n
 
 
 def _row_view(t: torch.Tensor, B: int, S: int, what: str) -> torch.Tensor:
@@ -130,6 +156,7 @@ def hytopk_triton(
     return_values: bool = False,
     *,
     config: Optional[HyTopKConfig] = None,
+    _launcher=None,
 ):
     """Exact top-k of the described scores; returns idx [B,S,k] (and values first when
     ``return_values``), exactly like ``reference.streaming_topk``.
@@ -141,7 +168,7 @@ def hytopk_triton(
     B, S, H, D, T, Hk = check_operands(q, k, w, masks, topk, spec)
     device = q.device
     interpret = _interpreting()
-    if device.type != "cuda" and not interpret:
+    if device.type != "cuda" and not interpret and _launcher is None:
         raise SpecError(f"hytopk_triton needs CUDA tensors (or TRITON_INTERPRET=1); q is on {device}")
     for name, t in (("k", k), ("w", w)):
         if t is not None and t.device != device:
@@ -167,6 +194,11 @@ def hytopk_triton(
     sort = cfg.sort or ("rank" if interpret else "bitonic")
     if sort not in ("rank", "bitonic"):
         raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank' or 'bitonic'")
+    nsplit = _nsplit(cfg, gp, block_m, interpret)
+    if cfg.append not in ("dense", "atomic"):
+        raise SpecError(f"config.append={cfg.append!r}; expected 'dense' or 'atomic'")
+    if cfg.select not in ("radix", "bitwise"):
+        raise SpecError(f"config.select={cfg.select!r}; expected 'radix' or 'bitwise'")
     block_d = max(16, _next_pow2(D))
     topk_p2 = _next_pow2(topk)
     cap = _next_pow2(topk + cfg.block_n)
@@ -213,13 +245,21 @@ def hytopk_triton(
         vals32 = val_out if return_values else idx_out  # placeholder pointer when unused
 
     launch = dict(
-        HK=Hk, G=G, GP=gp, D=D, TOPK=topk, TOPK_P2=topk_p2, CAP=cap,
+        HK=Hk, G=G, GP=gp, NSPLIT=nsplit, D=D, TOPK=topk, TOPK_P2=topk_p2, CAP=cap,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         UPCAST=upcast, TF32=tf32, RETURN_VALUES=write_vals, RANK_SORT=sort == "rank",
-        SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water,
+        SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water, RADIX=cfg.select == "radix",
+        DENSE=cfg.append == "dense", STAGE=_next_pow2(cap - topk),
     )
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if _launcher is not None:
+        # offline inspection (benchmarks/inspect_hytopk.py): hand over what would launch
+        args = [q, k, w_arg, scratch, counter, idx_out, vals32, *mask_args,
+                q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+                kb_stride, k.stride(1), k.stride(2), k.stride(3), *w_strides,
+                S, T, num_row_blocks, num_blocks]
+        return _launcher(kern, args, dict(launch, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     guard = torch.cuda.device(device) if device.type == "cuda" else _nullcontext()
     with guard:
         kern[(nprog,)](

@@ -448,10 +448,16 @@ def _compaction_case(seed):
 def test_compaction_with_boundary_ties(interpret):
     # Buffers much smaller than T (k=20, 16-key tiles: CAP=64), so rows are compacted many
     # times inside the scored-tile loop; exact-zero ReLU ties at the k-th score make the
-    # threshold search resolve the boundary on the index bits too.
+    # threshold search resolve the boundary on the index bits too. Both searches (radix and
+    # bitwise) and both ways of appending keys (dense staging, atomic slots) find the same keys.
     q, k, w, topk, spec = _compaction_case(141)
-    vals, _ = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16))
-    assert (vals == 0).any(), "the case should have zero ties inside the selection"
+    outs = []
+    for select, append in (("radix", "dense"), ("bitwise", "atomic"), ("radix", "atomic")):
+        cfg = HyTopKConfig(block_m=4, block_n=16, select=select, append=append)
+        vals, idx = run_exact(q, k, w, [], topk, spec, config=cfg)
+        assert (vals == 0).any(), "the case should have zero ties inside the selection"
+        outs.append((vals, idx))
+    assert_same_bits(outs)
 
 
 @pytest.mark.interpret
@@ -484,6 +490,60 @@ def test_padded_head_groups_and_block_m(interpret):
         v, i = run_exact(q, k, w, masks, topk, spec, config=HyTopKConfig(block_m=bm, block_n=16))
         outs.append((v, i))
     assert_same_bits(outs)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("G", [4, 3])
+def test_column_chunks_do_not_change_bits(interpret, G):
+    # nsplit splits each kv head's dot into column chunks (heads c, c + nsplit, ...) and adds
+    # the chunk sums as the last levels of the same head-sum tree. Dyadic q/k keep every
+    # logit exact (whatever order the interpreter's matmul sums in); random fp32 weights make
+    # every weighted add round, so any change in the tree's order would change the bits.
+    g = _gen(171 + G)
+    B, S, T, Hk, D, topk = 1, 12, 80, 2, 16, 7
+    q = torch.randint(-16, 17, (B, S, Hk * G, D), generator=g) / 8.0
+    k = torch.randint(-16, 17, (B, T, Hk, D), generator=g) / 8.0
+    w = torch.randn(B, S, Hk * G, generator=g)
+    masks = [causal_hi(B, S, T)]
+    outs = []
+    for ns in (1, 2, 4):
+        cfg = HyTopKConfig(block_m=4, block_n=16, nsplit=ns)
+        outs.append(hytopk_triton(q, k, w, masks, topk, DSA, return_values=True, config=cfg))
+    assert_same_bits(outs)
+    v, i = outs[0]
+    check_sorted_contract(v, i)
+    s64, scale = scores64(q, k, w, masks, DSA)
+    check_threshold(v, i, s64, scale, D, Hk * G, 2.0**-24)
+    # The values are the documented tree's bits, and these inputs are sensitive to the order:
+    tree, seq = _head_sums_fp32(q, k, w, Hk, G)
+    s_idx = torch.arange(S)[:, None]
+    assert torch.equal(v[0], tree[0][s_idx, i[0].long()])
+    assert not torch.equal(tree, seq), "a sequential head sum should round differently somewhere"
+
+
+def _head_sums_fp32(q, k, w, Hk, G):
+    """ReLU'd weighted logits summed over heads in fp32, [B, S, T], causal -inf: (a) by the
+    kernel's tree (per kv head, its GP = pow2 >= G heads zero-padded and halved pairwise,
+    head g + head g + GP/2 first; kv heads added in order from 0.0), (b) head by head."""
+    B, S, H, D = q.shape
+    T = k.shape[1]
+    kh = k.repeat_interleave(G, dim=2)                                # [B, T, H, D]
+    x = torch.relu(torch.einsum("bshd,bthd->bsth", q.double(), kh.double())).float()
+    wx = w[:, :, None, :] * x                                         # [B, S, T, H]: fp32 products
+    gp = 1 << (G - 1).bit_length()
+    tree = torch.zeros(B, S, T)
+    for hk in range(Hk):
+        part = torch.zeros(B, S, T, gp)
+        part[..., :G] = wx[..., hk * G:(hk + 1) * G]
+        while part.shape[-1] > 1:
+            half = part.shape[-1] // 2
+            part = part[..., :half] + part[..., half:]
+        tree = tree + part[..., 0]
+    seq = torch.zeros(B, S, T)
+    for h in range(H):
+        seq = seq + wx[..., h]
+    hidden = torch.arange(T)[None, :] >= causal_hi(1, S, T)[0, :, None]
+    return tree.masked_fill(hidden, -math.inf), seq.masked_fill(hidden, -math.inf)
 
 
 @pytest.mark.interpret

@@ -1,0 +1,187 @@
+"""Compile the DSA HyTopK kernel for sm_90 on any machine (no GPU needed) and report what
+ptxas made of it: registers, spills, stack, shared memory, and SASS instruction counts.
+
+    python benchmarks/inspect_hytopk.py                        # a few configurations
+    python benchmarks/inspect_hytopk.py --configs "nsplit=1;nsplit=2;nsplit=2,score_only=1"
+    python benchmarks/inspect_hytopk.py --dump DIR              # also write ttgir/ptx/sass
+
+Each configuration is a comma-separated list of ``HyTopKConfig`` fields (``field=value``);
+configurations are separated by ``;``. The kernel is specialized exactly as a real launch at
+the DSA shape would be (H=64, D=128, k=2048, bf16, causal range mask, 264 programs): Triton's
+own ``warmup`` path runs against a stand-in driver that reports an sm_90 target, so only the
+launch is skipped. This catches GPU-only compile errors (the interpreter accepts code that
+compiled Triton rejects) and shows register pressure before any device time is spent.
+
+Columns: regs (per thread), spill st/ld (bytes, ptxas -v), stack (bytes), smem (bytes the
+launch needs), sass (instructions), STL/LDL (spill instructions in the SASS), wgmma, bar
+(barriers); then the scored-tile loop alone (the innermost loop around the first wgmma):
+its instructions, spill instructions, barriers, atomics and shuffles; compile (seconds).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("inspect_hytopk.py compiles for the GPU: unset TRITON_INTERPRET")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+H, D, TOPK = 64, 128, 2048
+DEFAULT_CONFIGS = "nsplit=1;nsplit=2;nsplit=4;nsplit=1,score_only=1;nsplit=2,score_only=1"
+
+
+class _Sm90:
+    """The part of a Triton driver that ``JITFunction.warmup`` asks for."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def is_active(self):
+        return True
+
+
+def parse_config(text: str) -> dict:
+    fields = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, value = item.partition("=")
+        if not value:
+            raise SystemExit(f"bad config item {item!r}: expected field=value")
+        if value.lstrip("-").isdigit():
+            fields[name] = int(value)
+        else:
+            fields[name] = value
+    if "score_only" in fields:
+        fields["score_only"] = bool(fields["score_only"])
+    return fields
+
+
+def compile_dsa(fields: dict, S: int = 4096):
+    from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
+    from hyscale_compile.lowerings.triton_hytopk import HyTopKConfig, hytopk_triton
+
+    spec = ScoreSpec(name="dsa", epilogue=(("mul", D**-0.5), ("relu",)), reduce="weighted_sum",
+                     post=(("mask", 0),), masks=(MaskTerm(kind="range", hi=0),))
+    q = torch.empty(1, S, H, D, dtype=torch.bfloat16)
+    k = torch.empty(1, S, 1, D, dtype=torch.bfloat16)
+    w = torch.empty(1, S, H)
+    hi = torch.arange(1, S + 1).view(1, S)
+    cfg = HyTopKConfig(**{"num_stages": 2, "num_programs": 264, **fields})
+
+    def launcher(kern, args, launch):
+        return kern.warmup(*args, grid=(1,), **launch)
+
+    t = time.perf_counter()
+    ck = hytopk_triton(q, k, w, [hi], TOPK, spec, config=cfg, _launcher=launcher)
+    return ck, time.perf_counter() - t
+
+
+def ptxas_report(ptx: str, bindir: str) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([os.path.join(bindir, "ptxas"), "-v", "--gpu-name=sm_90a", src, "-o",
+                            os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True)
+    log = r.stderr
+    out = {}
+    m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if m:
+        out["stack"], out["spill_st"], out["spill_ld"] = map(int, m.groups())
+    m = re.search(r"Used (\d+) registers", log)
+    if m:
+        out["regs"] = int(m.group(1))
+    return out
+
+
+def sass_counts(cubin: bytes, bindir: str) -> tuple[dict, str]:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", path], capture_output=True,
+                              text=True, check=True).stdout
+    ins = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+\S", ln)]
+    def count(pat):
+        return sum(1 for ln in ins if re.search(pat, ln))
+    out = {"sass": len(ins), "STL": count(r"\bSTL\b"), "LDL": count(r"\bLDL\b"), "wgmma": count(r"HGMMA"),
+           "bar": count(r"\bBAR\b")}
+    out.update(_hot_loop(ins))
+    return out, sass
+
+
+def _hot_loop(ins: list) -> dict:
+    """Instruction counts inside the innermost loop that holds the first wgmma (the scored-tile
+    loop): from the target of the first backward branch that jumps over it, to that branch."""
+    parsed = []
+    for ln in ins:
+        m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", ln)
+        if m:
+            parsed.append((int(m.group(1), 16), m.group(2)))
+    first = next((a for a, t in parsed if "HGMMA" in t), None)
+    if first is None:
+        return {}
+    for a, t in parsed:
+        m = re.search(r"\bBRA\s+(0x[0-9a-f]+)", t)
+        if a > first and m and int(m.group(1), 16) <= first:
+            lo, hi = int(m.group(1), 16), a
+            body = [t for b, t in parsed if lo <= b <= hi]
+            def cnt(pat):
+                return sum(1 for t in body if re.search(pat, t))
+            return {"loop": len(body), "loop_spill": cnt(r"\b(STL|LDL)\b"), "loop_bar": cnt(r"\bBAR\b"),
+                    "loop_atom": cnt(r"\bATOM|\bRED\b"), "loop_shfl": cnt(r"\bSHFL\b")}
+    return {}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="';'-separated HyTopKConfig field lists")
+    ap.add_argument("--dump", default=None, help="directory for ttgir/ptx/sass of each configuration")
+    args = ap.parse_args()
+    driver.set_active(_Sm90())
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    rows = []
+    for i, text in enumerate(filter(None, (c.strip() for c in args.configs.split(";")))):
+        print(f"[{i}] compiling {text} ...", file=sys.stderr, flush=True)
+        ck, secs = compile_dsa(parse_config(text))
+        rep = ptxas_report(ck.asm["ptx"], bindir)
+        counts, sass = sass_counts(ck.asm["cubin"], bindir)
+        rows.append((text, rep, ck.metadata.shared, counts, secs))
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            for ext in ("ttgir", "ptx"):
+                with open(os.path.join(args.dump, f"cfg{i}.{ext}"), "w") as f:
+                    f.write(ck.asm[ext])
+            with open(os.path.join(args.dump, f"cfg{i}.sass"), "w") as f:
+                f.write(sass)
+    hdr = f"{'config':40s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s} {'smem':>6s} {'sass':>6s} " \
+          f"{'STL/LDL':>8s} {'wgmma':>5s} {'bar':>4s} | {'loop':>5s} {'spill':>5s} {'bar':>4s} {'atom':>4s} " \
+          f"{'shfl':>4s} | {'compile':>7s}"
+    print(hdr)
+    for text, rep, smem, c, secs in rows:
+        print(f"{text:40s} {rep.get('regs', 0):4d} {rep.get('spill_st', 0):5d}/{rep.get('spill_ld', 0):<5d} "
+              f"{rep.get('stack', 0):5d} {smem:6d} {c['sass']:6d} {c['STL']:>3d}/{c['LDL']:<4d} {c['wgmma']:5d} "
+              f"{c['bar']:4d} | {c.get('loop', 0):5d} {c.get('loop_spill', 0):5d} {c.get('loop_bar', 0):4d} "
+              f"{c.get('loop_atom', 0):4d} {c.get('loop_shfl', 0):4d} | {secs:6.1f}s")
+
+
+if __name__ == "__main__":
+    main()
