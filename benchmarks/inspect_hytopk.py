@@ -68,7 +68,7 @@ def parse_config(text: str) -> dict:
         if value.lstrip("-").isdigit():
             fields[name] = int(value)
         else:
-            fields[name] = value
+            fields[name] = {"True": True, "False": False}.get(value, value)
     if "score_only" in fields:
         fields["score_only"] = bool(fields["score_only"])
     return fields

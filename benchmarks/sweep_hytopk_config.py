@@ -41,7 +41,7 @@ def parse_fields(text: str) -> dict:
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, _, val = item.partition("=")
-        out[key] = int(val) if val.lstrip("-").isdigit() else val
+        out[key] = int(val) if val.lstrip("-").isdigit() else {"True": True, "False": False}.get(val, val)
     return out
 
 

@@ -37,7 +37,7 @@ from .spec import ScoreSpec, SpecError, skippable_mask_terms
 
 # Bumped whenever the template changes in a way the hash of the source would not show
 # (it always does today: the version is part of the source text).
-CODEGEN_VERSION = 5
+CODEGEN_VERSION = 6
 
 _MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
 _LOCK = threading.Lock()
@@ -67,7 +67,7 @@ def _round_expr(var: str, dtype: str) -> str:
     raise SpecError(f"cannot round to {dtype!r}")
 
 
-def _elementwise_lines(var: str, step) -> List[str]:
+def _elementwise_lines(var: str, step, fast_relu: bool = False) -> List[str]:
     op = step[0]
     if op == "mul":
         return [f"{var} = {var} * {_lit(step[1])}"]
@@ -77,6 +77,11 @@ def _elementwise_lines(var: str, step) -> List[str]:
         # IEEE round-to-nearest, as torch divides (Triton's `/` on fp32 is the approximate div.full)
         return [f"{var} = tl.div_rn({var}, {_lit(step[1])})"]
     if op == "relu":
+        if fast_relu:
+            # one NaN-propagating max (max.NaN.f32) instead of a compare and a select; it may
+            # differ from torch only in the sign of a zero, which no later step can see
+            # (``_zero_sign_blind``) and _pack erases
+            return [f"{var} = tl.maximum({var}, 0.0, propagate_nan=tl.PropagateNan.ALL)"]
         # where(x < 0) rather than maximum: keeps NaN a NaN, as torch.relu does.
         return [f"{var} = tl.where({var} < 0.0, 0.0, {var})"]
     if op == "neg":
@@ -117,13 +122,40 @@ def _score_mask_args(spec: ScoreSpec) -> List[str]:
     return args
 
 
+def weight_scale(spec: ScoreSpec):
+    """The positive constant c folded into the head weights, or None.
+
+    For an epilogue that is exactly ``mul c`` and ``relu`` (either order, c finite and > 0)
+    under a weighted head sum, ``relu(x * c) * w == relu(x) * (c * w)`` up to the order of the
+    two roundings of the product, i.e. fp32 reassociation (DESIGN.md, "Exact"). The launcher
+    then passes ``w * c`` and the kernel skips one multiply per (key, head) element."""
+    if spec.reduce != "weighted_sum" or len(spec.epilogue) != 2:
+        return None
+    ops = [st[0] for st in spec.epilogue]
+    if sorted(ops) != ["mul", "relu"]:
+        return None
+    c = float(next(st for st in spec.epilogue if st[0] == "mul")[1])
+    return c if math.isfinite(c) and c > 0 else None
+
+
+def _zero_sign_blind(steps) -> bool:
+    """Whether no step in ``steps`` (run after a ReLU) can turn +0 and -0 into values that
+    differ by more than the sign of a zero. Registered mods are arbitrary functions (1/x)."""
+    return all(st[0] != "mod" for st in steps)
+
+
 def _render_epilogue(spec: ScoreSpec) -> str:
     lines = ["@triton.jit", "def _epilogue(x):", "    # spec.epilogue, applied to every head's fp32 logit"]
     if spec.logit_dtype != "float32":
         lines.append(f"    # the contraction ran in {spec.logit_dtype}: round each logit first (dtype rule 2)")
         lines.append(f"    x = {_round_expr('x', spec.logit_dtype)}")
-    for step in spec.epilogue:
-        lines += ["    " + ln for ln in _elementwise_lines("x", step)]
+    folded = weight_scale(spec)
+    for i, step in enumerate(spec.epilogue):
+        if folded is not None and step[0] == "mul":
+            lines.append(f"    # mul {folded!r}: folded into the head weights (triton_codegen.weight_scale)")
+            continue
+        fast = _zero_sign_blind(tuple(spec.epilogue[i + 1:]) + tuple(spec.post))
+        lines += ["    " + ln for ln in _elementwise_lines("x", step, fast_relu=fast)]
     lines.append("    return x")
     return "\n".join(lines)
 
@@ -165,9 +197,9 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
 def _render_post(spec: ScoreSpec) -> str:
     """Post steps on the reduced [BLOCK_N, BLOCK_M] score ``y`` (keys x rows; inlined in _score_tile)."""
     lines = []
-    for step in spec.post:
+    for i, step in enumerate(spec.post):
         if step[0] != "mask":
-            lines += _elementwise_lines("y", step)
+            lines += _elementwise_lines("y", step, fast_relu=_zero_sign_blind(spec.post[i + 1:]))
             continue
         j = step[1]
         term = spec.masks[j]
@@ -536,39 +568,34 @@ def _rank_desc(keys):
 
 
 @triton.jit
-def _kth_largest(keys, valid, TOPK: tl.constexpr, RADIX: tl.constexpr):
-    # The TOPK-th largest of the valid keys (distinct; at least TOPK of them): the largest
-    # value v with #{key >= v} >= TOPK, first over the high words (the score), then, only
-    # when the boundary score is shared by more keys than are needed, over the low words
-    # (the index) of the keys with that score.
-    u = (keys >> 32) + 2147483648                   # score bits as 0 .. 2^32-1, order kept
-    prefix = tl.zeros([], dtype=tl.int64)
-    if RADIX:
-        # 8-bit radix select: 4 passes, each a 256-bin histogram of the next digit among
-        # the keys that match the prefix so far; the digit is the largest d with at least
-        # `need` keys at or above it.
-        need = tl.zeros([], dtype=tl.int32) + TOPK
-        bins = tl.arange(0, 256)
-        for p in tl.static_range(4):
-            shift = 24 - 8 * p
-            if p == 0:
-                sel = valid
-            else:
-                sel = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-            digit = ((u >> shift) & 255).to(tl.int32)
-            hist = tl.histogram(digit, 256, mask=sel)
-            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-            dstar = tl.max(tl.where(at_or_above >= need, bins, -1), axis=0)
-            need = need - tl.sum(tl.where(bins > dstar, hist, 0), axis=0)
-            prefix = prefix + (dstar.to(tl.int64) << shift)
-    else:
-        # bitwise search: 32 count passes
-        step = tl.zeros([], dtype=tl.int64) + 2147483648
-        for _ in range(32):
-            cand = prefix + step
-            c = tl.sum(tl.where(valid & (u >= cand), 1, 0), axis=0)
-            prefix = tl.where(c >= TOPK, cand, prefix)
-            step = step // 2
+def _kth_largest(keys, valid, TOPK: tl.constexpr, CAP: tl.constexpr):
+    # The TOPK-th largest of the valid keys (distinct; at least TOPK of them), by a search
+    # for the largest value v with #{key >= v} >= TOPK: first over the high words (the
+    # score), then, only when the boundary score is shared by more keys than are needed,
+    # over the low words (the index) of the keys with that score.
+    #
+    # High words: 16 passes of 2 bits over uint32 (one compare per key and threshold), three
+    # thresholds per pass, two of whose counts share one reduction as 16-bit fields. v4
+    # made 32 one-bit passes over int64 (docs/kernel-design.md, v6).
+    hi = (keys >> 32).to(tl.int32)
+    u = (hi ^ -2147483648).to(tl.uint32, bitcast=True)     # score bits, order kept, unsigned
+    prefix = tl.zeros([], dtype=tl.uint32)
+    step = tl.full([], 1 << 30, tl.uint32)
+    for _ in range(16):
+        c1 = prefix + step
+        c2 = c1 + step
+        c3 = c2 + step
+        ge3 = valid & (u >= c3)
+        if CAP < 65536:
+            n12 = tl.sum((valid & (u >= c1)).to(tl.int32) + ((u >= c2) & valid).to(tl.int32) * 65536, axis=0)
+            n1 = n12 & 65535
+            n2 = n12 >> 16
+        else:
+            n1 = tl.sum((valid & (u >= c1)).to(tl.int32), axis=0)
+            n2 = tl.sum((valid & (u >= c2)).to(tl.int32), axis=0)
+        n3 = tl.sum(ge3.to(tl.int32), axis=0)
+        prefix = tl.where(n3 >= TOPK, c3, tl.where(n2 >= TOPK, c2, tl.where(n1 >= TOPK, c1, prefix)))
+        step = step >> 2
     eq = valid & (u == prefix)
     n_above = tl.sum(tl.where(valid & (u > prefix), 1, 0), axis=0)
     n_eq = tl.sum(tl.where(eq, 1, 0), axis=0)
@@ -577,25 +604,25 @@ def _kth_largest(keys, valid, TOPK: tl.constexpr, RADIX: tl.constexpr):
     if n_eq > need:
         low = keys & 4294967295                      # larger low word = smaller key index
         lp = tl.zeros([], dtype=tl.int64)
-        step = tl.zeros([], dtype=tl.int64) + 2147483648
+        lstep = tl.zeros([], dtype=tl.int64) + 2147483648
         for _ in range(32):
-            cand = lp + step
+            cand = lp + lstep
             c = tl.sum(tl.where(eq & (low >= cand), 1, 0), axis=0)
             lp = tl.where(c >= need, cand, lp)
-            step = step // 2
+            lstep = lstep // 2
         kth = tl.max(tl.where(eq & (low == lp), keys, EMPTY), axis=0)
     return kth
 
 
 @triton.jit
-def _compact_row(row_ptr, n, TOPK: tl.constexpr, CAP: tl.constexpr, RADIX: tl.constexpr):
+def _compact_row(row_ptr, n, TOPK: tl.constexpr, CAP: tl.constexpr):
     # Keep the TOPK best of the n (> TOPK) keys in row_ptr[0:n] at row_ptr[0:TOPK], in no
     # particular order; return the TOPK-th best (the row's new threshold). No sort: a
     # count-based search for the threshold, then one compaction.
     offs = tl.arange(0, CAP)
     valid = offs < n
     keys = tl.load(row_ptr + offs, mask=valid, other=EMPTY)
-    kth = _kth_largest(keys, valid, TOPK, RADIX)
+    kth = _kth_largest(keys, valid, TOPK, CAP)
     keep = valid & (keys >= kth)
     k32 = keep.to(tl.int32)
     pos = tl.cumsum(k32, axis=0) - k32
@@ -606,8 +633,8 @@ def _compact_row(row_ptr, n, TOPK: tl.constexpr, CAP: tl.constexpr, RADIX: tl.co
 
 @triton.jit
 def _stage_tile(y, keys64, key_ok, row_ok, cnt, scr_cols, offs_n, left, BLOCK_N: tl.constexpr):
-    # Store every valid key of the tile at slot cnt + (its offset in the tile): valid keys
-    # are a prefix of the tile, so no filter, scan or atomic is needed per tile.
+    # Take every valid key of the tile (no row has a threshold yet): its slot is cnt + its
+    # offset in the tile (valid keys are a prefix of the tile), so no filter, scan or atomic.
     p = _pack(y, keys64[:, None])
     slot = cnt[None, :] + offs_n[:, None]
     tl.store(scr_cols + slot, p, mask=key_ok[:, None] & row_ok[None, :])
@@ -615,23 +642,8 @@ def _stage_tile(y, keys64, key_ok, row_ok, cnt, scr_cols, offs_n, left, BLOCK_N:
 
 
 @triton.jit
-def _filter_staged(ptr, n, thr, STAGE: tl.constexpr):
-    # Keep the keys of ptr[0:n] (n <= STAGE) that are above thr, packed at ptr[0:kept] in
-    # their order; return kept.
-    offs = tl.arange(0, STAGE)
-    staged = offs < n
-    keys = tl.load(ptr + offs, mask=staged, other=EMPTY)
-    keep = staged & (keys > thr)
-    k32 = keep.to(tl.int32)
-    pos = tl.cumsum(k32, axis=0) - k32
-    tl.debug_barrier()  # every staged key is read before any is moved
-    tl.store(ptr + pos, keys, mask=keep)
-    return tl.sum(k32, axis=0)
-
-
-@triton.jit
 def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
-                 TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr, RADIX: tl.constexpr):
+                 TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr):
     # p [BLOCK_N, BLOCK_M]: packed keys of one tile. Keys above a row's threshold are
     # appended, compacted, to that row's candidate buffer; a row whose buffer could
     # overflow is first compacted to its TOPK best (raising its threshold).
@@ -643,7 +655,7 @@ def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
             c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
             nr = tl.sum(tl.where(offs_m == r, n_take, 0), axis=0)
             if c + nr > CAP:
-                kth = _compact_row(scr + r * CAP, c, TOPK, CAP, RADIX)
+                kth = _compact_row(scr + r * CAP, c, TOPK, CAP)
                 cnt = tl.where(offs_m == r, TOPK, cnt)
                 thr = tl.where(offs_m == r, kth, thr)
         tl.debug_barrier()
@@ -660,11 +672,11 @@ def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
 
 @triton.jit
 def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-              CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr, RADIX: tl.constexpr):
+              CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr):
     # Write the TOPK best of the n (>= TOPK) keys in row_ptr[0:n], in (value desc, index
     # asc) order: compact to TOPK keys, then sort only those.
     if n > TOPK:
-        _compact_row(row_ptr, n, TOPK, CAP, RADIX)
+        _compact_row(row_ptr, n, TOPK, CAP)
         tl.debug_barrier()
     offs = tl.arange(0, TOPK_P2)
     keys = tl.load(row_ptr + offs, mask=offs < TOPK, other=EMPTY)
@@ -693,8 +705,7 @@ def {{KERNEL_NAME}}(
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, TF32: tl.constexpr, RETURN_VALUES: tl.constexpr,
-    RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, RADIX: tl.constexpr,
-    DENSE: tl.constexpr, STAGE: tl.constexpr,
+    RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, DEFER_STORE: tl.constexpr,
 ):
     # Persistent programs take row blocks from an atomic counter, heaviest first (the last
     # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
@@ -771,10 +782,12 @@ def {{KERNEL_NAME}}(
             space = tl.min(CAP - cnt, axis=0)
             t_stop = tl.minimum(v1, t0 + (space // BLOCK_N) * BLOCK_N)
             filling = tl.max(tl.where(row_ok, thr, EMPTY), axis=0) == EMPTY
-            cnt_start = cnt
-            if (not SCORE_ONLY) and (not DENSE) and (not filling):
+            if (not SCORE_ONLY) and (not filling):
                 tl.store(cnt_ptrs, cnt)
                 tl.debug_barrier()  # the counters hold cnt before any atomic
+            pend_p = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int64)  # the previous tile's taken keys
+            pend_slot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+            pend_take = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int1)
             for tt in range(t0, t_stop, BLOCK_N):
                 keys64 = tt + offs_n.to(tl.int64)
                 key_ok = keys64 < t_end
@@ -794,11 +807,7 @@ def {{KERNEL_NAME}}(
                 )
                 if SCORE_ONLY:
                     chk += tl.sum(tl.where(key_ok[:, None], y, 0.0), axis=0)
-                elif DENSE:
-                    # every key staged; filtered by the thresholds after the loop
-                    cnt = _stage_tile(y, keys64, key_ok, row_ok, cnt, scr_cols, offs_n, t_end - tt, BLOCK_N)
                 elif filling:
-                    # no row has a threshold yet: staging every key is the selection
                     cnt = _stage_tile(y, keys64, key_ok, row_ok, cnt, scr_cols, offs_n, t_end - tt, BLOCK_N)
                 else:
                     # slots from the per-row counters (relaxed atomics): no cross-warp
@@ -807,20 +816,21 @@ def {{KERNEL_NAME}}(
                     take = (p > thr[None, :]) & key_ok[:, None] & row_ok[None, :]
                     slot = tl.atomic_add(cnt_ptrs[None, :] + tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32), 1,
                                          mask=take, sem="relaxed")
-                    tl.store(scr_cols + slot, p, mask=take)
+                    if DEFER_STORE:
+                        # The keys are stored one tile later, when their slots have long
+                        # arrived: storing now waits out the atomics' round trip to L2 on
+                        # every tile (12% of the kernel's stall samples, v6 profile).
+                        tl.store(scr_cols + pend_slot, pend_p, mask=pend_take)
+                        pend_p = p
+                        pend_slot = slot
+                        pend_take = take
+                    else:
+                        tl.store(scr_cols + slot, p, mask=take)
             if (not SCORE_ONLY) and (not filling):
+                if DEFER_STORE:
+                    tl.store(scr_cols + pend_slot, pend_p, mask=pend_take)  # the last tile's keys
                 tl.debug_barrier()  # every atomic and store of the loop is done
-                if DENSE:
-                    # keep each row's staged keys above its threshold, packed after its
-                    # earlier candidates
-                    for r in range(BLOCK_M):
-                        c0 = tl.sum(tl.where(offs_m == r, cnt_start, 0), axis=0)
-                        n = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0) - c0
-                        thr_r = tl.sum(tl.where(offs_m == r, thr, 0), axis=0)
-                        kept = _filter_staged(scr + r * CAP + c0, n, thr_r, STAGE)
-                        cnt = tl.where(offs_m == r, c0 + kept, cnt)
-                else:
-                    cnt = tl.atomic_add(cnt_ptrs, 0, sem="relaxed")
+                cnt = tl.atomic_add(cnt_ptrs, 0, sem="relaxed")
             t0 = t_stop
             if t0 < v1:
                 tl.debug_barrier()  # the appended keys are visible to every thread
@@ -833,7 +843,7 @@ def {{KERNEL_NAME}}(
                 for r in range(BLOCK_M):
                     c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
                     if c > CAP - LOW_WATER:
-                        kth = _compact_row(scr + r * CAP, c, TOPK, CAP, RADIX)
+                        kth = _compact_row(scr + r * CAP, c, TOPK, CAP)
                         cnt = tl.where(offs_m == r, TOPK, cnt)
                         thr = tl.where(offs_m == r, kth, thr)
                 tl.debug_barrier()
@@ -848,7 +858,7 @@ def {{KERNEL_NAME}}(
                         key_ok = keys64 < t_end
                         p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) - float("inf"), keys64[:, None])
                         cnt, thr = _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m, TOPK, CAP,
-                                                BLOCK_M, RADIX)
+                                                BLOCK_M)
             # 3. per row: compact to the TOPK best, sort those, write them
             tl.debug_barrier()
             for r in range(BLOCK_M):
@@ -856,7 +866,7 @@ def {{KERNEL_NAME}}(
                 if s < S:
                     c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
                     _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
-                              TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, RADIX)
+                              TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES)
             tl.debug_barrier()
         j = tl.atomic_add(COUNTER, 1)
     if SCORE_ONLY:

@@ -14,7 +14,7 @@ import torch
 
 from .reference import check_operands, index_dtype
 from .spec import ScoreSpec, SpecError, dtype_of
-from .triton_codegen import _interpreting, check_interpreter_mode, load_kernel
+from .triton_codegen import _interpreting, check_interpreter_mode, load_kernel, weight_scale
 
 
 def _next_pow2(n: int) -> int:
@@ -46,16 +46,11 @@ class HyTopKConfig:
     low_water: Optional[int] = None
     # Column chunks of the dot per kv head (1, 2 or 4; chunk c holds heads c, c + nsplit,
     # ...): a smaller accumulator live at once; the same bits for every value (the head-sum
-    # tree's last levels add the chunk sums). None: chunks of 128 dot columns where possible.
+    # tree's last levels add the chunk sums). None: 1.
     nsplit: Optional[int] = None
-    # How a compaction finds a row's k-th best key: "radix" (4 passes of a 256-bin
-    # histogram) or "bitwise" (32 count passes). The same key either way.
-    select: str = "radix"
-    # How a scored tile's keys reach a row's buffer once the row has a threshold: "dense"
-    # (every key is staged at a fixed slot; after each inner loop the staged keys are
-    # filtered by the threshold in one scan) or "atomic" (each key above the threshold
-    # takes a slot from a per-row atomic counter). The same keys survive either way.
-    append: str = "dense"
+    # Store a tile's taken keys one tile later, when the atomics' slots have arrived (the
+    # same slots and keys; only when the stores wait differs).
+    defer_store: bool = False
 
 
 def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True) -> HyTopKConfig:
@@ -83,10 +78,7 @@ def _block_m(cfg: HyTopKConfig, gp: int, interpret: bool) -> int:
 
 def _nsplit(cfg: HyTopKConfig, gp: int, block_m: int, interpret: bool) -> int:
     if cfg.nsplit is None:
-        n = 1
-        while n < 4 and gp % (2 * n) == 0 and block_m * gp // (2 * n) >= 128:
-            n *= 2
-        return n
+        return 1  # chunks measured slower end to end at the DSA shape (docs/kernel-design.md, v6)
     n = cfg.nsplit
     if n not in (1, 2, 4) or n > gp:
         raise SpecError(f"nsplit must be 1, 2 or 4 and at most the padded heads per kv head ({gp}), got {cfg}")
@@ -195,10 +187,6 @@ def hytopk_triton(
     if sort not in ("rank", "bitonic"):
         raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank' or 'bitonic'")
     nsplit = _nsplit(cfg, gp, block_m, interpret)
-    if cfg.append not in ("dense", "atomic"):
-        raise SpecError(f"config.append={cfg.append!r}; expected 'dense' or 'atomic'")
-    if cfg.select not in ("radix", "bitwise"):
-        raise SpecError(f"config.select={cfg.select!r}; expected 'radix' or 'bitwise'")
     block_d = max(16, _next_pow2(D))
     topk_p2 = _next_pow2(topk)
     cap = _next_pow2(topk + cfg.block_n)
@@ -229,6 +217,9 @@ def hytopk_triton(
     kern = load_kernel(spec, len(masks))
     mask_args = _mask_launch_args(spec, masks, B, S, T, device)
     kb_stride = k.stride(0) if k.shape[0] == B else 0
+    c = weight_scale(spec)
+    if c is not None and w is not None:
+        w = w.to(torch.float32) * c  # fp32, rounded as the kernel would (see weight_scale)
     if w is None:
         w_arg, w_strides = q, (0, 0, 0)  # never read: reduce != weighted_sum
     else:
@@ -248,8 +239,7 @@ def hytopk_triton(
         HK=Hk, G=G, GP=gp, NSPLIT=nsplit, D=D, TOPK=topk, TOPK_P2=topk_p2, CAP=cap,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         UPCAST=upcast, TF32=tf32, RETURN_VALUES=write_vals, RANK_SORT=sort == "rank",
-        SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water, RADIX=cfg.select == "radix",
-        DENSE=cfg.append == "dense", STAGE=_next_pow2(cap - topk),
+        SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water, DEFER_STORE=bool(cfg.defer_store),
     )
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -1,0 +1,129 @@
+"""Where the HyTopK kernel spends its time, by source line: Nsight Compute's warp-stall
+samples per SASS instruction, summed over the kernel source lines they come from.
+
+On the GPU machine (ncu must be able to read the counters):
+
+    python benchmarks/profile_hytopk.py --seq 32768 --out $OUT [--config "nsplit=2,append=atomic"]
+
+This runs ncu on itself (``--child``: one warm-up launch, then the profiled one), exports
+the per-instruction source page as CSV, and prints the lines of the generated kernel that
+hold the most stall samples, with the kernel-level stall reasons. Full CSVs land in --out.
+Offline analysis of a saved CSV: ``--analyze FILE.csv``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import re
+import subprocess
+import sys
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def child(seq: int, config: str) -> None:
+    import torch
+
+    import bench_hytopk as bh
+    from hyscale_compile.lowerings import triton_hytopk as th
+    from sweep_hytopk_config import parse_fields
+
+    q, k, w = bh.make_inputs(seq, "iid", seed=0)
+    hi = (torch.arange(seq, device="cuda") + 1).view(1, seq)
+    cfg = th.HyTopKConfig(**parse_fields(config)) if config else None
+    for _ in range(2):  # the first launch compiles; ncu skips it
+        th.hytopk_triton(q, k.unsqueeze(2), w, [hi], bh.TOPK, bh.dsa_spec(), config=cfg)
+    torch.cuda.synchronize()
+
+
+def _num(x: str) -> float:
+    try:
+        return float(x.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def analyze(text: str, top: int = 40) -> str:
+    """Sum 'Warp Stall Sampling (All Samples)' per source line of the source-page CSV."""
+    rows = list(csv.reader(io.StringIO(text)))
+    head_i = next(i for i, r in enumerate(rows) if any("Warp Stall Sampling" in c for c in r))
+    head = rows[head_i]
+    col = next(i for i, c in enumerate(head) if c.startswith("Warp Stall Sampling (All"))
+    src_col = next((i for i, c in enumerate(head) if c in ("Source", "# Source")), None)
+    per_line = defaultdict(float)
+    total = 0.0
+    current = "?"
+    for r in rows[head_i + 1:]:
+        if len(r) <= col:
+            continue
+        # the source view interleaves source lines (file:line text) and their SASS
+        line_id = r[0]
+        samples = _num(r[col])
+        text_cell = r[src_col] if src_col is not None and src_col < len(r) else ""
+        if re.match(r"^\d+$", line_id) and text_cell and not re.match(r"^\s*[@A-Z]", text_cell):
+            current = f"{line_id}: {text_cell.strip()[:90]}"
+        per_line[current] += samples
+        total += samples
+    out = [f"total stall samples: {total:.0f}"]
+    for key, val in sorted(per_line.items(), key=lambda kv: -kv[1])[:top]:
+        out.append(f"{100 * val / max(total, 1):6.2f}%  {key}")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--config", default="", help="HyTopKConfig fields, e.g. 'nsplit=2,append=atomic'")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--analyze", default=None, help="a saved source-page CSV")
+    args = ap.parse_args()
+    if args.child:
+        child(args.seq, args.config)
+        return 0
+    if args.analyze:
+        with open(args.analyze) as f:
+            print(analyze(f.read()))
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    rep = os.path.join(args.out, "hytopk")
+    cmd = ["ncu", "--clock-control", "none", "--kernel-name", "hytopk_kernel", "--launch-skip", "1",
+           "--launch-count", "1", "--import-source", "yes", "--section", "SourceCounters", "--section",
+           "WarpStateStats", "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",
+           "-f", "-o", rep, sys.executable, os.path.abspath(__file__), "--child", "--seq", str(args.seq),
+           "--config", args.config]
+    print(" ".join(cmd), file=sys.stderr)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    with open(os.path.join(args.out, "ncu.log"), "w") as f:
+        f.write(r.stdout + r.stderr)
+    if r.returncode != 0:
+        print(r.stdout[-3000:] + r.stderr[-3000:])
+        return r.returncode
+    details = subprocess.run(["ncu", "--import", rep + ".ncu-rep", "--page", "details"], capture_output=True,
+                             text=True)
+    with open(os.path.join(args.out, "details.txt"), "w") as f:
+        f.write(details.stdout + details.stderr)
+    src = None
+    for extra in (["--print-source", "cuda,sass"], ["--print-source", "sass"], []):
+        res = subprocess.run(["ncu", "--import", rep + ".ncu-rep", "--page", "source", "--csv", *extra],
+                             capture_output=True, text=True)
+        name = "source_" + ("_".join(extra[1:]).replace(",", "_") or "default") + ".csv"
+        with open(os.path.join(args.out, name), "w") as f:
+            f.write(res.stdout + res.stderr)
+        if res.returncode == 0 and src is None and "Warp Stall Sampling" in res.stdout:
+            src = res.stdout
+    keep = ("Duration", "Registers", "Achieved Occupancy", "Theoretical Occupancy", "Compute (SM) Throughput",
+            "Memory Throughput", "Warp Cycles Per Issued", "Issue Slot", "Stall", "Block Limit")
+    print("\n".join(ln for ln in details.stdout.splitlines() if any(k in ln for k in keep))[:4000])
+    if src is not None:
+        print(analyze(src))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
