@@ -705,7 +705,7 @@ def {{KERNEL_NAME}}(
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, TF32: tl.constexpr, RETURN_VALUES: tl.constexpr,
-    RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, DEFER_STORE: tl.constexpr,
+    RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr,
 ):
     # Persistent programs take row blocks from an atomic counter, heaviest first (the last
     # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
@@ -785,9 +785,6 @@ def {{KERNEL_NAME}}(
             if (not SCORE_ONLY) and (not filling):
                 tl.store(cnt_ptrs, cnt)
                 tl.debug_barrier()  # the counters hold cnt before any atomic
-            pend_p = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int64)  # the previous tile's taken keys
-            pend_slot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
-            pend_take = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int1)
             for tt in range(t0, t_stop, BLOCK_N):
                 keys64 = tt + offs_n.to(tl.int64)
                 key_ok = keys64 < t_end
@@ -816,19 +813,10 @@ def {{KERNEL_NAME}}(
                     take = (p > thr[None, :]) & key_ok[:, None] & row_ok[None, :]
                     slot = tl.atomic_add(cnt_ptrs[None, :] + tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32), 1,
                                          mask=take, sem="relaxed")
-                    if DEFER_STORE:
-                        # The keys are stored one tile later, when their slots have long
-                        # arrived: storing now waits out the atomics' round trip to L2 on
-                        # every tile (12% of the kernel's stall samples, v6 profile).
-                        tl.store(scr_cols + pend_slot, pend_p, mask=pend_take)
-                        pend_p = p
-                        pend_slot = slot
-                        pend_take = take
-                    else:
-                        tl.store(scr_cols + slot, p, mask=take)
+                    # (storing one tile later, when the slots have arrived, measured slower:
+                    # the carried tiles cost layout conversions; docs/kernel-design.md, v6)
+                    tl.store(scr_cols + slot, p, mask=take)
             if (not SCORE_ONLY) and (not filling):
-                if DEFER_STORE:
-                    tl.store(scr_cols + pend_slot, pend_p, mask=pend_take)  # the last tile's keys
                 tl.debug_barrier()  # every atomic and store of the loop is done
                 cnt = tl.atomic_add(cnt_ptrs, 0, sem="relaxed")
             t0 = t_stop

@@ -48,9 +48,6 @@ class HyTopKConfig:
     # ...): a smaller accumulator live at once; the same bits for every value (the head-sum
     # tree's last levels add the chunk sums). None: 1.
     nsplit: Optional[int] = None
-    # Store a tile's taken keys one tile later, when the atomics' slots have arrived (the
-    # same slots and keys; only when the stores wait differs).
-    defer_store: bool = False
 
 
 def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True) -> HyTopKConfig:
@@ -239,7 +236,7 @@ def hytopk_triton(
         HK=Hk, G=G, GP=gp, NSPLIT=nsplit, D=D, TOPK=topk, TOPK_P2=topk_p2, CAP=cap,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         UPCAST=upcast, TF32=tf32, RETURN_VALUES=write_vals, RANK_SORT=sort == "rank",
-        SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water, DEFER_STORE=bool(cfg.defer_store),
+        SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water,
     )
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)

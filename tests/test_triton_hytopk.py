@@ -450,13 +450,8 @@ def test_compaction_with_boundary_ties(interpret):
     # times inside the scored-tile loop; exact-zero ReLU ties at the k-th score make the
     # threshold search resolve the boundary on the index bits too.
     q, k, w, topk, spec = _compaction_case(141)
-    outs = []
-    for defer in (False, True):
-        cfg = HyTopKConfig(block_m=4, block_n=16, defer_store=defer)
-        vals, idx = run_exact(q, k, w, [], topk, spec, config=cfg)
-        assert (vals == 0).any(), "the case should have zero ties inside the selection"
-        outs.append((vals, idx))
-    assert_same_bits(outs)  # deferring the stores of taken keys changes nothing
+    vals, _ = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16))
+    assert (vals == 0).any(), "the case should have zero ties inside the selection"
 
 
 @pytest.mark.interpret
