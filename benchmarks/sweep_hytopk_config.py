@@ -1,7 +1,7 @@
 """Launch-parameter sweep of the generated HyTopK kernel at the DSA shape (one GPU).
 
     python benchmarks/sweep_hytopk_config.py --seq 32768 [--configs default,w8,...] [--deadline 300]
-    python benchmarks/sweep_hytopk_config.py --configs "default;nsplit=1,append=atomic"
+    python benchmarks/sweep_hytopk_config.py --configs "default;nsplit=2,low_water=1024"
 
 For each ``HyTopKConfig`` in the list: the full kernel's median time, the same kernel with
 selection off (``score_only``: what the scoring alone costs under that config), whether
@@ -37,7 +37,7 @@ CONFIGS = {
 
 
 def parse_fields(text: str) -> dict:
-    """'nsplit=2,append=atomic' -> {'nsplit': 2, 'append': 'atomic'} (ints where they parse)."""
+    """'nsplit=2,low_water=1024' -> {'nsplit': 2, 'low_water': 1024} (ints where they parse)."""
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, _, val = item.partition("=")
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     # named configs separated by ","; or, when any "=" appears, ";"-separated items that are
     # each a name or a comma-separated list of HyTopKConfig fields over the default
-    # ("nsplit=2,append=atomic")
+    # ("nsplit=2,low_water=1024")
     names = [c.strip() for c in args.configs.split(";" if "=" in args.configs else ",") if c.strip()]
     for c in names:
         if "=" in c:
