@@ -39,6 +39,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
+from sweep_hytopk_config import parse_fields  # noqa: E402  (benchmarks/ is this script's directory)
+
 H, D, TOPK = 64, 128, 2048
 DEFAULT_CONFIGS = "nsplit=1;nsplit=2;nsplit=4;nsplit=1,score_only=1;nsplit=2,score_only=1"
 
@@ -57,21 +59,6 @@ class _Sm90:
 
     def is_active(self):
         return True
-
-
-def parse_config(text: str) -> dict:
-    fields = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        name, _, value = item.partition("=")
-        if not value:
-            raise SystemExit(f"bad config item {item!r}: expected field=value")
-        if value.lstrip("-").isdigit():
-            fields[name] = int(value)
-        else:
-            fields[name] = {"True": True, "False": False}.get(value, value)
-    if "score_only" in fields:
-        fields["score_only"] = bool(fields["score_only"])
-    return fields
 
 
 def compile_dsa(fields: dict, S: int = 4096):
@@ -161,7 +148,7 @@ def main():
     rows = []
     for i, text in enumerate(filter(None, (c.strip() for c in args.configs.split(";")))):
         print(f"[{i}] compiling {text} ...", file=sys.stderr, flush=True)
-        ck, secs = compile_dsa(parse_config(text))
+        ck, secs = compile_dsa(parse_fields(text))
         rep = ptxas_report(ck.asm["ptx"], bindir)
         counts, sass = sass_counts(ck.asm["cubin"], bindir)
         rows.append((text, rep, ck.metadata.shared, counts, secs))
