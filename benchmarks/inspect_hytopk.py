@@ -2,10 +2,12 @@
 ptxas made of it: registers, spills, stack, shared memory, and SASS instruction counts.
 
     python benchmarks/inspect_hytopk.py                        # a few configurations
-    python benchmarks/inspect_hytopk.py --configs "nsplit=1;nsplit=2;nsplit=2,score_only=1"
+    python benchmarks/inspect_hytopk.py --configs "default;num_stages=2;score_only=1"
     python benchmarks/inspect_hytopk.py --dump DIR              # also write ttgir/ptx/sass
+    python benchmarks/inspect_hytopk.py --configs default --lines  # the tile loop per source line
 
-Each configuration is a comma-separated list of ``HyTopKConfig`` fields (``field=value``);
+Each configuration is ``default`` (the launch's own default at the DSA shape) or a
+comma-separated list of ``HyTopKConfig`` fields (``field=value``) over that default;
 configurations are separated by ``;``. The kernel is specialized exactly as a real launch at
 the DSA shape would be (H=64, D=128, k=2048, bf16, causal range mask, 264 programs): Triton's
 own ``warmup`` path runs against a stand-in driver that reports an sm_90 target, so only the
@@ -20,6 +22,7 @@ its instructions, spill instructions, barriers, atomics and shuffles; compile (s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -42,7 +45,7 @@ from triton.runtime import driver  # noqa: E402
 from sweep_hytopk_config import parse_fields  # noqa: E402  (benchmarks/ is this script's directory)
 
 H, D, TOPK = 64, 128, 2048
-DEFAULT_CONFIGS = "nsplit=1;nsplit=2;nsplit=4;nsplit=1,score_only=1;nsplit=2,score_only=1"
+DEFAULT_CONFIGS = "default;num_stages=2;reread_weights=False;score_only=1"
 
 
 class _Sm90:
@@ -63,7 +66,7 @@ class _Sm90:
 
 def compile_dsa(fields: dict, S: int = 4096):
     from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
-    from hyscale_compile.lowerings.triton_hytopk import HyTopKConfig, hytopk_triton
+    from hyscale_compile.lowerings.triton_hytopk import default_config, hytopk_triton
 
     spec = ScoreSpec(name="dsa", epilogue=(("mul", D**-0.5), ("relu",)), reduce="weighted_sum",
                      post=(("mask", 0),), masks=(MaskTerm(kind="range", hi=0),))
@@ -71,7 +74,9 @@ def compile_dsa(fields: dict, S: int = 4096):
     k = torch.empty(1, S, 1, D, dtype=torch.bfloat16)
     w = torch.empty(1, S, H)
     hi = torch.arange(1, S + 1).view(1, S)
-    cfg = HyTopKConfig(**{"num_stages": 2, "num_programs": 264, **fields})
+    # the launch's own default at this shape, with the given fields over it
+    base = default_config(S, S, TOPK, torch.device("cuda"), True, D, H)
+    cfg = dataclasses.replace(base, **{"num_programs": 264, **fields})
 
     def launcher(kern, args, launch):
         return kern.warmup(*args, grid=(1,), **launch)
@@ -138,20 +143,78 @@ def _hot_loop(ins: list) -> dict:
     return {}
 
 
+def loop_lines(cubin: bytes, bindir: str, top: int = 25) -> str:
+    """The tile loop's SASS instructions per kernel source line (``nvdisasm -g`` line info):
+    what each line of the generated kernel costs per tile, before any GPU time is spent."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", "-g", path], capture_output=True, text=True,
+                             check=True).stdout
+    ins, labels, pending, cur = [], {}, [], None
+    for ln in out.splitlines():
+        m = re.search(r'//## File "([^"]+)", line (\d+)', ln)
+        if m:
+            cur = (m.group(1), int(m.group(2)))
+            continue
+        m = re.match(r"\s*(\.L_x_\d+):", ln)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", ln)
+        if m:
+            addr = int(m.group(1), 16)
+            labels.update((lab, addr) for lab in pending)
+            pending = []
+            ins.append((addr, m.group(2), cur))
+    first = next((a for a, t, _ in ins if "HGMMA" in t), None)
+    span = None
+    for a, t, _ in ins:
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)
+        if first is not None and a > first and m and labels.get(m.group(1), a + 1) <= first:
+            span = (labels[m.group(1)], a)
+            break
+    if span is None:
+        return "no tile loop found"
+    counts = {}
+    for a, _, c in ins:
+        if span[0] <= a <= span[1]:
+            counts[c] = counts.get(c, 0) + 1
+    texts = {}
+    lines = [f"tile loop: {sum(counts.values())} instructions per warp per tile, by source line"]
+    for c, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]:
+        if c is None:
+            lines.append(f"{n:5d}  ?")
+            continue
+        if c[0] not in texts:
+            try:
+                with open(c[0]) as f:
+                    texts[c[0]] = f.read().splitlines()
+            except OSError:
+                texts[c[0]] = []
+        src = texts[c[0]][c[1] - 1].strip() if c[1] <= len(texts[c[0]]) else ""
+        lines.append(f"{n:5d}  {os.path.basename(c[0])}:{c[1]}  {src[:100]}")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="';'-separated HyTopKConfig field lists")
     ap.add_argument("--dump", default=None, help="directory for ttgir/ptx/sass of each configuration")
+    ap.add_argument("--lines", action="store_true", help="also the tile loop's instructions per source line")
     args = ap.parse_args()
     driver.set_active(_Sm90())
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     rows = []
     for i, text in enumerate(filter(None, (c.strip() for c in args.configs.split(";")))):
         print(f"[{i}] compiling {text} ...", file=sys.stderr, flush=True)
-        ck, secs = compile_dsa(parse_fields(text))
+        ck, secs = compile_dsa({} if text == "default" else parse_fields(text))
         rep = ptxas_report(ck.asm["ptx"], bindir)
         counts, sass = sass_counts(ck.asm["cubin"], bindir)
         rows.append((text, rep, ck.metadata.shared, counts, secs))
+        if args.lines:
+            print(f"[{i}] {text}\n" + loop_lines(ck.asm["cubin"], bindir) + "\n")
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             for ext in ("ttgir", "ptx"):

@@ -3,7 +3,7 @@ samples per SASS instruction, summed over the kernel source lines they come from
 
 On the GPU machine (ncu must be able to read the counters):
 
-    python benchmarks/profile_hytopk.py --seq 32768 --out $OUT [--config "nsplit=2,low_water=1024"]
+    python benchmarks/profile_hytopk.py --seq 32768 --out $OUT [--config "num_stages=2,low_water=16"]
 
 This runs ncu on itself (``--child``: one warm-up launch, then the profiled one), exports
 the per-instruction source page as CSV, and prints the lines of the generated kernel that
@@ -78,7 +78,7 @@ def analyze(text: str, top: int = 40) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--config", default="", help="HyTopKConfig fields, e.g. 'nsplit=2,low_water=1024'")
+    ap.add_argument("--config", default="", help="HyTopKConfig fields, e.g. 'num_stages=2,low_water=16'")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--analyze", default=None, help="a saved source-page CSV")

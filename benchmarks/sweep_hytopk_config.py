@@ -1,7 +1,7 @@
 """Launch-parameter sweep of the generated HyTopK kernel at the DSA shape (one GPU).
 
     python benchmarks/sweep_hytopk_config.py --seq 32768 [--configs default,w8,...] [--deadline 300]
-    python benchmarks/sweep_hytopk_config.py --configs "default;nsplit=2,low_water=1024"
+    python benchmarks/sweep_hytopk_config.py --configs "default;num_stages=2,low_water=16"
 
 For each ``HyTopKConfig`` in the list: the full kernel's median time, the same kernel with
 selection off (``score_only``: what the scoring alone costs under that config), whether
@@ -27,7 +27,7 @@ import bench_hytopk as bh  # noqa: E402
 
 CONFIGS = {
     # name: HyTopKConfig kwargs (block_m None: 256 // heads-per-kv-head = 4 rows at H=64)
-    "default": dict(block_n=64, num_warps=4, num_stages=2),
+    "default": None,  # the launch's own default at the DSA shape (filled in by main)
     "w8": dict(block_n=64, num_warps=8, num_stages=2),
     "n128w8": dict(block_n=128, num_warps=8, num_stages=2),
     "m2s3": dict(block_m=2, block_n=64, num_warps=4, num_stages=3),
@@ -37,7 +37,7 @@ CONFIGS = {
 
 
 def parse_fields(text: str) -> dict:
-    """'nsplit=2,low_water=1024' -> {'nsplit': 2, 'low_water': 1024} (ints where they parse)."""
+    """'num_stages=2,low_water=16' -> {'num_stages': 2, 'low_water': 16} (ints where they parse)."""
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, _, val = item.partition("=")
@@ -53,7 +53,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     # named configs separated by ","; or, when any "=" appears, ";"-separated items that are
     # each a name or a comma-separated list of HyTopKConfig fields over the default
-    # ("nsplit=2,low_water=1024")
+    # ("num_stages=2,low_water=16")
+    from hyscale_compile.lowerings.triton_hytopk import default_config
+
+    d = default_config(args.seq, args.seq, bh.TOPK, torch.device("cuda"), True, bh.D, bh.H)
+    CONFIGS["default"] = dict(block_n=d.block_n, num_warps=d.num_warps, num_stages=d.num_stages)
     names = [c.strip() for c in args.configs.split(";" if "=" in args.configs else ",") if c.strip()]
     for c in names:
         if "=" in c:

@@ -37,7 +37,7 @@ from .spec import ScoreSpec, SpecError, skippable_mask_terms
 
 # Bumped whenever the template changes in a way the hash of the source would not show
 # (it always does today: the version is part of the source text).
-CODEGEN_VERSION = 6
+CODEGEN_VERSION = 7
 
 _MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
 _LOCK = threading.Lock()
@@ -191,6 +191,13 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
             lines.append(f"key_lo = tl.maximum(key_lo, tl.min(tl.where(row_ok, lo{j}, T), axis=0))")
         if term.hi is not None:
             lines.append(f"key_hi = tl.minimum(key_hi, tl.max(tl.where(row_ok, hi{j}, 0), axis=0))")
+    # the per-element compares in the tile loop use the key type (int32 when T allows);
+    # clamping to [0, T] keeps every compare with a key in [0, T) the same
+    for j, term in enumerate(spec.masks):
+        if term.kind == "range":
+            for role, bound in (("lo", term.lo), ("hi", term.hi)):
+                if bound is not None:
+                    lines.append(f"{role}{j} = _as_key({role}{j}, T, IDX32)")
     return "\n".join(lines)
 
 
@@ -206,7 +213,7 @@ def _render_post(spec: ScoreSpec) -> str:
         if term.kind in ("add", "fill"):
             lines.append(
                 f"m{j} = tl.load(M{j} + (b64 * stride_m{j}_b + rows64[None, :] * stride_m{j}_s "
-                f"+ keys64[:, None] * stride_m{j}_t), mask=ok, other=0)"
+                f"+ keys[:, None].to(tl.int64) * stride_m{j}_t), mask=ok, other=0)"
             )
             if term.kind == "add":
                 lines.append(f"y = y + m{j}.to(tl.float32)  # fp32 + bf16/fp16 mask: exact upcast, as torch promotes")
@@ -216,9 +223,9 @@ def _render_post(spec: ScoreSpec) -> str:
         else:
             parts = []
             if term.lo is not None:
-                parts.append(f"(keys64[:, None] < lo{j}[None, :])")
+                parts.append(f"(keys[:, None] < lo{j}[None, :])")
             if term.hi is not None:
-                parts.append(f"(keys64[:, None] >= hi{j}[None, :])")
+                parts.append(f"(keys[:, None] >= hi{j}[None, :])")
             if not parts:
                 continue  # a range with neither bound hides nothing
             lines.append(f"hidden{j} = " + " | ".join(parts))
@@ -231,12 +238,30 @@ def _render_post(spec: ScoreSpec) -> str:
 
 def _render_reduce(spec: ScoreSpec) -> str:
     """Per-head weighting of the epilogue'd logits ``x`` [BLOCK_N, BLOCK_M * GP] (columns are
-    (row, head-in-group) pairs); the head sum itself is the fixed tree in ``_head_sum``."""
+    (row, head-in-group) pairs); the head sum itself is ``_head_sum``."""
     if spec.reduce == "weighted_sum":
         return "x = wv[None, :] * x"
     if spec.reduce == "sum":
         return "pass  # reduce='sum': unweighted"
     return "pass  # reduce='none': H == 1"
+
+
+# The tile loop's append. Compiled: one predicated st.global per element in the layout the
+# head sum leaves the scores in (lanes of a quad hold the same element and store the same
+# value to the same address). A tl.store there makes Triton convert pointers, keys and
+# masks to a coalesced layout through shared memory: 2-4 barriers per tile, and 2 KiB of
+# shared memory that stopped two programs with 3 pipeline stages from fitting on an SM.
+_STORE_TAKEN_PTX = """@triton.jit
+def _store_taken(ptrs, p, take):
+    # ptrs[i] = p[i] where take[i], in the operands' own layout (no layout conversion)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred t; setp.ne.b32 t, $3, 0; @t st.global.b64 [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,l,r", [ptrs.to(tl.uint64, bitcast=True), p, take.to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)"""
+
+_STORE_TAKEN_INTERP = """@triton.jit
+def _store_taken(ptrs, p, take):
+    tl.store(ptrs, p, mask=take)  # the interpreter runs no inline PTX"""
 
 
 def _indent(text: str, n: int) -> str:
@@ -261,11 +286,12 @@ def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = 
         # registered score mods call libdevice (tanh, log1p, ...); the interpreter has none
         "LIBDEVICE": "" if _interpreting() else "from triton.language.extra import libdevice\n",
         "EPILOGUE_FN": _render_epilogue(spec),
+        "STORE_TAKEN_FN": _STORE_TAKEN_INTERP if _interpreting() else _STORE_TAKEN_PTX,
         "MASK_ARGS_DEF": "".join(f"    {a},\n" for a in mask_args),
         "SCORE_MASK_ARGS": "".join(f"{a}, " for a in _score_mask_args(spec)),
         "ROW_BOUNDS": _indent(_render_row_bounds(spec), 8) or "        pass",
         "SKIP_BOUNDS": _indent(_render_skip_bounds(spec), 8),
-        "REDUCE": _indent(_render_reduce(spec), 4),
+        "REDUCE": _indent(_render_reduce(spec), 8),
         "POST": _indent(_render_post(spec), 4) or "    pass",
         "ROW_BOUND_ARGS_DEF": "".join(f"{r}{j}, " for j, t in enumerate(spec.masks) if t.kind == "range"
                                       for r, bnd in (("lo", t.lo), ("hi", t.hi)) if bnd is not None),
@@ -391,12 +417,26 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _pack(y, keys64):
+def _pack(y, keys):
     y = tl.where(y == 0.0, 0.0, y)           # -0.0 -> +0.0: ReLU zeros must tie exactly
     y = tl.where(y != y, float("nan"), y)    # one positive NaN: sorts above +inf, like torch.sort
     b = y.to(tl.int32, bitcast=True)
     b = b ^ ((b >> 31) & 0x7FFFFFFF)         # negative floats: flip magnitude bits
-    return (b.to(tl.int64) << 32) | (4294967295 - keys64)
+    return (b.to(tl.int64) << 32) | (4294967295 - keys.to(tl.int64))
+
+
+{{STORE_TAKEN_FN}}
+
+
+@triton.jit
+def _as_key(x, T, IDX32: tl.constexpr):
+    # A key position (or a bound compared with key positions) in the tile loop's key type:
+    # int32 when T + 2 tiles < 2**31 (the launcher's IDX32), clamped to [0, T], which keeps
+    # every compare with a key in [0, T) the same.
+    if IDX32:
+        return tl.minimum(tl.maximum(x, 0), T).to(tl.int32)
+    else:
+        return x.to(tl.int64)
 
 
 @triton.jit
@@ -416,53 +456,35 @@ def _unpack_index(p):
 
 @triton.jit
 def _head_sum(x, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr):
-    # [BLOCK_N, BLOCK_M * GP] -> [BLOCK_N, BLOCK_M]: a fixed pairwise tree over the GP heads
-    # of each row (level 1 adds head g and head g + GP/2, and so on). Every step adds exactly
-    # two values, so the result does not depend on block sizes, warps or register layouts.
-    x = tl.reshape(x, [BLOCK_N, BLOCK_M, GP])
-    if GP >= 2:
-        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 2]), axis=2)
-    if GP >= 4:
-        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 4]), axis=2)
-    if GP >= 8:
-        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 8]), axis=2)
-    if GP >= 16:
-        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 16]), axis=2)
-    if GP >= 32:
-        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 32]), axis=2)
-    if GP >= 64:
-        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 64]), axis=2)
-    if GP >= 128:
-        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 128]), axis=2)
-    if GP >= 256:
-        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 256]), axis=2)
-    if GP >= 512:
-        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 512]), axis=2)
-    if GP >= 1024:
-        x = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, 2, GP // 1024]), axis=2)
-    tl.static_assert(GP <= 1024, "at most 1024 query heads per kv head")
-    return tl.reshape(x, [BLOCK_N, BLOCK_M])
+    # [BLOCK_N, BLOCK_M * GP] -> [BLOCK_N, BLOCK_M]: the GP heads of each row summed in
+    # Triton's own reduction order (chains inside a thread, then shuffles across lanes). The
+    # order is a function of the compiled kernel, and the launch configuration is a function
+    # of the shape alone (no autotuning), so the bits are reproducible across processes;
+    # other configurations may round differently (fp32 reassociation, DESIGN.md). v6's fixed
+    # pairwise tree cost 88 more instructions per tile (docs/kernel-design.md, v7).
+    return tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, GP]), axis=2)
 
 
 @triton.jit
-def _load_q(Q, W, q_col_off, w_col_off, head0, col_ok, offs_d, d_ok,
-            stride_qh, stride_qd, stride_wh, UPCAST: tl.constexpr):
-    # One column chunk of the Q block as [BLOCK_M * GC, BLOCK_D]: column m*GC + i is query
-    # row m, head head0 + i*NSPLIT (the offsets carry the i*NSPLIT part), with the matching
-    # per-column head weights (0 for padding columns).
-    qb = tl.load(Q + q_col_off[:, None] + head0 * stride_qh + offs_d[None, :] * stride_qd,
+def _load_q(Q, W, q_col_off, w_col_off, hk, col_ok, offs_d, d_ok,
+            stride_qh, stride_qd, stride_wh, G: tl.constexpr, UPCAST: tl.constexpr):
+    # The Q block of kv head hk as [BLOCK_M * GP, BLOCK_D]: column m*GP + i is query row m,
+    # head hk*G + i (the offsets carry the i part), with the matching per-column head
+    # weights (0 for padding columns).
+    qb = tl.load(Q + q_col_off[:, None] + (hk * G) * stride_qh + offs_d[None, :] * stride_qd,
                  mask=col_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         qb = qb.to(tl.float32)
-    wv = tl.load(W + w_col_off + head0 * stride_wh, mask=col_ok, other=0.0).to(tl.float32)
+    wv = tl.load(W + w_col_off + (hk * G) * stride_wh, mask=col_ok, other=0.0).to(tl.float32)
     return qb, wv
 
 
 @triton.jit
-def _load_k(K, k_base, hk, keys64, key_ok, offs_d, d_ok, stride_kt, stride_kh, stride_kd,
-            UPCAST: tl.constexpr):
-    # keys as the rows of the dot: [BLOCK_N, BLOCK_D]
-    kt = tl.load(K + k_base + hk * stride_kh + keys64[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+def _load_k(K, k_base, hk, t_tile, k_offs, key_ok, d_ok, stride_kt, stride_kh, UPCAST: tl.constexpr):
+    # keys as the rows of the dot: [BLOCK_N, BLOCK_D]. 64-bit math once per tile; the
+    # per-element offsets (k_offs, 32-bit) are loop invariants.
+    t64 = tl.zeros([], dtype=tl.int64) + t_tile  # (a Python int under the interpreter)
+    kt = tl.load((K + (k_base + t64 * stride_kt + hk * stride_kh)) + k_offs,
                  mask=key_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         kt = kt.to(tl.float32)
@@ -470,91 +492,51 @@ def _load_k(K, k_base, hk, keys64, key_ok, offs_d, d_ok, stride_kt, stride_kh, s
 
 
 @triton.jit
-def _chunk_sum(kt, qb, wv, col_ok, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GC: tl.constexpr,
-               PADDED: tl.constexpr, TF32: tl.constexpr):
-    # One column chunk: x[t, m*GC + i] = k[t] . q[m, head of column i] (fp32 accumulation),
-    # the per-head epilogue and weights, then the chunk's heads summed by the fixed tree.
-    if TF32:
-        x = tl.dot(kt, tl.trans(qb), input_precision="tf32", out_dtype=tl.float32)
-    else:
-        # IEEE for fp32 operands; for 16-bit operands the products are exact anyway
-        x = tl.dot(kt, tl.trans(qb), input_precision="ieee", out_dtype=tl.float32)
-    x = _epilogue(x)
-{{REDUCE}}
-    if PADDED:
-        x = tl.where(col_ok[None, :], x, 0.0)  # padding heads add exactly nothing
-    return _head_sum(x, BLOCK_N, BLOCK_M, GC)
-
-
-@triton.jit
 def _score_tile(
-    kt0, qb0, qb1, qb2, qb3,
+    kt0, qb0, wv0,
     Q, K, W, {{SCORE_MASK_ARGS}}
     stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_wh,
     {{ROW_BOUND_ARGS_DEF}}
-    b64, rows64, row_ok, q_col_off, w_col_off, col_row_ok, col_i, k_base, t_tile, keys64, key_ok,
+    b64, rows64, row_ok, q_col_off, w_col_off, col_ok, k_base, t_tile, k_offs, keys, key_ok,
     offs_d, d_ok, T,
-    HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, NSPLIT: tl.constexpr,
+    HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, TF32: tl.constexpr,
+    UPCAST: tl.constexpr, TF32: tl.constexpr, REREAD_W: tl.constexpr,
 ):
     # Final scores y [BLOCK_N, BLOCK_M] (fp32, keys x rows) of one key tile against the
-    # block's rows. Keys are the rows of the dot, (row, head) pairs its columns.
-    #
-    # The heads of a kv head are summed by one fixed pairwise tree (_head_sum: level 1 adds
-    # head g and g + GP/2, ...). Its last log2(NSPLIT) levels add the partial sums of the
-    # head classes g mod NSPLIT, so the dot is split into NSPLIT column chunks, chunk c
-    # holding heads c, c + NSPLIT, ...: each chunk is summed by the same tree over its GC
-    # heads and the chunk sums are added in the tree's order. Same bits for every NSPLIT;
-    # the accumulator live at once is 1/NSPLIT of the whole (registers: docs/kernel-design.md).
-    GC: tl.constexpr = GP // NSPLIT
+    # block's rows. Keys are the rows of the dot, (row, head) pairs its columns: the head
+    # sum runs along the accumulator's columns, mostly inside each thread.
     PADDED: tl.constexpr = GP != G
     ok = key_ok[:, None] & row_ok[None, :]
     y = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     # kv heads in a fixed order 0..HK-1
     for hk in range(HK):
         if HK == 1:
+            # one kv head: the Q block and its weights stay on chip for the whole row block
             kt = kt0
+            qb = qb0
+            if REREAD_W:
+                # Re-read per tile (L1): held across the loop, the weights take BLOCK_M*GP/4
+                # registers per thread next to the accumulator. The offset t_tile // (T + 1)
+                # is 0, but not provably, so Triton's LICM cannot hoist the load.
+                wv = tl.load(W + w_col_off + t_tile // (T + 1), mask=col_ok, other=0.0).to(tl.float32)
+            else:
+                wv = wv0
         else:
-            kt = _load_k(K, k_base, hk, keys64, key_ok, offs_d, d_ok, stride_kt, stride_kh, stride_kd, UPCAST)
-        for c in tl.static_range(NSPLIT):
-            ok_c = col_row_ok & (col_i * NSPLIT + c < G)
-            if HK == 1:
-                if c == 0:
-                    qb = qb0
-                elif c == 1:
-                    qb = qb1
-                elif c == 2:
-                    qb = qb2
-                else:
-                    qb = qb3
-                # Re-read per tile (L1): held across the loop, the weights would take
-                # BLOCK_M*GC/4 registers per thread that the accumulator needs. The offset
-                # `t_tile // (T + 1)` is 0, but not provably, so Triton's LICM cannot hoist it.
-                wv = tl.load(W + w_col_off + (c * stride_wh + t_tile // (T + 1)), mask=ok_c,
-                             other=0.0).to(tl.float32)
-            else:
-                qb, wv = _load_q(Q, W, q_col_off, w_col_off, hk * G + c, ok_c, offs_d, d_ok,
-                                 stride_qh, stride_qd, stride_wh, UPCAST)
-            part = _chunk_sum(kt, qb, wv, ok_c, BLOCK_N, BLOCK_M, GC, PADDED, TF32)
-            # chunk sums in the tree's order: s0 + s1 | (s0 + s2) + (s1 + s3)
-            if NSPLIT == 1:
-                kv_sum = part
-            elif NSPLIT == 2:
-                if c == 0:
-                    kv_sum = part
-                else:
-                    kv_sum = kv_sum + part
-            else:
-                if c == 0:
-                    even = part
-                elif c == 1:
-                    odd = part
-                elif c == 2:
-                    even = even + part
-                else:
-                    kv_sum = even + (odd + part)
-        y = y + kv_sum  # 0.0 + part == part (+-0 aside)
+            kt = _load_k(K, k_base, hk, t_tile, k_offs, key_ok, d_ok, stride_kt, stride_kh, UPCAST)
+            qb, wv = _load_q(Q, W, q_col_off, w_col_off, hk, col_ok, offs_d, d_ok,
+                             stride_qh, stride_qd, stride_wh, G, UPCAST)
+        # x[t, m*GP + i] = k[t] . q[m, head i] (fp32 accumulation)
+        if TF32:
+            x = tl.dot(kt, tl.trans(qb), input_precision="tf32", out_dtype=tl.float32)
+        else:
+            # IEEE for fp32 operands; for 16-bit operands the products are exact anyway
+            x = tl.dot(kt, tl.trans(qb), input_precision="ieee", out_dtype=tl.float32)
+        x = _epilogue(x)
+{{REDUCE}}
+        if PADDED:
+            x = tl.where(col_ok[None, :], x, 0.0)  # padding heads add exactly nothing
+        y = y + _head_sum(x, BLOCK_N, BLOCK_M, GP)  # 0.0 + s == s (+-0 aside)
 {{POST}}
     return y
 
@@ -568,77 +550,104 @@ def _rank_desc(keys):
 
 
 @triton.jit
-def _kth_largest(keys, valid, TOPK: tl.constexpr, CAP: tl.constexpr):
-    # The TOPK-th largest of the valid keys (distinct; at least TOPK of them), by a search
-    # for the largest value v with #{key >= v} >= TOPK: first over the high words (the
-    # score), then, only when the boundary score is shared by more keys than are needed,
-    # over the low words (the index) of the keys with that score.
+def _kth_largest(keys, valid, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.constexpr):
+    # A key kth with TOPK <= #{valid keys >= kth} <= TOPK + SLACK (the valid keys are
+    # distinct; at least TOPK of them). SLACK = 0: the TOPK-th largest, by a search for the
+    # largest value v with #{key >= v} >= TOPK: first over the high words (the score), then,
+    # only when the boundary score is shared by more keys than are needed, over the low
+    # words (the index) of the keys with that score. SLACK > 0 (compactions inside the tile
+    # loop, which only need a lower bound): the search stops as soon as the score prefix
+    # found so far keeps at most TOPK + SLACK keys, typically after about half the passes,
+    # and kth is the smallest key with that prefix.
     #
     # High words: 16 passes of 2 bits over uint32 (one compare per key and threshold), three
     # thresholds per pass, two of whose counts share one reduction as 16-bit fields. v4
     # made 32 one-bit passes over int64 (docs/kernel-design.md, v6).
     hi = (keys >> 32).to(tl.int32)
     u = (hi ^ -2147483648).to(tl.uint32, bitcast=True)     # score bits, order kept, unsigned
+    # invalid keys as 0, below every candidate threshold (>= 1); real keys' bits are > 0
+    u = tl.where(valid, u, 0)
     prefix = tl.zeros([], dtype=tl.uint32)
     step = tl.full([], 1 << 30, tl.uint32)
-    for _ in range(16):
+    n_ge = tl.sum(valid.to(tl.int32), axis=0)       # #{u >= prefix}, always >= TOPK
+    it = 0
+    while (it < 16) & (n_ge > TOPK + SLACK):
+        it += 1
         c1 = prefix + step
         c2 = c1 + step
         c3 = c2 + step
-        ge3 = valid & (u >= c3)
         if CAP < 65536:
-            n12 = tl.sum((valid & (u >= c1)).to(tl.int32) + ((u >= c2) & valid).to(tl.int32) * 65536, axis=0)
+            n12 = tl.sum((u >= c1).to(tl.int32) + (u >= c2).to(tl.int32) * 65536, axis=0)
             n1 = n12 & 65535
             n2 = n12 >> 16
         else:
-            n1 = tl.sum((valid & (u >= c1)).to(tl.int32), axis=0)
-            n2 = tl.sum((valid & (u >= c2)).to(tl.int32), axis=0)
-        n3 = tl.sum(ge3.to(tl.int32), axis=0)
+            n1 = tl.sum((u >= c1).to(tl.int32), axis=0)
+            n2 = tl.sum((u >= c2).to(tl.int32), axis=0)
+        n3 = tl.sum((u >= c3).to(tl.int32), axis=0)
         prefix = tl.where(n3 >= TOPK, c3, tl.where(n2 >= TOPK, c2, tl.where(n1 >= TOPK, c1, prefix)))
+        n_ge = tl.where(n3 >= TOPK, n3, tl.where(n2 >= TOPK, n2, tl.where(n1 >= TOPK, n1, n_ge)))
         step = step >> 2
-    eq = valid & (u == prefix)
-    n_above = tl.sum(tl.where(valid & (u > prefix), 1, 0), axis=0)
-    n_eq = tl.sum(tl.where(eq, 1, 0), axis=0)
-    need = TOPK - n_above                            # 1 <= need <= n_eq
-    kth = tl.min(tl.where(eq, keys, FULL), axis=0)   # right when every tied key is needed
-    if n_eq > need:
-        low = keys & 4294967295                      # larger low word = smaller key index
-        lp = tl.zeros([], dtype=tl.int64)
-        lstep = tl.zeros([], dtype=tl.int64) + 2147483648
-        for _ in range(32):
-            cand = lp + lstep
-            c = tl.sum(tl.where(eq & (low >= cand), 1, 0), axis=0)
-            lp = tl.where(c >= need, cand, lp)
-            lstep = lstep // 2
-        kth = tl.max(tl.where(eq & (low == lp), keys, EMPTY), axis=0)
+    # the smallest key whose score bits are >= prefix (keeps exactly those n_ge keys): the
+    # answer when SLACK allows it
+    kth = (prefix ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64) << 32
+    if n_ge > TOPK + SLACK:
+        # all 32 bits resolved and more keys share the boundary score than may be kept
+        eq = valid & (u == prefix)
+        n_above = tl.sum(tl.where(valid & (u > prefix), 1, 0), axis=0)
+        n_eq = tl.sum(tl.where(eq, 1, 0), axis=0)
+        need = TOPK - n_above                            # 1 <= need <= n_eq
+        kth = tl.min(tl.where(eq, keys, FULL), axis=0)   # right when every tied key is needed
+        if n_eq > need:
+            low = keys & 4294967295                      # larger low word = smaller key index
+            lp = tl.zeros([], dtype=tl.int64)
+            lstep = tl.zeros([], dtype=tl.int64) + 2147483648
+            for _ in range(32):
+                cand = lp + lstep
+                c = tl.sum(tl.where(eq & (low >= cand), 1, 0), axis=0)
+                lp = tl.where(c >= need, cand, lp)
+                lstep = lstep // 2
+            kth = tl.max(tl.where(eq & (low == lp), keys, EMPTY), axis=0)
     return kth
 
 
 @triton.jit
-def _compact_row(row_ptr, n, TOPK: tl.constexpr, CAP: tl.constexpr):
-    # Keep the TOPK best of the n (> TOPK) keys in row_ptr[0:n] at row_ptr[0:TOPK], in no
-    # particular order; return the TOPK-th best (the row's new threshold). No sort: a
-    # count-based search for the threshold, then one compaction.
+def _compact_row(row_ptr, valid, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.constexpr):
+    # The best m of the n valid keys among row_ptr[0:CAP], moved to row_ptr[0:m] in no
+    # particular order: m = n when n <= TOPK, else TOPK <= m <= TOPK + SLACK (m = TOPK when
+    # SLACK = 0). Returns (m, the smallest key kept, or EMPTY when n <= TOPK). No sort: a
+    # count-based search for the threshold (_kth_largest), then one compaction.
     offs = tl.arange(0, CAP)
-    valid = offs < n
     keys = tl.load(row_ptr + offs, mask=valid, other=EMPTY)
-    kth = _kth_largest(keys, valid, TOPK, CAP)
-    keep = valid & (keys >= kth)
+    n = tl.sum(valid.to(tl.int32), axis=0)
+    kth = tl.full([], EMPTY, tl.int64)
+    m = n
+    if n > TOPK:
+        kth = _kth_largest(keys, valid, TOPK, CAP, SLACK)
+        if SLACK == 0:
+            m = TOPK
+        else:
+            m = tl.sum((valid & (keys >= kth)).to(tl.int32), axis=0)
+    keep = valid & (keys >= kth)                    # real keys are > EMPTY
     k32 = keep.to(tl.int32)
     pos = tl.cumsum(k32, axis=0) - k32
     tl.debug_barrier()  # every thread has read the row before any thread overwrites it
     tl.store(row_ptr + pos, keys, mask=keep)
-    return kth
+    return m, kth
 
 
 @triton.jit
-def _stage_tile(y, keys64, key_ok, row_ok, cnt, scr_cols, offs_n, left, BLOCK_N: tl.constexpr):
-    # Take every valid key of the tile (no row has a threshold yet): its slot is cnt + its
-    # offset in the tile (valid keys are a prefix of the tile), so no filter, scan or atomic.
-    p = _pack(y, keys64[:, None])
-    slot = cnt[None, :] + offs_n[:, None]
-    tl.store(scr_cols + slot, p, mask=key_ok[:, None] & row_ok[None, :])
-    return cnt + tl.where(row_ok, tl.minimum(left, BLOCK_N).to(tl.int32), 0)
+def _lane_valid(lane_cnt_ptr, CAP: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Which of a row's CAP slots hold keys while the buffer is BLOCK_N lane sub-buffers
+    # (slot s of lane j at s * BLOCK_N + j; lane_cnt_ptr[j] keys in lane j).
+    offs = tl.arange(0, CAP)
+    return (offs // BLOCK_N) < tl.load(lane_cnt_ptr + offs % BLOCK_N)
+
+
+@triton.jit
+def _lane_counts(n, offs_n, BLOCK_N: tl.constexpr):
+    # Keys per lane [BLOCK_N, BLOCK_M] of rows whose n keys sit contiguously at [0, n): slot
+    # s of lane j is position s * BLOCK_N + j, so a contiguous row is a valid lane layout.
+    return n[None, :] // BLOCK_N + (offs_n[:, None] < n[None, :] % BLOCK_N).to(tl.int32)
 
 
 @triton.jit
@@ -655,7 +664,7 @@ def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
             c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
             nr = tl.sum(tl.where(offs_m == r, n_take, 0), axis=0)
             if c + nr > CAP:
-                kth = _compact_row(scr + r * CAP, c, TOPK, CAP)
+                _, kth = _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, TOPK, CAP, 0)
                 cnt = tl.where(offs_m == r, TOPK, cnt)
                 thr = tl.where(offs_m == r, kth, thr)
         tl.debug_barrier()
@@ -676,7 +685,7 @@ def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2
     # Write the TOPK best of the n (>= TOPK) keys in row_ptr[0:n], in (value desc, index
     # asc) order: compact to TOPK keys, then sort only those.
     if n > TOPK:
-        _compact_row(row_ptr, n, TOPK, CAP)
+        _compact_row(row_ptr, tl.arange(0, CAP) < n, TOPK, CAP, 0)
         tl.debug_barrier()
     offs = tl.arange(0, TOPK_P2)
     keys = tl.load(row_ptr + offs, mask=offs < TOPK, other=EMPTY)
@@ -698,31 +707,44 @@ def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2
 def {{KERNEL_NAME}}(
     Q, K, W, SCRATCH, COUNTER, OUT_IDX, OUT_VAL,
 {{MASK_ARGS_DEF}}    stride_qb, stride_qs, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kh, stride_kd,
+    # the key strides within a batch are compile-time constants: a key tile's per-element
+    # offsets then come from the thread index in a few instructions instead of occupying
+    # registers across the tile loop (one compiled kernel per key layout)
+    stride_kb, stride_kt: tl.constexpr, stride_kh: tl.constexpr, stride_kd: tl.constexpr,
     stride_wb, stride_ws, stride_wh,
     S, T, num_row_blocks, num_blocks,
-    HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, NSPLIT: tl.constexpr, D: tl.constexpr,
+    HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, TF32: tl.constexpr, RETURN_VALUES: tl.constexpr,
-    RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr,
+    RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, SLACK: tl.constexpr,
+    IDX32: tl.constexpr, SORT_ROWS: tl.constexpr,
+    REREAD_W: tl.constexpr,
 ):
     # Persistent programs take row blocks from an atomic counter, heaviest first (the last
     # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
     # whatever S is. Which program runs which block never changes the answer.
+    SUBCAP: tl.constexpr = CAP // BLOCK_N  # slots per lane sub-buffer
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    # dot columns of one chunk: (row m, i), i.e. row m's head i*NSPLIT + c of chunk c
-    offs_c = tl.arange(0, BLOCK_M * (GP // NSPLIT))
-    col_m = offs_c // (GP // NSPLIT)
-    col_i = offs_c % (GP // NSPLIT)
+    # dot columns: (row m, head i) at m * GP + i
+    offs_c = tl.arange(0, BLOCK_M * GP)
+    col_m = offs_c // GP
+    col_i = offs_c % GP
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+    if BLOCK_D == D:
+        d_ok = tl.full([BLOCK_D], 1, tl.int1)  # a constant: the loads' masks fold away
+    else:
+        d_ok = offs_d < D
+    k_offs = offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd  # a key tile's element offsets
     scr = SCRATCH + pid.to(tl.int64) * (BLOCK_M * CAP)
     scr_cols = scr + offs_m.to(tl.int64)[None, :] * CAP  # [1, BLOCK_M] row starts
-    # this program's per-row append counters (after the scheduler's counter at COUNTER[0])
-    cnt_ptrs = COUNTER + 1 + pid * BLOCK_M + offs_m  # [BLOCK_M]
+    # this program's lane counts [BLOCK_N, BLOCK_M], written where compactions read them
+    # (after the scheduler's counter at COUNTER[0])
+    lane_cnt = COUNTER + 1 + pid * (BLOCK_M * BLOCK_N)
+    # 32-bit offsets (computed where used: registers are scarce across the tile loop)
+    lane_cnt_offs = offs_m[None, :] * BLOCK_N + offs_n[:, None]
     chk = tl.zeros([BLOCK_M], dtype=tl.float32)
     j = tl.atomic_add(COUNTER, 1)
     while j < num_blocks:
@@ -733,9 +755,9 @@ def {{KERNEL_NAME}}(
         rows64 = mb.to(tl.int64) * BLOCK_M + offs_m
         row_ok = rows64 < S
         col_rows64 = mb.to(tl.int64) * BLOCK_M + col_m
-        col_row_ok = col_rows64 < S
-        q_col_off = b64 * stride_qb + col_rows64 * stride_qs + (col_i * NSPLIT) * stride_qh
-        w_col_off = b64 * stride_wb + col_rows64 * stride_ws + (col_i * NSPLIT) * stride_wh
+        col_ok = (col_rows64 < S) & (col_i < G)
+        q_col_off = b64 * stride_qb + col_rows64 * stride_qs + col_i * stride_qh
+        w_col_off = b64 * stride_wb + col_rows64 * stride_ws + col_i * stride_wh
         k_base = b64 * stride_kb
 {{ROW_BOUNDS}}
 {{SKIP_BOUNDS}}
@@ -747,116 +769,133 @@ def {{KERNEL_NAME}}(
         # best key (-inf, t0), i.e. holds fewer than TOPK keys above it.
         v0 = tl.minimum((key_lo // BLOCK_N) * BLOCK_N, t_end)
         v1 = tl.maximum(tl.minimum(((key_hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, t_end), v0)
-        # Running state per row: cnt keys in its SCRATCH row (unordered), thr = its TOPK-th
-        # best key at its last compaction (EMPTY: accept anything).
-        cnt = tl.zeros([BLOCK_M], dtype=tl.int32)
-        thr = tl.zeros([BLOCK_M], dtype=tl.int64) + EMPTY
         if HK == 1:
-            # the Q block stays on chip for the whole row block, one tensor per chunk
-            qb0, wv = _load_q(Q, W, q_col_off, w_col_off, 0, col_row_ok & (col_i * NSPLIT < G), offs_d, d_ok,
-                              stride_qh, stride_qd, stride_wh, UPCAST)
-            qb1 = qb0
-            qb2 = qb0
-            qb3 = qb0
-            if NSPLIT >= 2:
-                qb1, wv = _load_q(Q, W, q_col_off, w_col_off, 1, col_row_ok & (col_i * NSPLIT + 1 < G), offs_d,
-                                  d_ok, stride_qh, stride_qd, stride_wh, UPCAST)
-            if NSPLIT >= 4:
-                qb2, wv = _load_q(Q, W, q_col_off, w_col_off, 2, col_row_ok & (col_i * NSPLIT + 2 < G), offs_d,
-                                  d_ok, stride_qh, stride_qd, stride_wh, UPCAST)
-                qb3, wv = _load_q(Q, W, q_col_off, w_col_off, 3, col_row_ok & (col_i * NSPLIT + 3 < G), offs_d,
-                                  d_ok, stride_qh, stride_qd, stride_wh, UPCAST)
+            # the Q block and its head weights stay on chip for the whole row block
+            qb0, wv0 = _load_q(Q, W, q_col_off, w_col_off, 0, col_ok, offs_d, d_ok,
+                               stride_qh, stride_qd, stride_wh, G, UPCAST)
         else:
-            qb0 = tl.zeros([BLOCK_M * (GP // NSPLIT), BLOCK_D], dtype=Q.dtype.element_ty)
-            qb1 = qb0
-            qb2 = qb0
-            qb3 = qb0
+            qb0 = tl.zeros([BLOCK_M * GP, BLOCK_D], dtype=Q.dtype.element_ty)
+            wv0 = tl.zeros([BLOCK_M * GP], dtype=tl.float32)
+        # Running state of the scored tiles. A row's buffer is BLOCK_N lane sub-buffers of
+        # SUBCAP slots: the key at offset j of a tile goes to lane j, slot cnt[j, row], so
+        # each (lane, row) element of a tile finds its slot in its own thread: no atomics,
+        # scans or barriers per tile. thr: the smallest key the row's last compaction kept,
+        # with at least TOPK keys at or above it (the TOPK-th best, or a lower bound of it when
+        # the search stopped early: _kth_largest's SLACK); thr_v: its value (NaN: no
+        # compaction yet, take everything).
+        cnt = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+        thr = tl.zeros([BLOCK_M], dtype=tl.int64) + EMPTY
+        thr_v = tl.zeros([BLOCK_M], dtype=tl.float32) + float("nan")
         tl.debug_barrier()  # the previous block's last reads of SCRATCH are done
-        # 1. scored tiles. The inner loop runs only as many tiles as every row's buffer can
-        #    take without overflowing (a tile adds at most BLOCK_N keys per row), so it
-        #    holds no merge and no nested loop, and Triton software-pipelines its key-tile
-        #    loads (num_stages). Between inner loops, rows without room for one more tile
-        #    are compacted to their TOPK best.
-        t0 = v0
-        while t0 < v1:
-            space = tl.min(CAP - cnt, axis=0)
-            t_stop = tl.minimum(v1, t0 + (space // BLOCK_N) * BLOCK_N)
-            filling = tl.max(tl.where(row_ok, thr, EMPTY), axis=0) == EMPTY
-            if (not SCORE_ONLY) and (not filling):
-                tl.store(cnt_ptrs, cnt)
-                tl.debug_barrier()  # the counters hold cnt before any atomic
+        # 1. scored tiles, in increasing key order. An inner loop runs only as many tiles as
+        #    every lane can take (a tile adds at most one key per lane and row), so it holds
+        #    no merge and no nested loop, and Triton software-pipelines its key-tile loads.
+        #    Between inner loops, every row whose fullest lane has fewer than LOW_WATER free
+        #    slots is compacted to its TOPK best (which raises its threshold).
+        # the scored range in the key type (int32 when T allows: cheaper masks and packs)
+        t_end_k = _as_key(t_end, T, IDX32)
+        t0 = _as_key(v0, T, IDX32)
+        v1_k = _as_key(v1, T, IDX32)
+        while t0 < v1_k:
+            space = SUBCAP - tl.max(tl.max(cnt, axis=0), axis=0)
+            t_stop = tl.minimum(v1_k, t0 + space * BLOCK_N)
             for tt in range(t0, t_stop, BLOCK_N):
-                keys64 = tt + offs_n.to(tl.int64)
-                key_ok = keys64 < t_end
+                keys = tt + offs_n
+                key_ok = keys < t_end_k
                 if HK == 1:
-                    kt = _load_k(K, k_base, 0, keys64, key_ok, offs_d, d_ok, stride_kt, stride_kh, stride_kd,
-                                 UPCAST)
+                    kt = _load_k(K, k_base, 0, tt, k_offs, key_ok, d_ok, stride_kt, stride_kh, UPCAST)
                 else:
                     kt = tl.zeros([BLOCK_N, BLOCK_D], dtype=K.dtype.element_ty)
                 y = _score_tile(
-                    kt, qb0, qb1, qb2, qb3,
+                    kt, qb0, wv0,
                     Q, K, W, {{SCORE_MASK_ARGS}}
                     stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_wh,
                     {{ROW_BOUND_ARGS_DEF}}
-                    b64, rows64, row_ok, q_col_off, w_col_off, col_row_ok, col_i, k_base, tt, keys64, key_ok,
+                    b64, rows64, row_ok, q_col_off, w_col_off, col_ok, k_base, tt, k_offs, keys, key_ok,
                     offs_d, d_ok, T,
-                    HK, G, GP, NSPLIT, BLOCK_M, BLOCK_N, UPCAST, TF32,
+                    HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32, REREAD_W,
                 )
                 if SCORE_ONLY:
                     chk += tl.sum(tl.where(key_ok[:, None], y, 0.0), axis=0)
-                elif filling:
-                    cnt = _stage_tile(y, keys64, key_ok, row_ok, cnt, scr_cols, offs_n, t_end - tt, BLOCK_N)
                 else:
-                    # slots from the per-row counters (relaxed atomics): no cross-warp
-                    # scan or reduction per tile; counts are read back after the loop
-                    p = _pack(y, keys64[:, None])
-                    take = (p > thr[None, :]) & key_ok[:, None] & row_ok[None, :]
-                    slot = tl.atomic_add(cnt_ptrs[None, :] + tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32), 1,
-                                         mask=take, sem="relaxed")
-                    # (storing one tile later, when the slots have arrived, measured slower:
-                    # the carried tiles cost layout conversions; docs/kernel-design.md, v6)
-                    tl.store(scr_cols + slot, p, mask=take)
-            if (not SCORE_ONLY) and (not filling):
-                tl.debug_barrier()  # every atomic and store of the loop is done
-                cnt = tl.atomic_add(cnt_ptrs, 0, sem="relaxed")
+                    # Keys come in increasing index order, so a key whose value equals the
+                    # threshold's loses the tie to it: keep y > thr_v, and NaN (which sorts
+                    # above +inf); a NaN threshold takes everything.
+                    take = (~(y <= thr_v[None, :])) & key_ok[:, None] & row_ok[None, :]
+                    p = _pack(y, keys[:, None])
+                    _store_taken(scr + (offs_m[None, :] * CAP + cnt * BLOCK_N + offs_n[:, None]), p, take)
+                    cnt += take.to(tl.int32)
             t0 = t_stop
-            if t0 < v1:
-                tl.debug_barrier()  # the appended keys are visible to every thread
-                # every row with less than LOW_WATER free slots (not only the rows that
-                # cannot take one more tile) is compacted now, so that the next inner loop
-                # runs at least LOW_WATER // BLOCK_N tiles: without it, rows filling slowly
-                # near CAP cut the loop into one-tile pieces (docs/kernel-design.md,
-                # "Selection overhead: analysis"). When a compaction runs never changes
-                # which keys are selected.
-                for r in range(BLOCK_M):
-                    c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
-                    if c > CAP - LOW_WATER:
-                        kth = _compact_row(scr + r * CAP, c, TOPK, CAP)
-                        cnt = tl.where(offs_m == r, TOPK, cnt)
-                        thr = tl.where(offs_m == r, kth, thr)
-                tl.debug_barrier()
+            if (not SCORE_ONLY) and (t0 < v1_k):
+                cmax = tl.max(cnt, axis=0)
+                if tl.max(cmax, axis=0) > SUBCAP - LOW_WATER:
+                    tl.store(lane_cnt + lane_cnt_offs, cnt)
+                    tl.debug_barrier()  # the lane counts and appended keys are visible to every thread
+                    kept = tl.zeros([BLOCK_M], dtype=tl.int32) - 1
+                    for r in range(BLOCK_M):
+                        c = tl.sum(tl.where(offs_m == r, cmax, 0), axis=0)
+                        if c > SUBCAP - LOW_WATER:
+                            # more than TOPK keys here (LOW_WATER <= SUBCAP - ceil((TOPK + SLACK) / BLOCK_N))
+                            nk, kth = _compact_row(scr + r * CAP, _lane_valid(lane_cnt + r * BLOCK_N, CAP, BLOCK_N),
+                                                   TOPK, CAP, SLACK)
+                            kept = tl.where(offs_m == r, nk, kept)
+                            thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
+                    tl.debug_barrier()
+                    cnt = tl.where(kept[None, :] >= 0, _lane_counts(kept, offs_n, BLOCK_N), cnt)
+                    thr_v = tl.where(thr == EMPTY, float("nan"), _unpack_value(thr))
         if not SCORE_ONLY:
-            # 2. all -inf tiles below v0 and from v1 to t_end (fillers)
-            for t0 in range(0, t_end, BLOCK_N):
-                if (t0 < v0) | (t0 >= v1):
-                    first_key = NEG_INF_HI * 4294967296 + (4294967295 - t0)
-                    wanted = tl.max(tl.where(row_ok & (thr < first_key), 1, 0), axis=0) > 0
-                    if wanted:
-                        keys64 = t0 + offs_n.to(tl.int64)
-                        key_ok = keys64 < t_end
-                        p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) - float("inf"), keys64[:, None])
-                        cnt, thr = _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m, TOPK, CAP,
-                                                BLOCK_M)
+            # every row's lanes -> its best min(n, TOPK) keys, contiguous at [0, n)
+            tl.store(lane_cnt + lane_cnt_offs, cnt)
+            tl.debug_barrier()
+            cnt1 = tl.zeros([BLOCK_M], dtype=tl.int32)
+            for r in range(BLOCK_M):
+                nk, kth = _compact_row(scr + r * CAP, _lane_valid(lane_cnt + r * BLOCK_N, CAP, BLOCK_N), TOPK, CAP, 0)
+                cnt1 = tl.where(offs_m == r, nk, cnt1)
+                thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
+            tl.debug_barrier()
+            # 2. all -inf tiles below v0 and from v1 to t_end (fillers), in any order: the
+            #    packed threshold also compares indices
+            for i0 in range(0, v0 + (t_end - v1), BLOCK_N):
+                tf = tl.where(i0 < v0, i0, i0 - v0 + v1)  # [0, v0), then [v1, t_end)
+                first_key = NEG_INF_HI * 4294967296 + (4294967295 - tf)
+                wanted = tl.max(tl.where(row_ok & (thr < first_key), 1, 0), axis=0) > 0
+                if wanted:
+                    keys64 = tf + offs_n.to(tl.int64)
+                    key_ok = keys64 < t_end
+                    p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) - float("inf"), keys64[:, None])
+                    cnt1, thr = _select_tile(p, key_ok, row_ok, cnt1, thr, scr, scr_cols, offs_m, TOPK, CAP,
+                                             BLOCK_M)
             # 3. per row: compact to the TOPK best, sort those, write them
             tl.debug_barrier()
-            for r in range(BLOCK_M):
-                s = mb.to(tl.int64) * BLOCK_M + r
-                if s < S:
-                    c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
-                    _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
-                              TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES)
+            if SORT_ROWS == 1:
+                for r in range(BLOCK_M):
+                    s = mb.to(tl.int64) * BLOCK_M + r
+                    if s < S:
+                        c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
+                        _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
+                                  TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES)
+            else:
+                for r in range(BLOCK_M):
+                    c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
+                    if c > TOPK:  # fillers were appended
+                        _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, TOPK, CAP, 0)
+                tl.debug_barrier()
+                # SORT_ROWS rows per bitonic sort: the same network steps, with more
+                # independent work per step and fewer barriers per row
+                for r0 in range(0, BLOCK_M, SORT_ROWS):
+                    rr = r0 + tl.arange(0, SORT_ROWS)
+                    s_rows = mb.to(tl.int64) * BLOCK_M + rr
+                    offs_k = tl.arange(0, TOPK_P2)
+                    ok = (s_rows < S)[:, None] & (offs_k < TOPK)[None, :]
+                    keys2 = tl.load(scr + rr[:, None] * CAP + offs_k[None, :], mask=ok, other=EMPTY)
+                    best = tl.sort(keys2, dim=1, descending=True)
+                    out = (b64 * S + s_rows)[:, None] * TOPK + offs_k[None, :]
+                    tl.store(OUT_IDX + out, _unpack_index(best).to(OUT_IDX.dtype.element_ty), mask=ok)
+                    if RETURN_VALUES:
+                        tl.store(OUT_VAL + out, _unpack_value(best), mask=ok)
             tl.debug_barrier()
         j = tl.atomic_add(COUNTER, 1)
     if SCORE_ONLY:
         tl.store(OUT_VAL + pid * BLOCK_M + offs_m, chk)
 '''
+

@@ -23,10 +23,12 @@ def _next_pow2(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class HyTopKConfig:
-    """Launch parameters. They never change the score arithmetic (kv heads are summed in a
-    fixed order, the heads of a group by a fixed pairwise tree, every dot spans the whole
-    padded head dim), and they are chosen from the shape alone, so results are bitwise
-    reproducible across processes."""
+    """Launch parameters, chosen from the shape alone (no autotuning), so results are bitwise
+    reproducible across processes. They never change which keys are selected beyond fp32
+    reassociation: kv heads are summed in a fixed order and every dot spans the whole padded
+    head dim, but the heads of a group are summed in Triton's reduction order, which depends
+    on the block shape and warps (exactly representable inputs give the same bits under
+    every configuration; tests check it)."""
 
     block_m: Optional[int] = None  # query rows per block; None: 256 // (heads per kv head)
     block_n: int = 64  # keys per tile (>= 16): the rows of the dot
@@ -40,17 +42,25 @@ class HyTopKConfig:
     # Benchmarks only: score every tile but select nothing (outputs are garbage). Shows
     # what the selection costs on top of the scoring.
     score_only: bool = False
-    # Free slots (keys) a row's buffer must have after the compactions between two inner
-    # loops: every row with fewer is compacted then. None: 8 tiles (clamped to CAP - k).
-    # Only the number of compactions and loop restarts depends on it, never the result.
+    # Free slots per lane (tiles) a row's buffer must have after the compactions between two
+    # inner loops: every row with fewer is compacted then. None: 8 tiles; clamped to
+    # [1, CAP / block_n - ceil(k / block_n)]. Only the number of compactions and loop
+    # restarts depends on it, never the result.
     low_water: Optional[int] = None
-    # Column chunks of the dot per kv head (1, 2 or 4; chunk c holds heads c, c + nsplit,
-    # ...): a smaller accumulator live at once; the same bits for every value (the head-sum
-    # tree's last levels add the chunk sums). None: 1.
-    nsplit: Optional[int] = None
+    # Candidate buffer per row, in keys (a power of two); None: the smallest power of two
+    # >= 2k with room for two tiles per lane above a compacted row.
+    cap: Optional[int] = None
+    # Head weights (one kv head): re-read from L1 every tile instead of held in registers
+    # for the whole row block (BLOCK_M * GP / 4 registers per thread next to the
+    # accumulator). None: re-read.
+    reread_weights: Optional[bool] = None
+    # Rows sorted together by one bitonic tl.sort at the end of a row block (a divisor of
+    # block_m; the "rank" sort always goes row by row). None: 1.
+    sort_rows: Optional[int] = None
 
 
-def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True) -> HyTopKConfig:
+def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True, D: int = 128,
+                   gp: int = 64) -> HyTopKConfig:
     if device.type != "cuda":
         # Interpreter: every program and tile step costs tens of ms; keep tiles small.
         return HyTopKConfig(block_n=32, num_warps=1)
@@ -58,8 +68,17 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
         # fp32 operands: IEEE dots run on FMA units, fully unrolled; small tiles keep the
         # code (and the compile time) bounded
         return HyTopKConfig(block_n=32, num_warps=4, num_stages=1, block_m=-64)
-    # 2 stages: Q block (64 KiB) + 2 key tiles fit twice per SM (2 programs resident)
-    return HyTopKConfig(block_n=64, num_warps=4, num_stages=2)
+    # As many key-tile stages (up to 3) as keep two programs resident per SM: at the DSA
+    # shape the Q block (64 KiB) + 3 key tiles (16 KiB each) + 1 KiB of scratch is exactly
+    # half an H100/H200 SM's shared memory. 3 stages measured 10-15% faster than 2 there
+    # (docs/kernel-design.md, v7).
+    bd = max(16, 1 << (max(1, D) - 1).bit_length())
+    q_bytes = max(1, min(64, 256 // gp), -(-16 // gp)) * gp * bd * 2  # _block_m's rows
+    def fits(stages, programs):
+        return programs * (q_bytes + stages * 64 * bd * 2 + 2048) <= 228 * 1024
+    programs = 2 if fits(1, 2) else 1
+    stages = next((n for n in (3, 2) if fits(n, programs)), 1)
+    return HyTopKConfig(block_n=64, num_warps=4, num_stages=stages)
 
 
 def _block_m(cfg: HyTopKConfig, gp: int, interpret: bool) -> int:
@@ -71,17 +90,6 @@ def _block_m(cfg: HyTopKConfig, gp: int, interpret: bool) -> int:
         return max(1, min(16, 64 // gp))
     # 256 dot columns (4 query rows x 64 heads at the DSA shape); at least 16 (tl.dot)
     return max(1, min(64, 256 // gp), -(-16 // gp))
-
-
-def _nsplit(cfg: HyTopKConfig, gp: int, block_m: int, interpret: bool) -> int:
-    if cfg.nsplit is None:
-        return 1  # chunks measured slower end to end at the DSA shape (docs/kernel-design.md, v6)
-    n = cfg.nsplit
-    if n not in (1, 2, 4) or n > gp:
-        raise SpecError(f"nsplit must be 1, 2 or 4 and at most the padded heads per kv head ({gp}), got {cfg}")
-    if not interpret and block_m * gp // n < 16:
-        raise SpecError(f"block_m * heads per kv head / nsplit = {block_m * gp // n} < 16 (tl.dot minimum), got {cfg}")
-    return n
 
 
 def _row_view(t: torch.Tensor, B: int, S: int, what: str) -> torch.Tensor:
@@ -172,9 +180,9 @@ def hytopk_triton(
         return (val_out, idx_out) if return_values else idx_out
 
     native16 = q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16) and not interpret
-    cfg = config or default_config(S, T, topk, device, native16)
     G = H // Hk
     gp = _next_pow2(G)
+    cfg = config or default_config(S, T, topk, device, native16, D, gp)
     block_m = _block_m(cfg, gp, interpret)
     if block_m < 1 or block_m & (block_m - 1) or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1):
         raise SpecError(f"block_m must be a power of two and block_n a power of two >= 16, got {cfg}")
@@ -183,13 +191,29 @@ def hytopk_triton(
     sort = cfg.sort or ("rank" if interpret else "bitonic")
     if sort not in ("rank", "bitonic"):
         raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank' or 'bitonic'")
-    nsplit = _nsplit(cfg, gp, block_m, interpret)
     block_d = max(16, _next_pow2(D))
     topk_p2 = _next_pow2(topk)
-    cap = _next_pow2(topk + cfg.block_n)
-    low_water = 8 * cfg.block_n if cfg.low_water is None else int(cfg.low_water)
-    # >= BLOCK_N: room for one more tile; <= CAP - k: a compacted row holds more than k keys
-    low_water = max(cfg.block_n, min(low_water, cap - topk))
+    sort_rows = 1 if cfg.sort_rows is None or sort == "rank" else int(cfg.sort_rows)
+    if sort_rows < 1 or sort_rows & (sort_rows - 1) or block_m % sort_rows:
+        raise SpecError(f"sort_rows must be a power of two dividing block_m={block_m}, got {cfg}")
+    # A row's buffer: block_n lane sub-buffers of cap // block_n slots; a compacted row holds
+    # ceil(k / block_n) keys in its fullest lane and needs room for at least one more tile.
+    lanes_full = -(-topk // cfg.block_n)
+    cap = _next_pow2(max(2 * topk, cfg.block_n * (lanes_full + 2)))
+    if cfg.cap is not None:
+        if cfg.cap != _next_pow2(cfg.cap) or cfg.cap < cfg.block_n * (lanes_full + 1):
+            raise SpecError(f"config.cap={cfg.cap} must be a power of two >= block_n * (ceil(k / block_n) + 1) "
+                            f"= {cfg.block_n * (lanes_full + 1)}")
+        cap = cfg.cap
+    subcap = cap // cfg.block_n
+    # Compactions inside the tile loop may keep up to k + slack keys (their threshold search
+    # stops early); room permitting, two tiles' worth.
+    slack = 2 * cfg.block_n if subcap - -(-(topk + 2 * cfg.block_n) // cfg.block_n) >= 1 else 0
+    lanes_full = -(-(topk + slack) // cfg.block_n)
+    low_water = 8 if cfg.low_water is None else int(cfg.low_water)
+    # >= 1: room for one more tile; <= subcap - lanes_full: a row compacted when its fullest
+    # lane passes subcap - low_water holds more than k keys, and has room again afterwards
+    low_water = max(1, min(low_water, subcap - lanes_full))
     num_row_blocks = triton_cdiv(S, block_m)
     num_blocks = B * num_row_blocks
     if cfg.num_programs is not None:
@@ -222,8 +246,9 @@ def hytopk_triton(
     else:
         w_arg, w_strides = w, w.stride()
     scratch = torch.empty(nprog * block_m * cap, dtype=torch.int64, device=device)
-    # [0]: the persistent scheduler's block counter; then BLOCK_M append counters per program
-    counter = torch.zeros(1 + nprog * block_m, dtype=torch.int32, device=device)
+    # [0]: the persistent scheduler's block counter; then each program's lane counts
+    # (BLOCK_N x BLOCK_M), where its compactions read them
+    counter = torch.zeros(1 + nprog * block_m * cfg.block_n, dtype=torch.int32, device=device)
     write_vals = return_values
     if cfg.score_only:
         vals32 = torch.empty(nprog * block_m, dtype=torch.float32, device=device)
@@ -233,31 +258,29 @@ def hytopk_triton(
         vals32 = val_out if return_values else idx_out  # placeholder pointer when unused
 
     launch = dict(
-        HK=Hk, G=G, GP=gp, NSPLIT=nsplit, D=D, TOPK=topk, TOPK_P2=topk_p2, CAP=cap,
+        HK=Hk, G=G, GP=gp, D=D, TOPK=topk, TOPK_P2=topk_p2, CAP=cap,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         UPCAST=upcast, TF32=tf32, RETURN_VALUES=write_vals, RANK_SORT=sort == "rank",
-        SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water,
+        SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water, SLACK=slack,
+        IDX32=T + 2 * cfg.block_n < 2**31,
+        REREAD_W=True if cfg.reread_weights is None else bool(cfg.reread_weights),
+        SORT_ROWS=sort_rows,
     )
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = [q, k, w_arg, scratch, counter, idx_out, vals32, *mask_args,
+            q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+            kb_stride, k.stride(1), k.stride(2), k.stride(3), *w_strides,
+            S, T, num_row_blocks, num_blocks]
     if _launcher is not None:
         # offline inspection (benchmarks/inspect_hytopk.py): hand over what would launch
-        args = [q, k, w_arg, scratch, counter, idx_out, vals32, *mask_args,
-                q.stride(0), q.stride(1), q.stride(2), q.stride(3),
-                kb_stride, k.stride(1), k.stride(2), k.stride(3), *w_strides,
-                S, T, num_row_blocks, num_blocks]
         return _launcher(kern, args, dict(launch, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     guard = torch.cuda.device(device) if device.type == "cuda" else _nullcontext()
     with guard:
-        kern[(nprog,)](
-            q, k, w_arg, scratch, counter, idx_out, vals32,
-            *mask_args,
-            q.stride(0), q.stride(1), q.stride(2), q.stride(3),
-            kb_stride, k.stride(1), k.stride(2), k.stride(3),
-            *w_strides,
-            S, T, num_row_blocks, num_blocks,
-            **launch,
-        )
+        if interpret or config is not None:
+            kern[(nprog,)](*args, **launch)
+        else:
+            _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
     if cfg.score_only:
         return vals32
     if return_values:
@@ -265,6 +288,30 @@ def hytopk_triton(
             val_out.copy_(vals32)
         return val_out, idx_out
     return idx_out
+
+
+# (kernel, launch constants, dtypes, device) -> the num_stages that compiled within the
+# shared memory limit. default_config's estimate covers the pipeline buffers, not every
+# scratch buffer Triton allocates (a 4096-key sort, for one), so a default launch that
+# runs out of shared memory steps down to fewer key-tile stages: fixed per shape, and the
+# stage count never changes the arithmetic.
+_STAGES: dict = {}
+
+
+def _launch_default(kern, nprog, args, launch, dkey):
+    from triton.runtime.errors import OutOfResources
+
+    key = (kern, tuple(sorted((k, v) for k, v in launch.items() if k != "num_stages")), dkey)
+    first = _STAGES.get(key, launch["num_stages"])
+    for stages in range(first, 0, -1):
+        try:
+            kern[(nprog,)](*args, **dict(launch, num_stages=stages))
+        except OutOfResources:
+            if stages == 1:
+                raise
+            continue
+        _STAGES[key] = stages
+        return
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -4,13 +4,12 @@ The Triton interpreter accepts code that compiled Triton rejects (a constexpr re
 inside ``tl.static_range`` passed every interpreter test and failed on the H200), so CI also
 compiles the DSA kernel for sm_90 through ``benchmarks/inspect_hytopk.py``, in a subprocess
 that imports triton without ``TRITON_INTERPRET``. It checks the compile and that the scored
-tile loop has the expected shape (one wgmma chain, no spill code): a register blow-up that
-pushes spills into the loop costs the GPU kernel about 10% (docs/kernel-design.md).
+tile loop keeps the shape the speed depends on (docs/kernel-design.md, v7): shared memory for
+two programs per SM, no layout conversions or atomics per tile, bounded spill code.
 """
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -38,18 +37,24 @@ def test_dsa_kernel_compiles_for_sm90(tmp_path):
     env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "inspect_hytopk.py"), "--configs",
-                          "nsplit=1;nsplit=2"], capture_output=True, text=True, env=env, timeout=600)
+                          "default;score_only=1"], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    rows = [ln for ln in out.stdout.splitlines() if ln.startswith("nsplit=")]
-    assert len(rows) == 2, out.stdout
-    for row in rows:
+    rows = {ln.split()[0]: ln for ln in out.stdout.splitlines() if ln.startswith(("default ", "score_only=1 "))}
+    assert set(rows) == {"default", "score_only=1"}, out.stdout
+    for name, row in rows.items():
         print(row)
         cells = row.split("|")
-        regs = int(cells[0].split()[1])
-        loop, loop_spill = (int(x) for x in cells[1].split()[:2])
+        regs, smem = int(cells[0].split()[1]), int(cells[0].split()[4])
+        loop, loop_spill, loop_bar, loop_atom = (int(x) for x in cells[1].split()[:4])
         assert 0 < regs <= 255
         assert loop > 0, "no scored-tile loop found around the wgmma"
-        if row.startswith("nsplit=1 "):  # the default; nsplit=2 has one spill pair in the loop today
-            assert loop_spill == 0, f"spill code inside the default kernel's tile loop: {row}"
-    wgmma = [int(re.split(r"\s+", r.split("|")[0].strip())[-2]) for r in rows]
-    assert wgmma[0] > 0 and wgmma[1] == 2 * wgmma[0], "nsplit=2 should issue two wgmma chains per tile"
+        # two programs per SM with 3 key-tile stages: at most half the SM's 228 KiB, less
+        # the 1 KiB the driver reserves per block
+        assert smem <= 115712, f"{name}: {smem} B of shared memory: only one program fits per SM"
+        if name == "default":
+            # the append stays in the head sum's layout: no layout conversion (barriers) or
+            # atomics per tile; today's 255-register kernel reloads 5 spilled values per tile
+            assert loop_bar <= 2 and loop_atom == 0, row
+            assert loop_spill <= 8, f"more spill code inside the tile loop than the 5 of v7: {row}"
+        else:
+            assert loop_spill == 0, f"spill code inside the score-only tile loop: {row}"

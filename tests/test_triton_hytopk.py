@@ -426,6 +426,7 @@ def test_launch_parameters_do_not_change_bits(interpret):
         HyTopKConfig(block_m=16, block_n=32),
         HyTopKConfig(block_m=32, block_n=16, num_programs=1),
         HyTopKConfig(block_m=16, block_n=64, num_programs=2, sort="bitonic"),
+        HyTopKConfig(block_m=16, block_n=64, num_programs=2, sort="bitonic", sort_rows=4),
     ):
         v, i = hytopk_triton(q, k, w, masks, topk, DSA, return_values=True, config=cfg)
         outs.append((v, i))
@@ -455,17 +456,26 @@ def test_compaction_with_boundary_ties(interpret):
 
 
 @pytest.mark.interpret
-def test_low_water_compaction_policy_does_not_change_bits(interpret):
-    # k=20, 16-key tiles: CAP=64, so rows are compacted many times. low_water=16 is the
-    # v2 policy (compact only rows that cannot take one more tile); 32 and the clamped
-    # 1000 (-> CAP - k = 44) compact earlier and more rows at once. Zero ReLU ties at the
-    # boundary exercise the index-word search. Results must be bit-identical.
+def test_buffer_policy_does_not_change_bits(interpret):
+    # k=20, 16-key tiles: the default buffer is 16 lanes x 4 slots (CAP=64), so rows are
+    # compacted many times inside the scored-tile loop. low_water (free slots per lane that
+    # trigger a compaction, clamped to [1, 2] here) and a larger buffer (cap=128: 8 slots
+    # per lane, clamp [1, 6]) change when and how often rows are compacted, never which keys
+    # survive. Zero ReLU ties at the boundary exercise the index-word search. Same block
+    # shape, so the same arithmetic: results must be bit-identical.
     q, k, w, topk, spec = _compaction_case(151)
     outs = []
-    for lw in (16, 32, 1000):
-        v, i = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, low_water=lw))
+    for extra in (dict(low_water=1), dict(low_water=2), dict(cap=128, low_water=1), dict(cap=128, low_water=6)):
+        v, i = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, **extra))
         outs.append((v, i))
     assert_same_bits(outs)
+
+
+@pytest.mark.interpret
+def test_buffer_config_errors(interpret):
+    q, k, w, topk, spec = _compaction_case(152)
+    with pytest.raises(SpecError, match="cap"):
+        hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, cap=48))
 
 
 @pytest.mark.interpret
@@ -484,60 +494,6 @@ def test_padded_head_groups_and_block_m(interpret):
         v, i = run_exact(q, k, w, masks, topk, spec, config=HyTopKConfig(block_m=bm, block_n=16))
         outs.append((v, i))
     assert_same_bits(outs)
-
-
-@pytest.mark.interpret
-@pytest.mark.parametrize("G", [4, 3])
-def test_column_chunks_do_not_change_bits(interpret, G):
-    # nsplit splits each kv head's dot into column chunks (heads c, c + nsplit, ...) and adds
-    # the chunk sums as the last levels of the same head-sum tree. Dyadic q/k keep every
-    # logit exact (whatever order the interpreter's matmul sums in); random fp32 weights make
-    # every weighted add round, so any change in the tree's order would change the bits.
-    g = _gen(171 + G)
-    B, S, T, Hk, D, topk = 1, 12, 80, 2, 16, 7
-    q = torch.randint(-16, 17, (B, S, Hk * G, D), generator=g) / 8.0
-    k = torch.randint(-16, 17, (B, T, Hk, D), generator=g) / 8.0
-    w = torch.randn(B, S, Hk * G, generator=g)
-    masks = [causal_hi(B, S, T)]
-    outs = []
-    for ns in (1, 2, 4):
-        cfg = HyTopKConfig(block_m=4, block_n=16, nsplit=ns)
-        outs.append(hytopk_triton(q, k, w, masks, topk, DSA, return_values=True, config=cfg))
-    assert_same_bits(outs)
-    v, i = outs[0]
-    check_sorted_contract(v, i)
-    s64, scale = scores64(q, k, w, masks, DSA)
-    check_threshold(v, i, s64, scale, D, Hk * G, 2.0**-24)
-    # The values are the documented tree's bits, and these inputs are sensitive to the order:
-    tree, seq = _head_sums_fp32(q, k, w, Hk, G)
-    s_idx = torch.arange(S)[:, None]
-    assert torch.equal(v[0], tree[0][s_idx, i[0].long()])
-    assert not torch.equal(tree, seq), "a sequential head sum should round differently somewhere"
-
-
-def _head_sums_fp32(q, k, w, Hk, G):
-    """ReLU'd weighted logits summed over heads in fp32, [B, S, T], causal -inf: (a) by the
-    kernel's tree (per kv head, its GP = pow2 >= G heads zero-padded and halved pairwise,
-    head g + head g + GP/2 first; kv heads added in order from 0.0), (b) head by head."""
-    B, S, H, D = q.shape
-    T = k.shape[1]
-    kh = k.repeat_interleave(G, dim=2)                                # [B, T, H, D]
-    x = torch.relu(torch.einsum("bshd,bthd->bsth", q.double(), kh.double())).float()
-    wx = w[:, :, None, :] * x                                         # [B, S, T, H]: fp32 products
-    gp = 1 << (G - 1).bit_length()
-    tree = torch.zeros(B, S, T)
-    for hk in range(Hk):
-        part = torch.zeros(B, S, T, gp)
-        part[..., :G] = wx[..., hk * G:(hk + 1) * G]
-        while part.shape[-1] > 1:
-            half = part.shape[-1] // 2
-            part = part[..., :half] + part[..., half:]
-        tree = tree + part[..., 0]
-    seq = torch.zeros(B, S, T)
-    for h in range(H):
-        seq = seq + wx[..., h]
-    hidden = torch.arange(T)[None, :] >= causal_hi(1, S, T)[0, :, None]
-    return tree.masked_fill(hidden, -math.inf), seq.masked_fill(hidden, -math.inf)
 
 
 @pytest.mark.interpret
