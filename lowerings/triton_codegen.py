@@ -269,12 +269,16 @@ def _indent(text: str, n: int) -> str:
     return "\n".join((pad + ln) if ln else ln for ln in text.splitlines())
 
 
-def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel") -> str:
+def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel",
+                         noinline_select: bool = False) -> str:
     """Python source of a ``@triton.jit`` HyTopK kernel specialized to ``spec``.
 
     ``num_masks`` is the number of mask operand tensors the op receives (checked against
-    the spec's references). The result depends only on (spec, num_masks, kernel_name),
-    so its hash names the cache file.
+    the spec's references). ``noinline_select`` makes the compactions and the per-row
+    emit real function calls instead of inlined code: ptxas then allocates the tile loop's
+    registers without the selection code's live values (sm_90 build of the DSA kernel:
+    loop 779 -> 693 instructions, spilled reloads per tile 5 -> 0; docs/kernel-design.md,
+    v7). The result depends only on these arguments, so its hash names the cache file.
     """
     spec.validate(num_mask_operands=num_masks)
     mask_args = _mask_args(spec)
@@ -287,6 +291,7 @@ def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = 
         "LIBDEVICE": "" if _interpreting() else "from triton.language.extra import libdevice\n",
         "EPILOGUE_FN": _render_epilogue(spec),
         "STORE_TAKEN_FN": _STORE_TAKEN_INTERP if _interpreting() else _STORE_TAKEN_PTX,
+        "SELECT_JIT": "@triton.jit(noinline=True)" if noinline_select else "@triton.jit",
         "MASK_ARGS_DEF": "".join(f"    {a},\n" for a in mask_args),
         "SCORE_MASK_ARGS": "".join(f"{a}, " for a in _score_mask_args(spec)),
         "ROW_BOUNDS": _indent(_render_row_bounds(spec), 8) or "        pass",
@@ -364,10 +369,11 @@ def write_source(src: str) -> str:
     return path
 
 
-def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel"):
+def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel",
+                noinline_select: bool = False):
     """The generated kernel for ``spec`` (a JITFunction, or an InterpretedFunction under
     ``TRITON_INTERPRET=1``). Modules are cached per (source, interpret mode) in-process."""
-    src = render_kernel_source(spec, num_masks, kernel_name=kernel_name)
+    src = render_kernel_source(spec, num_masks, kernel_name=kernel_name, noinline_select=noinline_select)
     interp = _interpreting()
     key = (src, interp)
     with _LOCK:
@@ -635,6 +641,14 @@ def _compact_row(row_ptr, valid, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: t
     return m, kth
 
 
+{{SELECT_JIT}}
+def _compact_lanes(row_ptr, lane_cnt_ptr, TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SLACK: tl.constexpr):
+    # _compact_row over a row held as lane sub-buffers. Scalar arguments only, so that it can
+    # be a real call (noinline_select): see render_kernel_source.
+    return _compact_row(row_ptr, _lane_valid(lane_cnt_ptr, CAP, BLOCK_N), TOPK, CAP, SLACK)
+
+
 @triton.jit
 def _lane_valid(lane_cnt_ptr, CAP: tl.constexpr, BLOCK_N: tl.constexpr):
     # Which of a row's CAP slots hold keys while the buffer is BLOCK_N lane sub-buffers
@@ -679,7 +693,7 @@ def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
     return cnt, thr
 
 
-@triton.jit
+{{SELECT_JIT}}
 def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
               CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr):
     # Write the TOPK best of the n (>= TOPK) keys in row_ptr[0:n], in (value desc, index
@@ -836,8 +850,7 @@ def {{KERNEL_NAME}}(
                         c = tl.sum(tl.where(offs_m == r, cmax, 0), axis=0)
                         if c > SUBCAP - LOW_WATER:
                             # more than TOPK keys here (LOW_WATER <= SUBCAP - ceil((TOPK + SLACK) / BLOCK_N))
-                            nk, kth = _compact_row(scr + r * CAP, _lane_valid(lane_cnt + r * BLOCK_N, CAP, BLOCK_N),
-                                                   TOPK, CAP, SLACK)
+                            nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, SLACK)
                             kept = tl.where(offs_m == r, nk, kept)
                             thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
                     tl.debug_barrier()
@@ -849,7 +862,7 @@ def {{KERNEL_NAME}}(
             tl.debug_barrier()
             cnt1 = tl.zeros([BLOCK_M], dtype=tl.int32)
             for r in range(BLOCK_M):
-                nk, kth = _compact_row(scr + r * CAP, _lane_valid(lane_cnt + r * BLOCK_N, CAP, BLOCK_N), TOPK, CAP, 0)
+                nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, 0)
                 cnt1 = tl.where(offs_m == r, nk, cnt1)
                 thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
             tl.debug_barrier()

@@ -22,6 +22,7 @@ Every random case prints its seed.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -37,6 +38,7 @@ if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules and not 
 from hyscale_compile.lowerings import reference as ref
 from hyscale_compile.lowerings import triton_codegen as cg
 from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec, SpecError, dtype_of
+from hyscale_compile.lowerings import triton_hytopk
 from hyscale_compile.lowerings.triton_hytopk import HyTopKConfig, hytopk_triton
 
 DSA = ScoreSpec(
@@ -461,11 +463,13 @@ def test_buffer_policy_does_not_change_bits(interpret):
     # compacted many times inside the scored-tile loop. low_water (free slots per lane that
     # trigger a compaction, clamped to [1, 2] here) and a larger buffer (cap=128: 8 slots
     # per lane, clamp [1, 6]) change when and how often rows are compacted, never which keys
-    # survive. Zero ReLU ties at the boundary exercise the index-word search. Same block
-    # shape, so the same arithmetic: results must be bit-identical.
+    # survive; neither does compiling the compactions as calls (noinline_select). Zero ReLU
+    # ties at the boundary exercise the index-word search. Same block shape, so the same
+    # arithmetic: results must be bit-identical.
     q, k, w, topk, spec = _compaction_case(151)
     outs = []
-    for extra in (dict(low_water=1), dict(low_water=2), dict(cap=128, low_water=1), dict(cap=128, low_water=6)):
+    for extra in (dict(low_water=1), dict(low_water=2), dict(cap=128, low_water=1), dict(cap=128, low_water=6),
+                  dict(cap=128, noinline_select=True)):
         v, i = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, **extra))
         outs.append((v, i))
     assert_same_bits(outs)
@@ -619,6 +623,12 @@ def test_gpu_dsa_shape_bf16(cuda):
     # the same call again is bitwise identical
     v2, i2 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True)
     assert torch.equal(i2, idx) and torch.equal(v2.view(torch.int32), vals.view(torch.int32))
+    # so are the selection options that leave the arithmetic alone
+    default = triton_hytopk.default_config(S, T, topk, q.device, True, D, H)
+    for extra in (dict(noinline_select=True), dict(sort_rows=2)):
+        cfg = dataclasses.replace(default, **extra)
+        v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
+        assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra
 
 
 @pytest.mark.gpu
