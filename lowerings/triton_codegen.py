@@ -582,7 +582,7 @@ def _kth_largest(keys, valid, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.c
         c1 = prefix + step
         c2 = c1 + step
         c3 = c2 + step
-        if CAP < 65536:
+        if CAP <= 16384:  # n1 < 2**16 and n2 * 2**16 + n1 < 2**31
             n12 = tl.sum((u >= c1).to(tl.int32) + (u >= c2).to(tl.int32) * 65536, axis=0)
             n1 = n12 & 65535
             n2 = n12 >> 16
@@ -849,7 +849,8 @@ def {{KERNEL_NAME}}(
                     for r in range(BLOCK_M):
                         c = tl.sum(tl.where(offs_m == r, cmax, 0), axis=0)
                         if c > SUBCAP - LOW_WATER:
-                            # more than TOPK keys here (LOW_WATER <= SUBCAP - ceil((TOPK + SLACK) / BLOCK_N))
+                            # (with n <= TOPK keys this only repacks the row; LOW_WATER <=
+                            # SUBCAP - ceil((TOPK + SLACK) / BLOCK_N) leaves room after it)
                             nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, SLACK)
                             kept = tl.where(offs_m == r, nk, kept)
                             thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)

@@ -266,7 +266,8 @@ def hytopk_triton(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         UPCAST=upcast, TF32=tf32, RETURN_VALUES=write_vals, RANK_SORT=sort == "rank",
         SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water, SLACK=slack,
-        IDX32=T + 2 * cfg.block_n < 2**31,
+        # int32 key positions when every position the loop forms (up to T + CAP) fits
+        IDX32=T + cap + 2 * cfg.block_n < 2**31,
         REREAD_W=True if cfg.reread_weights is None else bool(cfg.reread_weights),
         SORT_ROWS=sort_rows,
     )

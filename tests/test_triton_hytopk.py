@@ -476,6 +476,23 @@ def test_buffer_policy_does_not_change_bits(interpret):
 
 
 @pytest.mark.interpret
+def test_large_buffer_threshold_counts(interpret):
+    # The k-th search packs two counts per reduction as 16-bit fields; with a 32768-key
+    # buffer (cap=32768) both can exceed 2**15 (every key valid and above the thresholds),
+    # which once wrapped and kept the first k keys instead of the best. Scores are the
+    # additive mask itself (one zero head): t / 2**16, all in [0, 0.5), so the answer is
+    # the last k indices. (Found by review; fixed by packing only for buffers <= 16384.)
+    T, topk = 32768, 5
+    spec = ScoreSpec(reduce="none", post=(("mask", 0),), masks=(MaskTerm(kind="add", operand=0),))
+    table = (torch.arange(T, dtype=torch.float32) / 65536).view(1, 1, T)
+    q, k = torch.zeros(1, 1, 1, 16), torch.zeros(1, T, 1, 16)
+    v, i = hytopk_triton(q, k, None, [table], topk, spec, return_values=True,
+                         config=HyTopKConfig(block_m=1, block_n=32, cap=32768))
+    assert i[0, 0].tolist() == list(range(T - 1, T - 1 - topk, -1))
+    assert torch.equal(v[0, 0], table[0, 0, T - topk:].flip(0))
+
+
+@pytest.mark.interpret
 def test_buffer_config_errors(interpret):
     q, k, w, topk, spec = _compaction_case(152)
     with pytest.raises(SpecError, match="cap"):
