@@ -1,8 +1,6 @@
 """Graph-diff golden tests: the FX graph each DSA-family spelling gives before the
 selection pass and after it (normalized by ``hyscale_compile.testing.graph_text``).
 Regenerate with ``EXPECTTEST_ACCEPT=1 pytest tests/test_golden_graphs.py``."""
-import math
-
 import expecttest
 import torch
 import torch.nn.functional as F
