@@ -18,7 +18,14 @@ import torch
 def f(q, k, w):
     s = (torch.einsum('bshd,btd->bsht', q, k).relu() * w.unsqueeze(-1)).sum(2)
     return s.topk(3, dim=-1).indices
-q, k, w = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 16), torch.rand(1, 8, 2)
+# inputs whose top-3 is unique in every row (ReLU zeros can tie at the boundary, and
+# torch.topk breaks ties in an unspecified order): DESIGN.md, "Equality with eager"
+g = torch.Generator().manual_seed(0)
+while True:
+    q, k, w = torch.randn(1, 8, 2, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.rand(1, 8, 2, generator=g)
+    top4 = (torch.einsum('bshd,btd->bsht', q, k).relu() * w.unsqueeze(-1)).sum(2).topk(4, dim=-1).values
+    if bool((top4[..., 2] > top4[..., 3]).all()):
+        break
 with torch.no_grad():
     out = torch.compile(f, backend=BACKEND)(q, k, w)
 assert torch.equal(out.sort(-1).values, f(q, k, w).sort(-1).values)
@@ -31,6 +38,9 @@ print("rewritten", counters["hyscale"]["rewritten"])
 
 def _run_fresh(backend: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # a warm on-disk Inductor cache (an earlier run of the same graph) would skip the
+    # post-grad passes, and the rewrite counter with them: compile for real
+    env.update(TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
     code = _PROGRAM.replace("BACKEND", repr(backend))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
