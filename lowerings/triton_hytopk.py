@@ -76,8 +76,9 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
     # shape the Q block (64 KiB) + 3 key tiles (16 KiB each) + 1 KiB of scratch is exactly
     # half an H100/H200 SM's shared memory. 3 stages measured 10-15% faster than 2 there
     # (docs/kernel-design.md, v7).
-    bd = max(16, 1 << (max(1, D) - 1).bit_length())
-    q_bytes = max(1, min(64, 256 // gp), -(-16 // gp)) * gp * bd * 2  # _block_m's rows
+    bd = max(16, _next_pow2(D))
+    q_bytes = _block_m(HyTopKConfig(), gp, False) * gp * bd * 2
+
     def fits(stages, programs):
         return programs * (q_bytes + stages * 64 * bd * 2 + 2048) <= 228 * 1024
     programs = 2 if fits(1, 2) else 1
@@ -200,24 +201,25 @@ def hytopk_triton(
     sort_rows = 1 if cfg.sort_rows is None or sort == "rank" else int(cfg.sort_rows)
     if sort_rows < 1 or sort_rows & (sort_rows - 1) or block_m % sort_rows:
         raise SpecError(f"sort_rows must be a power of two dividing block_m={block_m}, got {cfg}")
-    # A row's buffer: block_n lane sub-buffers of cap // block_n slots; a compacted row holds
-    # ceil(k / block_n) keys in its fullest lane and needs room for at least one more tile.
-    lanes_full = -(-topk // cfg.block_n)
-    cap = _next_pow2(max(2 * topk, cfg.block_n * (lanes_full + 2)))
+    # A row's buffer: block_n lane sub-buffers of cap // block_n slots. A compacted row of n
+    # keys holds lanes(n) in its fullest lane and needs room for at least one more tile.
+    def lanes(n):
+        return -(-n // cfg.block_n)
+
+    cap = _next_pow2(max(2 * topk, cfg.block_n * (lanes(topk) + 2)))
     if cfg.cap is not None:
-        if cfg.cap != _next_pow2(cfg.cap) or cfg.cap < cfg.block_n * (lanes_full + 1):
+        if cfg.cap != _next_pow2(cfg.cap) or cfg.cap < cfg.block_n * (lanes(topk) + 1):
             raise SpecError(f"config.cap={cfg.cap} must be a power of two >= block_n * (ceil(k / block_n) + 1) "
-                            f"= {cfg.block_n * (lanes_full + 1)}")
+                            f"= {cfg.block_n * (lanes(topk) + 1)}")
         cap = cfg.cap
     subcap = cap // cfg.block_n
     # Compactions inside the tile loop may keep up to k + slack keys (their threshold search
     # stops early); room permitting, two tiles' worth.
-    slack = 2 * cfg.block_n if subcap - -(-(topk + 2 * cfg.block_n) // cfg.block_n) >= 1 else 0
-    lanes_full = -(-(topk + slack) // cfg.block_n)
+    slack = 2 * cfg.block_n if subcap - lanes(topk + 2 * cfg.block_n) >= 1 else 0
     low_water = 8 if cfg.low_water is None else int(cfg.low_water)
-    # >= 1: room for one more tile; <= subcap - lanes_full: a row compacted when its fullest
-    # lane passes subcap - low_water holds more than k keys, and has room again afterwards
-    low_water = max(1, min(low_water, subcap - lanes_full))
+    # >= 1: room for one more tile; <= subcap - lanes(k + slack): a row compacted when its
+    # fullest lane passes subcap - low_water holds more than k keys, and has room afterwards
+    low_water = max(1, min(low_water, subcap - lanes(topk + slack)))
     num_row_blocks = triton_cdiv(S, block_m)
     num_blocks = B * num_row_blocks
     if cfg.num_programs is not None:
