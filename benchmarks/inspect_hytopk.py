@@ -128,19 +128,34 @@ def _hot_loop(ins: list) -> dict:
         m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", ln)
         if m:
             parsed.append((int(m.group(1), 16), m.group(2)))
-    first = next((a for a, t in parsed if "HGMMA" in t), None)
-    if first is None:
+
+    def target(text):
+        m = re.search(r"\bBRA\s+(0x[0-9a-f]+)", text)
+        return int(m.group(1), 16) if m else None
+
+    span = _tile_loop_span(parsed, target)
+    if span is None:
         return {}
-    for a, t in parsed:
-        m = re.search(r"\bBRA\s+(0x[0-9a-f]+)", t)
-        if a > first and m and int(m.group(1), 16) <= first:
-            lo, hi = int(m.group(1), 16), a
-            body = [t for b, t in parsed if lo <= b <= hi]
-            def cnt(pat):
-                return sum(1 for t in body if re.search(pat, t))
-            return {"loop": len(body), "loop_spill": cnt(r"\b(STL|LDL)\b"), "loop_bar": cnt(r"\bBAR\b"),
-                    "loop_atom": cnt(r"\bATOM|\bRED\b"), "loop_shfl": cnt(r"\bSHFL\b")}
-    return {}
+    body = [t for b, t in parsed if span[0] <= b <= span[1]]
+
+    def cnt(pat):
+        return sum(1 for t in body if re.search(pat, t))
+    return {"loop": len(body), "loop_spill": cnt(r"\b(STL|LDL)\b"), "loop_bar": cnt(r"\bBAR\b"),
+            "loop_atom": cnt(r"\bATOM|\bRED\b"), "loop_shfl": cnt(r"\bSHFL\b")}
+
+
+def _tile_loop_span(ins, target):
+    """(first, last) address of the scored-tile loop in ``ins`` [(address, instruction)]: from
+    the target of the first backward branch that jumps over the first wgmma, to that branch.
+    ``target(instruction)`` is a branch's target address, or None."""
+    first = next((a for a, t in ins if "HGMMA" in t), None)
+    if first is None:
+        return None
+    for a, t in ins:
+        dest = target(t) if a > first else None
+        if dest is not None and dest <= first:
+            return dest, a
+    return None
 
 
 def loop_lines(cubin: bytes, bindir: str, top: int = 25) -> str:
@@ -152,7 +167,7 @@ def loop_lines(cubin: bytes, bindir: str, top: int = 25) -> str:
             f.write(cubin)
         out = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", "-g", path], capture_output=True, text=True,
                              check=True).stdout
-    ins, labels, pending, cur = [], {}, [], None
+    ins, labels, pending, cur = [], {}, [], None  # (address, instruction, (file, line))
     for ln in out.splitlines():
         m = re.search(r'//## File "([^"]+)", line (\d+)', ln)
         if m:
@@ -168,13 +183,11 @@ def loop_lines(cubin: bytes, bindir: str, top: int = 25) -> str:
             labels.update((lab, addr) for lab in pending)
             pending = []
             ins.append((addr, m.group(2), cur))
-    first = next((a for a, t, _ in ins if "HGMMA" in t), None)
-    span = None
-    for a, t, _ in ins:
-        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)
-        if first is not None and a > first and m and labels.get(m.group(1), a + 1) <= first:
-            span = (labels[m.group(1)], a)
-            break
+    def target(text):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
+        return labels.get(m.group(1)) if m else None
+
+    span = _tile_loop_span([(a, t) for a, t, _ in ins], target)
     if span is None:
         return "no tile loop found"
     counts = {}
