@@ -170,6 +170,16 @@ def _assert_sparse_backward(fw, bw):
     assert "aten.bmm" not in bw and "aten.scatter.src" not in bw and "aten.scatter.value" not in bw, bw
 
 
+def _assert_dense_backward_matches(model, x0):
+    """Compiled gradients equal eager's, and the backward is the dense one (no sparse
+    values backward in the graph)."""
+    run = lambda m, x: m(x)  # noqa: E731
+    want = _grads(model, run, x0)
+    got, fw, bw = _compile_grads(model, run, x0)
+    assert "hytopk_values_backward" not in bw
+    _assert_same(got, want)
+
+
 def _assert_same(got, want, tol=1e-5):
     # fp32 gradients summed in another order (k selected keys vs a dense bmm over all keys):
     # compared normwise, relative to each tensor's largest entry (parameter gradients sum
@@ -270,11 +280,7 @@ def test_dense_scores_also_in_the_loss_keep_the_dense_backward():
 
     torch.manual_seed(fresh_seed("also_dense"))
     model, x0 = AlsoDense(), torch.randn(2, S2, E)
-    run = lambda m, x: m(x)
-    want = _grads(model, run, x0)
-    got, fw, bw = _compile_grads(model, run, x0)
-    assert "hyscale.hytopk_values_backward" not in bw
-    _assert_same(got, want)
+    _assert_dense_backward_matches(model, x0)
     report = hyscale_compile.explain(model, x0)
     (site,) = report.rewritten
     assert site.backward.startswith("dense: the scores get gradient from more than the top-k values"), site.line()
@@ -299,11 +305,7 @@ def test_k_equal_to_T_with_a_dense_loss_keeps_the_dense_backward():
 
     torch.manual_seed(fresh_seed("k_eq_T"))
     model, x0 = Indexer(), torch.randn(2, Sx, E)
-    run = lambda m, x: m(x)
-    want = _grads(model, run, x0)
-    got, fw, bw = _compile_grads(model, run, x0)
-    assert "hytopk_values_backward" not in bw
-    _assert_same(got, want)
+    _assert_dense_backward_matches(model, x0)
     (site,) = hyscale_compile.explain(model, x0).rewritten
     assert site.backward.startswith("dense: ") and "not the top-k values' gradient" in site.backward, site.line()
 
