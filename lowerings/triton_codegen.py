@@ -501,7 +501,7 @@ def _load_k(K, k_base, hk, t_tile, k_offs, key_ok, d_ok, stride_kt, stride_kh, U
 def _score_tile(
     kt0, qb0, wv0,
     Q, K, W, {{SCORE_MASK_ARGS}}
-    stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_wh,
+    stride_qh, stride_qd, stride_kt, stride_kh, stride_wh,
     {{ROW_BOUND_ARGS_DEF}}
     b64, rows64, row_ok, q_col_off, w_col_off, col_ok, k_base, t_tile, k_offs, keys, key_ok,
     offs_d, d_ok, T,
@@ -823,7 +823,7 @@ def {{KERNEL_NAME}}(
                 y = _score_tile(
                     kt, qb0, wv0,
                     Q, K, W, {{SCORE_MASK_ARGS}}
-                    stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_wh,
+                    stride_qh, stride_qd, stride_kt, stride_kh, stride_wh,
                     {{ROW_BOUND_ARGS_DEF}}
                     b64, rows64, row_ok, q_col_off, w_col_off, col_ok, k_base, tt, k_offs, keys, key_ok,
                     offs_d, d_ok, T,
