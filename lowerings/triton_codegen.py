@@ -37,7 +37,7 @@ from .spec import ScoreSpec, SpecError, skippable_mask_terms
 
 # Bumped whenever the template changes in a way the hash of the source would not show
 # (it always does today: the version is part of the source text).
-CODEGEN_VERSION = 7
+CODEGEN_VERSION = 8
 
 _MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
 _LOCK = threading.Lock()
@@ -264,21 +264,52 @@ def _store_taken(ptrs, p, take):
     tl.store(ptrs, p, mask=take)  # the interpreter runs no inline PTX"""
 
 
+# Several reductions over one axis at once. Compiled: one tl.reduce over a tuple, whose
+# partial results cross the warps in one shared-memory exchange (one barrier) instead of one
+# per reduction. The interpreter runs a custom combine function element by element in
+# Python, so it gets the separate numpy-backed reductions (same integers).
+_MULTI_REDUCE_COMPILED = """@triton.jit
+def _add8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6, a7 + b7
+
+
+@triton.jit
+def _sum8(x0, x1, x2, x3, x4, x5, x6, x7):
+    return tl.reduce((x0, x1, x2, x3, x4, x5, x6, x7), 0, _add8)
+
+
+@triton.jit
+def _count_min_max_combine(n0, lo0, hi0, n1, lo1, hi1):
+    return n0 + n1, tl.minimum(lo0, lo1), tl.maximum(hi0, hi1)
+
+
+@triton.jit
+def _count_min_max(c, lo, hi):
+    # (sum of c, min of lo, max of hi) over axis 0
+    return tl.reduce((c, lo, hi), 0, _count_min_max_combine)"""
+
+_MULTI_REDUCE_INTERP = """@triton.jit
+def _sum8(x0, x1, x2, x3, x4, x5, x6, x7):
+    return (tl.sum(x0, 0), tl.sum(x1, 0), tl.sum(x2, 0), tl.sum(x3, 0), tl.sum(x4, 0), tl.sum(x5, 0),
+            tl.sum(x6, 0), tl.sum(x7, 0))
+
+
+@triton.jit
+def _count_min_max(c, lo, hi):
+    return tl.sum(c, 0), tl.min(lo, 0), tl.max(hi, 0)"""
+
+
 def _indent(text: str, n: int) -> str:
     pad = " " * n
     return "\n".join((pad + ln) if ln else ln for ln in text.splitlines())
 
 
-def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel",
-                         noinline_select: bool = False) -> str:
+def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel") -> str:
     """Python source of a ``@triton.jit`` HyTopK kernel specialized to ``spec``.
 
     ``num_masks`` is the number of mask operand tensors the op receives (checked against
-    the spec's references). ``noinline_select`` makes the compactions and the per-row
-    emit real function calls instead of inlined code: ptxas then allocates the tile loop's
-    registers without the selection code's live values (sm_90 build of the DSA kernel:
-    loop 779 -> 693 instructions, spilled reloads per tile 5 -> 0; docs/kernel-design.md,
-    v7). The result depends only on these arguments, so its hash names the cache file.
+    the spec's references). The result depends only on these arguments, so its hash
+    names the cache file.
     """
     spec.validate(num_mask_operands=num_masks)
     mask_args = _mask_args(spec)
@@ -291,7 +322,7 @@ def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = 
         "LIBDEVICE": "" if _interpreting() else "from triton.language.extra import libdevice\n",
         "EPILOGUE_FN": _render_epilogue(spec),
         "STORE_TAKEN_FN": _STORE_TAKEN_INTERP if _interpreting() else _STORE_TAKEN_PTX,
-        "SELECT_JIT": "@triton.jit(noinline=True)" if noinline_select else "@triton.jit",
+        "MULTI_REDUCE_FNS": _MULTI_REDUCE_INTERP if _interpreting() else _MULTI_REDUCE_COMPILED,
         "MASK_ARGS_DEF": "".join(f"    {a},\n" for a in mask_args),
         "SCORE_MASK_ARGS": "".join(f"{a}, " for a in _score_mask_args(spec)),
         "ROW_BOUNDS": _indent(_render_row_bounds(spec), 8) or "        pass",
@@ -369,11 +400,10 @@ def write_source(src: str) -> str:
     return path
 
 
-def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel",
-                noinline_select: bool = False):
+def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel"):
     """The generated kernel for ``spec`` (a JITFunction, or an InterpretedFunction under
     ``TRITON_INTERPRET=1``). Modules are cached per (source, interpret mode) in-process."""
-    src = render_kernel_source(spec, num_masks, kernel_name=kernel_name, noinline_select=noinline_select)
+    src = render_kernel_source(spec, num_masks, kernel_name=kernel_name)
     interp = _interpreting()
     key = (src, interp)
     with _LOCK:
@@ -432,6 +462,9 @@ def _pack(y, keys):
 
 
 {{STORE_TAKEN_FN}}
+
+
+{{MULTI_REDUCE_FNS}}
 
 
 @triton.jit
@@ -556,52 +589,107 @@ def _rank_desc(keys):
 
 
 @triton.jit
-def _kth_largest(keys, valid, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.constexpr):
+def _take_bins(pair, d_hi: tl.constexpr, acc, dsel, nsel, TOPK: tl.constexpr, FIELD: tl.constexpr):
+    # Visit the two digit bins packed in `pair` (digit d_hi in the high FIELD bits, d_hi - 1
+    # in the low ones), largest digit first: acc counts the keys at or above the digit
+    # visited, and the first digit where it reaches TOPK is the answer (dsel; nsel its count).
+    acc += ((pair >> FIELD) & ((1 << FIELD) - 1)).to(tl.int32)
+    hit = (acc >= TOPK) & (dsel < 0)
+    dsel = tl.where(hit, d_hi, dsel)
+    nsel = tl.where(hit, acc, nsel)
+    acc += (pair & ((1 << FIELD) - 1)).to(tl.int32)
+    hit = (acc >= TOPK) & (dsel < 0)
+    dsel = tl.where(hit, d_hi - 1, dsel)
+    nsel = tl.where(hit, acc, nsel)
+    return acc, dsel, nsel
+
+
+@triton.jit
+def _kth_largest(keys, valid, n, umin, umax, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.constexpr):
     # A key kth with TOPK <= #{valid keys >= kth} <= TOPK + SLACK (the valid keys are
-    # distinct; at least TOPK of them). SLACK = 0: the TOPK-th largest, by a search for the
-    # largest value v with #{key >= v} >= TOPK: first over the high words (the score), then,
-    # only when the boundary score is shared by more keys than are needed, over the low
-    # words (the index) of the keys with that score. SLACK > 0 (compactions inside the tile
-    # loop, which only need a lower bound): the search stops as soon as the score prefix
-    # found so far keeps at most TOPK + SLACK keys, typically after about half the passes,
-    # and kth is the smallest key with that prefix.
+    # distinct; n > TOPK of them; umin/umax: the smallest/largest score bits among them, as
+    # _score_bits gives them). Returns (kth, that count).
     #
-    # High words: 16 passes of 2 bits over uint32 (one compare per key and threshold), three
-    # thresholds per pass, two of whose counts share one reduction as 16-bit fields. v4
-    # made 32 one-bit passes over int64 (docs/kernel-design.md, v6).
-    hi = (keys >> 32).to(tl.int32)
-    u = (hi ^ -2147483648).to(tl.uint32, bitcast=True)     # score bits, order kept, unsigned
-    # invalid keys as 0, below every candidate threshold (>= 1); real keys' bits are > 0
-    u = tl.where(valid, u, 0)
-    prefix = tl.zeros([], dtype=tl.uint32)
-    step = tl.full([], 1 << 30, tl.uint32)
-    n_ge = tl.sum(valid.to(tl.int32), axis=0)       # #{u >= prefix}, always >= TOPK
-    it = 0
-    while (it < 16) & (n_ge > TOPK + SLACK):
-        it += 1
-        c1 = prefix + step
-        c2 = c1 + step
-        c3 = c2 + step
-        if CAP <= 16384:  # n1 < 2**16 and n2 * 2**16 + n1 < 2**31
-            n12 = tl.sum((u >= c1).to(tl.int32) + (u >= c2).to(tl.int32) * 65536, axis=0)
-            n1 = n12 & 65535
-            n2 = n12 >> 16
+    # SLACK = 0: the TOPK-th largest key, by a radix select for the largest score-bits value
+    # v with #{u >= v} >= TOPK, then, only when the boundary score is shared by more keys
+    # than are needed, a search over the low words (the index) of the keys with that score.
+    # SLACK > 0 (compactions inside the tile loop only need a lower bound): the select stops
+    # as soon as the score prefix found so far keeps at most TOPK + SLACK keys, and kth is
+    # the smallest key with that prefix.
+    #
+    # The select starts at the highest bit where umin and umax differ (the bits above are
+    # common to every key: sign and most of the exponent) and resolves 4 bits per pass: one
+    # 16-bin histogram of the keys still matching the prefix, as 16-bit counts packed two
+    # per int32, all eight reduced together (_sum8: one cross-warp exchange per pass).
+    # v7 resolved 2 bits per pass from bit 31 with two separate reductions
+    # (docs/kernel-design.md, v8).
+    u = _score_bits(keys)
+    # the highest differing bit hb (a scalar: 5 halving steps)
+    x = umin ^ umax
+    hb = tl.zeros([], dtype=tl.int32)
+    big = x >= 65536
+    x = tl.where(big, x >> 16, x)
+    hb += tl.where(big, 16, 0)
+    big = x >= 256
+    x = tl.where(big, x >> 8, x)
+    hb += tl.where(big, 8, 0)
+    big = x >= 16
+    x = tl.where(big, x >> 4, x)
+    hb += tl.where(big, 4, 0)
+    big = x >= 4
+    x = tl.where(big, x >> 2, x)
+    hb += tl.where(big, 2, 0)
+    hb += tl.where(x >= 2, 1, 0)
+    # first digit: the aligned nibble holding hb (none when every key has the same score)
+    s = tl.where(umin == umax, -4, (hb // 4) * 4)
+    sc = tl.maximum(s, 0).to(tl.uint32)
+    # prefix: the bits above the first digit, common to every key (umin's)
+    prefix = tl.where(s < 0, umin, ((umin >> sc) >> 4) << 4 << sc)
+    n_ge = n                                              # #{u >= prefix}: every valid key
+    # bin counts are FIELD-bit fields, two per sum: 16 bits in int32 while a count (<= CAP)
+    # fits, else 32 bits in int64
+    FIELD: tl.constexpr = 16 if CAP <= 32768 else 32
+    while (s >= 0) & (n_ge > TOPK + SLACK):
+        sc = s.to(tl.uint32)
+        top = u >> sc
+        match = valid & ((top >> 4) == ((prefix >> sc) >> 4))
+        d = (top & 15).to(tl.int32)
+        if FIELD == 16:
+            one = tl.where(match, tl.full([], 1, tl.int32) << ((d & 1) * 16), 0)
         else:
-            n1 = tl.sum((u >= c1).to(tl.int32), axis=0)
-            n2 = tl.sum((u >= c2).to(tl.int32), axis=0)
-        n3 = tl.sum((u >= c3).to(tl.int32), axis=0)
-        prefix = tl.where(n3 >= TOPK, c3, tl.where(n2 >= TOPK, c2, tl.where(n1 >= TOPK, c1, prefix)))
-        n_ge = tl.where(n3 >= TOPK, n3, tl.where(n2 >= TOPK, n2, tl.where(n1 >= TOPK, n1, n_ge)))
-        step = step >> 2
+            one = tl.where(match, tl.full([], 1, tl.int64) << ((d & 1) * 32).to(tl.int64), 0)
+        e = d >> 1
+        h0, h1, h2, h3, h4, h5, h6, h7 = _sum8(
+            tl.where(e == 0, one, 0), tl.where(e == 1, one, 0), tl.where(e == 2, one, 0), tl.where(e == 3, one, 0),
+            tl.where(e == 4, one, 0), tl.where(e == 5, one, 0), tl.where(e == 6, one, 0), tl.where(e == 7, one, 0))
+        # keys matching the prefix (in one of the 16 bins), from the two fields of each sum
+        FMASK: tl.constexpr = (1 << FIELD) - 1
+        n_in = ((h0 >> FIELD) & FMASK) + (h0 & FMASK) + ((h1 >> FIELD) & FMASK) + (h1 & FMASK) \
+            + ((h2 >> FIELD) & FMASK) + (h2 & FMASK) + ((h3 >> FIELD) & FMASK) + (h3 & FMASK) \
+            + ((h4 >> FIELD) & FMASK) + (h4 & FMASK) + ((h5 >> FIELD) & FMASK) + (h5 & FMASK) \
+            + ((h6 >> FIELD) & FMASK) + (h6 & FMASK) + ((h7 >> FIELD) & FMASK) + (h7 & FMASK)
+        acc = n_ge - n_in.to(tl.int32)                    # keys above every digit of this pass
+        dsel = tl.zeros([], dtype=tl.int32) - 1
+        nsel = n_ge
+        acc, dsel, nsel = _take_bins(h7, 15, acc, dsel, nsel, TOPK, FIELD)
+        acc, dsel, nsel = _take_bins(h6, 13, acc, dsel, nsel, TOPK, FIELD)
+        acc, dsel, nsel = _take_bins(h5, 11, acc, dsel, nsel, TOPK, FIELD)
+        acc, dsel, nsel = _take_bins(h4, 9, acc, dsel, nsel, TOPK, FIELD)
+        acc, dsel, nsel = _take_bins(h3, 7, acc, dsel, nsel, TOPK, FIELD)
+        acc, dsel, nsel = _take_bins(h2, 5, acc, dsel, nsel, TOPK, FIELD)
+        acc, dsel, nsel = _take_bins(h1, 3, acc, dsel, nsel, TOPK, FIELD)
+        acc, dsel, nsel = _take_bins(h0, 1, acc, dsel, nsel, TOPK, FIELD)
+        prefix += tl.maximum(dsel, 0).to(tl.uint32) << sc  # digit 0 always reaches TOPK
+        n_ge = nsel
+        s -= 4
     # the smallest key whose score bits are >= prefix (keeps exactly those n_ge keys): the
     # answer when SLACK allows it
     kth = (prefix ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64) << 32
     if n_ge > TOPK + SLACK:
         # all 32 bits resolved and more keys share the boundary score than may be kept
         eq = valid & (u == prefix)
-        n_above = tl.sum(tl.where(valid & (u > prefix), 1, 0), axis=0)
         n_eq = tl.sum(tl.where(eq, 1, 0), axis=0)
-        need = TOPK - n_above                            # 1 <= need <= n_eq
+        need = TOPK - (n_ge - n_eq)                      # 1 <= need <= n_eq
         kth = tl.min(tl.where(eq, keys, FULL), axis=0)   # right when every tied key is needed
         if n_eq > need:
             low = keys & 4294967295                      # larger low word = smaller key index
@@ -613,7 +701,15 @@ def _kth_largest(keys, valid, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.c
                 lp = tl.where(c >= need, cand, lp)
                 lstep = lstep // 2
             kth = tl.max(tl.where(eq & (low == lp), keys, EMPTY), axis=0)
-    return kth
+        n_ge = TOPK
+    return kth, n_ge
+
+
+@triton.jit
+def _score_bits(keys):
+    # The high words (scores) of packed keys as uint32, order kept: larger score, larger u.
+    # Every real key's u is > 0.
+    return ((keys >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -624,15 +720,13 @@ def _compact_row(row_ptr, valid, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: t
     # count-based search for the threshold (_kth_largest), then one compaction.
     offs = tl.arange(0, CAP)
     keys = tl.load(row_ptr + offs, mask=valid, other=EMPTY)
-    n = tl.sum(valid.to(tl.int32), axis=0)
+    u = _score_bits(keys)
+    # the count and the score range of the valid keys, in one reduction
+    n, umin, umax = _count_min_max(valid.to(tl.int32), tl.where(valid, u, tl.full([], 4294967295, tl.uint32)), tl.where(valid, u, 0))
     kth = tl.full([], EMPTY, tl.int64)
     m = n
     if n > TOPK:
-        kth = _kth_largest(keys, valid, TOPK, CAP, SLACK)
-        if SLACK == 0:
-            m = TOPK
-        else:
-            m = tl.sum((valid & (keys >= kth)).to(tl.int32), axis=0)
+        kth, m = _kth_largest(keys, valid, n, umin, umax, TOPK, CAP, SLACK)
     keep = valid & (keys >= kth)                    # real keys are > EMPTY
     k32 = keep.to(tl.int32)
     pos = tl.cumsum(k32, axis=0) - k32
@@ -641,11 +735,10 @@ def _compact_row(row_ptr, valid, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: t
     return m, kth
 
 
-{{SELECT_JIT}}
+@triton.jit
 def _compact_lanes(row_ptr, lane_cnt_ptr, TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_N: tl.constexpr,
                    SLACK: tl.constexpr):
-    # _compact_row over a row held as lane sub-buffers. Scalar arguments only, so that it can
-    # be a real call (noinline_select): see render_kernel_source.
+    # _compact_row over a row held as lane sub-buffers.
     return _compact_row(row_ptr, _lane_valid(lane_cnt_ptr, CAP, BLOCK_N), TOPK, CAP, SLACK)
 
 
@@ -693,7 +786,7 @@ def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
     return cnt, thr
 
 
-{{SELECT_JIT}}
+@triton.jit
 def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
               CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr):
     # Write the TOPK best of the n (>= TOPK) keys in row_ptr[0:n], in (value desc, index

@@ -57,10 +57,6 @@ class HyTopKConfig:
     # Rows sorted together by one bitonic tl.sort at the end of a row block (a divisor of
     # block_m; the "rank" sort always goes row by row). None: 1.
     sort_rows: Optional[int] = None
-    # Compactions and the per-row emit as real calls (noinline), not inlined into the
-    # kernel: fewer registers held across the tile loop (no spill reloads per tile in the
-    # sm_90 build). Not yet measured on the GPU, hence off by default.
-    noinline_select: bool = False
 
 
 def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True, D: int = 128,
@@ -241,7 +237,7 @@ def hytopk_triton(
         spec.fp32_precision == "tf32" and q.dtype == torch.float32 and k.dtype == torch.float32 and not interpret
     )
 
-    kern = load_kernel(spec, len(masks), noinline_select=bool(cfg.noinline_select))
+    kern = load_kernel(spec, len(masks))
     mask_args = _mask_launch_args(spec, masks, B, S, T, device)
     kb_stride = k.stride(0) if k.shape[0] == B else 0
     c = weight_scale(spec)

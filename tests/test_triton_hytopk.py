@@ -463,13 +463,11 @@ def test_buffer_policy_does_not_change_bits(interpret):
     # compacted many times inside the scored-tile loop. low_water (free slots per lane that
     # trigger a compaction, clamped to [1, 2] here) and a larger buffer (cap=128: 8 slots
     # per lane, clamp [1, 6]) change when and how often rows are compacted, never which keys
-    # survive; neither does compiling the compactions as calls (noinline_select). Zero ReLU
-    # ties at the boundary exercise the index-word search. Same block shape, so the same
-    # arithmetic: results must be bit-identical.
+    # survive. Zero ReLU ties at the boundary exercise the index-word search. Same block
+    # shape, so the same arithmetic: results must be bit-identical.
     q, k, w, topk, spec = _compaction_case(151)
     outs = []
-    for extra in (dict(low_water=1), dict(low_water=2), dict(cap=128, low_water=1), dict(cap=128, low_water=6),
-                  dict(cap=128, noinline_select=True)):
+    for extra in (dict(low_water=1), dict(low_water=2), dict(cap=128, low_water=1), dict(cap=128, low_water=6)):
         v, i = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, **extra))
         outs.append((v, i))
     assert_same_bits(outs)
@@ -642,7 +640,7 @@ def test_gpu_dsa_shape_bf16(cuda):
     assert torch.equal(i2, idx) and torch.equal(v2.view(torch.int32), vals.view(torch.int32))
     # so are the selection options that leave the arithmetic alone
     default = triton_hytopk.default_config(S, T, topk, q.device, True, D, H)
-    for extra in (dict(noinline_select=True), dict(sort_rows=2)):
+    for extra in (dict(sort_rows=2), dict(sort_rows=4)):
         cfg = dataclasses.replace(default, **extra)
         v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
         assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra
