@@ -264,39 +264,23 @@ def _store_taken(ptrs, p, take):
     tl.store(ptrs, p, mask=take)  # the interpreter runs no inline PTX"""
 
 
-# Several reductions over one axis at once. Compiled: one tl.reduce over a tuple, whose
-# partial results cross the warps in one shared-memory exchange (one barrier) instead of one
-# per reduction. The interpreter runs a custom combine function element by element in
-# Python, so it gets the separate numpy-backed reductions (same integers).
+# Two reductions over one axis at once. Compiled: one tl.reduce over a tuple, whose partial
+# results cross the warps in one shared-memory exchange (one barrier) instead of two. The
+# interpreter runs a custom combine function element by element in Python, so it gets the
+# two numpy-backed reductions (same integers).
 _MULTI_REDUCE_COMPILED = """@triton.jit
-def _add8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6, a7 + b7
+def _min_max_combine(lo0, hi0, lo1, hi1):
+    return tl.minimum(lo0, lo1), tl.maximum(hi0, hi1)
 
 
 @triton.jit
-def _sum8(x0, x1, x2, x3, x4, x5, x6, x7):
-    return tl.reduce((x0, x1, x2, x3, x4, x5, x6, x7), 0, _add8)
-
-
-@triton.jit
-def _count_min_max_combine(n0, lo0, hi0, n1, lo1, hi1):
-    return n0 + n1, tl.minimum(lo0, lo1), tl.maximum(hi0, hi1)
-
-
-@triton.jit
-def _count_min_max(c, lo, hi):
-    # (sum of c, min of lo, max of hi) over axis 0
-    return tl.reduce((c, lo, hi), 0, _count_min_max_combine)"""
+def _min_max(lo, hi):
+    # (min of lo, max of hi) over axis 0
+    return tl.reduce((lo, hi), 0, _min_max_combine)"""
 
 _MULTI_REDUCE_INTERP = """@triton.jit
-def _sum8(x0, x1, x2, x3, x4, x5, x6, x7):
-    return (tl.sum(x0, 0), tl.sum(x1, 0), tl.sum(x2, 0), tl.sum(x3, 0), tl.sum(x4, 0), tl.sum(x5, 0),
-            tl.sum(x6, 0), tl.sum(x7, 0))
-
-
-@triton.jit
-def _count_min_max(c, lo, hi):
-    return tl.sum(c, 0), tl.min(lo, 0), tl.max(hi, 0)"""
+def _min_max(lo, hi):
+    return tl.min(lo, 0), tl.max(hi, 0)"""
 
 
 def _indent(text: str, n: int) -> str:
@@ -589,42 +573,25 @@ def _rank_desc(keys):
 
 
 @triton.jit
-def _take_bins(pair, d_hi: tl.constexpr, acc, dsel, nsel, TOPK: tl.constexpr, FIELD: tl.constexpr):
-    # Visit the two digit bins packed in `pair` (digit d_hi in the high FIELD bits, d_hi - 1
-    # in the low ones), largest digit first: acc counts the keys at or above the digit
-    # visited, and the first digit where it reaches TOPK is the answer (dsel; nsel its count).
-    acc += ((pair >> FIELD) & ((1 << FIELD) - 1)).to(tl.int32)
-    hit = (acc >= TOPK) & (dsel < 0)
-    dsel = tl.where(hit, d_hi, dsel)
-    nsel = tl.where(hit, acc, nsel)
-    acc += (pair & ((1 << FIELD) - 1)).to(tl.int32)
-    hit = (acc >= TOPK) & (dsel < 0)
-    dsel = tl.where(hit, d_hi - 1, dsel)
-    nsel = tl.where(hit, acc, nsel)
-    return acc, dsel, nsel
-
-
-@triton.jit
-def _kth_largest(keys, valid, n, umin, umax, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.constexpr):
+def _kth_largest(keys, u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
     # A key kth with TOPK <= #{valid keys >= kth} <= TOPK + SLACK (the valid keys are
-    # distinct; n > TOPK of them; umin/umax: the smallest/largest score bits among them, as
-    # _score_bits gives them). Returns (kth, that count).
+    # distinct; n > TOPK of them; u: their score bits, _score_bits, 0 where not valid).
+    # Returns (kth, that count).
     #
-    # SLACK = 0: the TOPK-th largest key, by a radix select for the largest score-bits value
-    # v with #{u >= v} >= TOPK, then, only when the boundary score is shared by more keys
-    # than are needed, a search over the low words (the index) of the keys with that score.
-    # SLACK > 0 (compactions inside the tile loop only need a lower bound): the select stops
+    # SLACK = 0: the TOPK-th largest key, by a bitwise search for the largest score-bits
+    # value v with #{u >= v} >= TOPK, then, only when the boundary score is shared by more
+    # keys than are needed, over the low words (the index) of the keys with that score.
+    # SLACK > 0 (compactions inside the tile loop only need a lower bound): the search stops
     # as soon as the score prefix found so far keeps at most TOPK + SLACK keys, and kth is
     # the smallest key with that prefix.
     #
-    # The select starts at the highest bit where umin and umax differ (the bits above are
-    # common to every key: sign and most of the exponent) and resolves 4 bits per pass: one
-    # 16-bin histogram of the keys still matching the prefix, as 16-bit counts packed two
-    # per int32, all eight reduced together (_sum8: one cross-warp exchange per pass).
-    # v7 resolved 2 bits per pass from bit 31 with two separate reductions
-    # (docs/kernel-design.md, v8).
-    u = _score_bits(keys)
-    # the highest differing bit hb (a scalar: 5 halving steps)
+    # The search starts below the highest bit where the smallest and largest score differ:
+    # the bits above (the sign, most of the exponent) are common to every key. One bit per
+    # pass, one compare and one count per key: v7's two bits per pass took three compares
+    # and two counts, from bit 31; v8's first try, 4-bit histograms packed into eight sums,
+    # spilled and measured slower (docs/kernel-design.md, v8).
+    umin, umax = _min_max(tl.where(valid, u, tl.full([], 4294967295, tl.uint32)), u)
+    # bit: the highest bit where umin and umax differ (0 when every key has the same score)
     x = umin ^ umax
     hb = tl.zeros([], dtype=tl.int32)
     big = x >= 65536
@@ -640,48 +607,17 @@ def _kth_largest(keys, valid, n, umin, umax, TOPK: tl.constexpr, CAP: tl.constex
     x = tl.where(big, x >> 2, x)
     hb += tl.where(big, 2, 0)
     hb += tl.where(x >= 2, 1, 0)
-    # first digit: the aligned nibble holding hb (none when every key has the same score)
-    s = tl.where(umin == umax, -4, (hb // 4) * 4)
-    sc = tl.maximum(s, 0).to(tl.uint32)
-    # prefix: the bits above the first digit, common to every key (umin's)
-    prefix = tl.where(s < 0, umin, ((umin >> sc) >> 4) << 4 << sc)
-    n_ge = n                                              # #{u >= prefix}: every valid key
-    # bin counts are FIELD-bit fields, two per sum: 16 bits in int32 while a count (<= CAP)
-    # fits, else 32 bits in int64
-    FIELD: tl.constexpr = 16 if CAP <= 32768 else 32
-    while (s >= 0) & (n_ge > TOPK + SLACK):
-        sc = s.to(tl.uint32)
-        top = u >> sc
-        match = valid & ((top >> 4) == ((prefix >> sc) >> 4))
-        d = (top & 15).to(tl.int32)
-        if FIELD == 16:
-            one = tl.where(match, tl.full([], 1, tl.int32) << ((d & 1) * 16), 0)
-        else:
-            one = tl.where(match, tl.full([], 1, tl.int64) << ((d & 1) * 32).to(tl.int64), 0)
-        e = d >> 1
-        h0, h1, h2, h3, h4, h5, h6, h7 = _sum8(
-            tl.where(e == 0, one, 0), tl.where(e == 1, one, 0), tl.where(e == 2, one, 0), tl.where(e == 3, one, 0),
-            tl.where(e == 4, one, 0), tl.where(e == 5, one, 0), tl.where(e == 6, one, 0), tl.where(e == 7, one, 0))
-        # keys matching the prefix (in one of the 16 bins), from the two fields of each sum
-        FMASK: tl.constexpr = (1 << FIELD) - 1
-        n_in = ((h0 >> FIELD) & FMASK) + (h0 & FMASK) + ((h1 >> FIELD) & FMASK) + (h1 & FMASK) \
-            + ((h2 >> FIELD) & FMASK) + (h2 & FMASK) + ((h3 >> FIELD) & FMASK) + (h3 & FMASK) \
-            + ((h4 >> FIELD) & FMASK) + (h4 & FMASK) + ((h5 >> FIELD) & FMASK) + (h5 & FMASK) \
-            + ((h6 >> FIELD) & FMASK) + (h6 & FMASK) + ((h7 >> FIELD) & FMASK) + (h7 & FMASK)
-        acc = n_ge - n_in.to(tl.int32)                    # keys above every digit of this pass
-        dsel = tl.zeros([], dtype=tl.int32) - 1
-        nsel = n_ge
-        acc, dsel, nsel = _take_bins(h7, 15, acc, dsel, nsel, TOPK, FIELD)
-        acc, dsel, nsel = _take_bins(h6, 13, acc, dsel, nsel, TOPK, FIELD)
-        acc, dsel, nsel = _take_bins(h5, 11, acc, dsel, nsel, TOPK, FIELD)
-        acc, dsel, nsel = _take_bins(h4, 9, acc, dsel, nsel, TOPK, FIELD)
-        acc, dsel, nsel = _take_bins(h3, 7, acc, dsel, nsel, TOPK, FIELD)
-        acc, dsel, nsel = _take_bins(h2, 5, acc, dsel, nsel, TOPK, FIELD)
-        acc, dsel, nsel = _take_bins(h1, 3, acc, dsel, nsel, TOPK, FIELD)
-        acc, dsel, nsel = _take_bins(h0, 1, acc, dsel, nsel, TOPK, FIELD)
-        prefix += tl.maximum(dsel, 0).to(tl.uint32) << sc  # digit 0 always reaches TOPK
-        n_ge = nsel
-        s -= 4
+    hbu = hb.to(tl.uint32)
+    bit = tl.where(umin == umax, 0, tl.full([], 1, tl.uint32) << hbu)
+    # the bits above it, common to every key; every valid key is >= this prefix
+    prefix = tl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
+    n_ge = n                                              # #{u >= prefix}
+    while (bit > 0) & (n_ge > TOPK + SLACK):
+        c = prefix | bit
+        n_c = tl.sum((u >= c).to(tl.int32), axis=0)      # c >= 1: invalid keys (u = 0) never count
+        prefix = tl.where(n_c >= TOPK, c, prefix)
+        n_ge = tl.where(n_c >= TOPK, n_c, n_ge)
+        bit = bit >> 1
     # the smallest key whose score bits are >= prefix (keeps exactly those n_ge keys): the
     # answer when SLACK allows it
     kth = (prefix ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64) << 32
@@ -713,20 +649,18 @@ def _score_bits(keys):
 
 
 @triton.jit
-def _compact_row(row_ptr, valid, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.constexpr):
+def _compact_row(row_ptr, valid, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.constexpr):
     # The best m of the n valid keys among row_ptr[0:CAP], moved to row_ptr[0:m] in no
     # particular order: m = n when n <= TOPK, else TOPK <= m <= TOPK + SLACK (m = TOPK when
     # SLACK = 0). Returns (m, the smallest key kept, or EMPTY when n <= TOPK). No sort: a
     # count-based search for the threshold (_kth_largest), then one compaction.
     offs = tl.arange(0, CAP)
     keys = tl.load(row_ptr + offs, mask=valid, other=EMPTY)
-    u = _score_bits(keys)
-    # the count and the score range of the valid keys, in one reduction
-    n, umin, umax = _count_min_max(valid.to(tl.int32), tl.where(valid, u, tl.full([], 4294967295, tl.uint32)), tl.where(valid, u, 0))
     kth = tl.full([], EMPTY, tl.int64)
     m = n
     if n > TOPK:
-        kth, m = _kth_largest(keys, valid, n, umin, umax, TOPK, CAP, SLACK)
+        u = tl.where(valid, _score_bits(keys), 0)
+        kth, m = _kth_largest(keys, u, valid, n, TOPK, SLACK)
     keep = valid & (keys >= kth)                    # real keys are > EMPTY
     k32 = keep.to(tl.int32)
     pos = tl.cumsum(k32, axis=0) - k32
@@ -739,7 +673,8 @@ def _compact_row(row_ptr, valid, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: t
 def _compact_lanes(row_ptr, lane_cnt_ptr, TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_N: tl.constexpr,
                    SLACK: tl.constexpr):
     # _compact_row over a row held as lane sub-buffers.
-    return _compact_row(row_ptr, _lane_valid(lane_cnt_ptr, CAP, BLOCK_N), TOPK, CAP, SLACK)
+    n = tl.sum(tl.load(lane_cnt_ptr + tl.arange(0, BLOCK_N)), axis=0)
+    return _compact_row(row_ptr, _lane_valid(lane_cnt_ptr, CAP, BLOCK_N), n, TOPK, CAP, SLACK)
 
 
 @triton.jit
@@ -771,7 +706,7 @@ def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
             c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
             nr = tl.sum(tl.where(offs_m == r, n_take, 0), axis=0)
             if c + nr > CAP:
-                _, kth = _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, TOPK, CAP, 0)
+                _, kth = _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, c, TOPK, CAP, 0)
                 cnt = tl.where(offs_m == r, TOPK, cnt)
                 thr = tl.where(offs_m == r, kth, thr)
         tl.debug_barrier()
@@ -792,7 +727,7 @@ def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2
     # Write the TOPK best of the n (>= TOPK) keys in row_ptr[0:n], in (value desc, index
     # asc) order: compact to TOPK keys, then sort only those.
     if n > TOPK:
-        _compact_row(row_ptr, tl.arange(0, CAP) < n, TOPK, CAP, 0)
+        _compact_row(row_ptr, tl.arange(0, CAP) < n, n, TOPK, CAP, 0)
         tl.debug_barrier()
     offs = tl.arange(0, TOPK_P2)
     keys = tl.load(row_ptr + offs, mask=offs < TOPK, other=EMPTY)
@@ -985,7 +920,7 @@ def {{KERNEL_NAME}}(
                 for r in range(BLOCK_M):
                     c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
                     if c > TOPK:  # fillers were appended
-                        _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, TOPK, CAP, 0)
+                        _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, c, TOPK, CAP, 0)
                 tl.debug_barrier()
                 # SORT_ROWS rows per bitonic sort: the same network steps, with more
                 # independent work per step and fewer barriers per row

@@ -131,13 +131,17 @@ def scores64(q, k, w, masks, spec):
 
 
 def check_sorted_contract(vals, idx):
-    """(value desc, index asc) order, distinct indices per row."""
+    """(value desc, index asc) order, distinct indices per row; NaN first (above +inf, as
+    torch.sort orders it), NaNs tied with each other."""
     v, i = vals.double(), idx.long()
     assert (i.sort(-1).values.diff(dim=-1) > 0).all(), "duplicate indices in a row"
+    nan = torch.isnan(v)
+    assert (nan[..., 1:] <= nan[..., :-1]).all(), "NaN after a number"
+    v = torch.where(nan, math.inf, v)
     dv = v[..., 1:] - v[..., :-1]
     both_inf = torch.isinf(v[..., 1:]) & (v[..., 1:] == v[..., :-1])
     assert ((dv <= 0) | both_inf).all(), "values not descending"
-    tie = (v[..., 1:] == v[..., :-1])
+    tie = (v[..., 1:] == v[..., :-1]) & (nan[..., 1:] == nan[..., :-1])
     assert (~tie | (i[..., 1:] > i[..., :-1])).all(), "ties not in ascending index order"
 
 
@@ -475,11 +479,11 @@ def test_buffer_policy_does_not_change_bits(interpret):
 
 @pytest.mark.interpret
 def test_large_buffer_threshold_counts(interpret):
-    # The k-th search packs two counts per reduction as 16-bit fields; with a 32768-key
-    # buffer (cap=32768) both can exceed 2**15 (every key valid and above the thresholds),
-    # which once wrapped and kept the first k keys instead of the best. Scores are the
-    # additive mask itself (one zero head): t / 2**16, all in [0, 0.5), so the answer is
-    # the last k indices. (Found by review; fixed by packing only for buffers <= 16384.)
+    # A 32768-key buffer (cap=32768) with every key valid and above the thresholds: v7's
+    # search packed two counts per reduction as 16-bit fields, which once wrapped here and
+    # kept the first k keys instead of the best (found by review). Scores are the additive
+    # mask itself (one zero head): t / 2**16, all in [0, 0.5), so the answer is the last k
+    # indices.
     T, topk = 32768, 5
     spec = ScoreSpec(reduce="none", post=(("mask", 0),), masks=(MaskTerm(kind="add", operand=0),))
     table = (torch.arange(T, dtype=torch.float32) / 65536).view(1, 1, T)
@@ -488,6 +492,41 @@ def test_large_buffer_threshold_counts(interpret):
                          config=HyTopKConfig(block_m=1, block_n=32, cap=32768))
     assert i[0, 0].tolist() == list(range(T - 1, T - 1 - topk, -1))
     assert torch.equal(v[0, 0], table[0, 0, T - topk:].flip(0))
+
+
+def _score_table_rows(g, T):
+    """Rows of fp32 scores that stress the k-th search: its start at the highest bit where
+    a row's smallest and largest score differ, and the tie and special-value paths."""
+    rows = [
+        torch.randn(T, generator=g),                                       # iid
+        torch.full((T,), 1.5),                                             # all equal
+        torch.randn(T, generator=g) * 2.0 ** torch.randint(-20, 21, (T,), generator=g).float(),  # wide, signs
+        torch.where(torch.rand(T, generator=g) < 0.9, 0.0, torch.rand(T, generator=g)),  # zero ties
+        1.0 + torch.randint(0, 8, (T,), generator=g).float() * 2.0 ** -23,  # low mantissa bits only
+        -torch.arange(T, dtype=torch.float32),                             # descending, negative
+        torch.where(torch.rand(T, generator=g) < 0.05, -0.0, 0.0),         # +0 and -0 only
+        torch.randn(T, generator=g),                                       # specials, set below
+    ]
+    rows[7][::7] = math.inf
+    rows[7][3::11] = -math.inf
+    rows[7][5::13] = math.nan
+    return torch.stack(rows)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("cap", [64, 128])
+def test_threshold_search_on_special_scores(interpret, cap):
+    # The scores are an additive table (one zero head), so each row's values are chosen
+    # directly; k=20 over 300 keys in 16-key tiles compacts each row many times inside the
+    # loop, exactly (cap=64: no room for slack) or with an early-exit lower bound (cap=128:
+    # SLACK = 2 tiles). Exact against the stable sort, NaN above +inf.
+    g = _gen(161 + cap)
+    T, topk = 300, 20
+    table = _score_table_rows(g, T).unsqueeze(0)
+    S = table.shape[1]
+    spec = ScoreSpec(reduce="none", post=(("mask", 0),), masks=(MaskTerm(kind="add", operand=0),))
+    q, k = torch.zeros(1, S, 1, 16), torch.zeros(1, T, 1, 16)
+    run_exact(q, k, None, [table], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, cap=cap))
 
 
 @pytest.mark.interpret
