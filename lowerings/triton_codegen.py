@@ -259,6 +259,17 @@ def _store_taken(ptrs, p, take):
         "=r,l,l,r", [ptrs.to(tl.uint64, bitcast=True), p, take.to(tl.int32)],
         dtype=tl.int32, is_pure=False, pack=1)"""
 
+# Section timing for benchmarks/profile_sections.py (PROFILE=True only): the SM's cycle
+# counter, and a per-program accumulator. Scalar stores are made by one thread, which also
+# made the load, so the read-modify-write needs no atomic.
+_CLOCK_PTX = """@triton.jit
+def _clock():
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)"""
+
+_CLOCK_INTERP = """@triton.jit
+def _clock():
+    return tl.zeros([], dtype=tl.int64)  # the interpreter has no cycle counter"""
+
 _STORE_TAKEN_INTERP = """@triton.jit
 def _store_taken(ptrs, p, take):
     tl.store(ptrs, p, mask=take)  # the interpreter runs no inline PTX"""
@@ -307,6 +318,7 @@ def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = 
         "EPILOGUE_FN": _render_epilogue(spec),
         "STORE_TAKEN_FN": _STORE_TAKEN_INTERP if _interpreting() else _STORE_TAKEN_PTX,
         "MULTI_REDUCE_FNS": _MULTI_REDUCE_INTERP if _interpreting() else _MULTI_REDUCE_COMPILED,
+        "CLOCK_FN": _CLOCK_INTERP if _interpreting() else _CLOCK_PTX,
         "MASK_ARGS_DEF": "".join(f"    {a},\n" for a in mask_args),
         "SCORE_MASK_ARGS": "".join(f"{a}, " for a in _score_mask_args(spec)),
         "ROW_BOUNDS": _indent(_render_row_bounds(spec), 8) or "        pass",
@@ -449,6 +461,18 @@ def _pack(y, keys):
 
 
 {{MULTI_REDUCE_FNS}}
+
+
+{{CLOCK_FN}}
+
+
+@triton.jit
+def _prof_add(PROF, pid, slot: tl.constexpr, delta):
+    # PROFILE sections (per program): 0 scored-tile loops, 1 in-loop compactions, 2 final
+    # compactions, 3 filler tiles, 4 sort + write, 5 whole row blocks (cycles); 6 rows
+    # compacted inside the loop, 7 inner-loop runs (counts)
+    p = PROF + pid * 8 + slot
+    tl.store(p, tl.load(p) + delta)
 
 
 @triton.jit
@@ -747,7 +771,7 @@ def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2
 
 @triton.jit
 def {{KERNEL_NAME}}(
-    Q, K, W, SCRATCH, COUNTER, OUT_IDX, OUT_VAL,
+    Q, K, W, SCRATCH, COUNTER, OUT_IDX, OUT_VAL, PROF,
 {{MASK_ARGS_DEF}}    stride_qb, stride_qs, stride_qh, stride_qd,
     # the key strides within a batch are compile-time constants: a key tile's per-element
     # offsets then come from the thread index in a few instructions instead of occupying
@@ -761,7 +785,7 @@ def {{KERNEL_NAME}}(
     UPCAST: tl.constexpr, TF32: tl.constexpr, RETURN_VALUES: tl.constexpr,
     RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, SLACK: tl.constexpr,
     IDX32: tl.constexpr, SORT_ROWS: tl.constexpr,
-    REREAD_W: tl.constexpr,
+    REREAD_W: tl.constexpr, PROFILE: tl.constexpr,
 ):
     # Persistent programs take row blocks from an atomic counter, heaviest first (the last
     # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
@@ -790,6 +814,8 @@ def {{KERNEL_NAME}}(
     chk = tl.zeros([BLOCK_M], dtype=tl.float32)
     j = tl.atomic_add(COUNTER, 1)
     while j < num_blocks:
+        if PROFILE:
+            c_blk = _clock()
         nbatch = num_blocks // num_row_blocks
         b = j % nbatch
         mb = num_row_blocks - 1 - j // nbatch
@@ -841,6 +867,8 @@ def {{KERNEL_NAME}}(
         while t0 < v1_k:
             space = SUBCAP - tl.max(tl.max(cnt, axis=0), axis=0)
             t_stop = tl.minimum(v1_k, t0 + space * BLOCK_N)
+            if PROFILE:
+                c_sec = _clock()
             for tt in range(t0, t_stop, BLOCK_N):
                 keys = tt + offs_n
                 key_ok = keys < t_end_k
@@ -868,9 +896,14 @@ def {{KERNEL_NAME}}(
                     _store_taken(scr + (offs_m[None, :] * CAP + cnt * BLOCK_N + offs_n[:, None]), p, take)
                     cnt += take.to(tl.int32)
             t0 = t_stop
+            if PROFILE:
+                _prof_add(PROF, pid, 0, _clock() - c_sec)
+                _prof_add(PROF, pid, 7, 1)
             if (not SCORE_ONLY) and (t0 < v1_k):
                 cmax = tl.max(cnt, axis=0)
                 if tl.max(cmax, axis=0) > SUBCAP - LOW_WATER:
+                    if PROFILE:
+                        c_sec = _clock()
                     tl.store(lane_cnt + lane_cnt_offs, cnt)
                     tl.debug_barrier()  # the lane counts and appended keys are visible to every thread
                     kept = tl.zeros([BLOCK_M], dtype=tl.int32) - 1
@@ -882,10 +915,16 @@ def {{KERNEL_NAME}}(
                             nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, SLACK)
                             kept = tl.where(offs_m == r, nk, kept)
                             thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
+                            if PROFILE:
+                                _prof_add(PROF, pid, 6, 1)
                     tl.debug_barrier()
                     cnt = tl.where(kept[None, :] >= 0, _lane_counts(kept, offs_n, BLOCK_N), cnt)
                     thr_v = tl.where(thr == EMPTY, float("nan"), _unpack_value(thr))
+                    if PROFILE:
+                        _prof_add(PROF, pid, 1, _clock() - c_sec)
         if not SCORE_ONLY:
+            if PROFILE:
+                c_sec = _clock()
             # every row's lanes -> its best min(n, TOPK) keys, contiguous at [0, n)
             tl.store(lane_cnt + lane_cnt_offs, cnt)
             tl.debug_barrier()
@@ -895,6 +934,9 @@ def {{KERNEL_NAME}}(
                 cnt1 = tl.where(offs_m == r, nk, cnt1)
                 thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
             tl.debug_barrier()
+            if PROFILE:
+                _prof_add(PROF, pid, 2, _clock() - c_sec)
+                c_sec = _clock()
             # 2. all -inf tiles below v0 and from v1 to t_end (fillers), in any order: the
             #    packed threshold also compares indices
             for i0 in range(0, v0 + (t_end - v1), BLOCK_N):
@@ -909,6 +951,9 @@ def {{KERNEL_NAME}}(
                                              BLOCK_M)
             # 3. per row: compact to the TOPK best, sort those, write them
             tl.debug_barrier()
+            if PROFILE:
+                _prof_add(PROF, pid, 3, _clock() - c_sec)
+                c_sec = _clock()
             if SORT_ROWS == 1:
                 for r in range(BLOCK_M):
                     s = mb.to(tl.int64) * BLOCK_M + r
@@ -936,6 +981,10 @@ def {{KERNEL_NAME}}(
                     if RETURN_VALUES:
                         tl.store(OUT_VAL + out, _unpack_value(best), mask=ok)
             tl.debug_barrier()
+            if PROFILE:
+                _prof_add(PROF, pid, 4, _clock() - c_sec)
+        if PROFILE:
+            _prof_add(PROF, pid, 5, _clock() - c_blk)
         j = tl.atomic_add(COUNTER, 1)
     if SCORE_ONLY:
         tl.store(OUT_VAL + pid * BLOCK_M + offs_m, chk)

@@ -57,6 +57,10 @@ class HyTopKConfig:
     # Rows sorted together by one bitonic tl.sort at the end of a row block (a divisor of
     # block_m; the "rank" sort always goes row by row). None: 1.
     sort_rows: Optional[int] = None
+    # Benchmarks only (GPU): time the kernel's sections with the SM cycle counter; the call
+    # returns a [programs, 8] int64 tensor instead of its outputs (slots: _prof_add in the
+    # generated kernel). benchmarks/profile_sections.py prints it.
+    profile: bool = False
 
 
 def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True, D: int = 128,
@@ -251,6 +255,9 @@ def hytopk_triton(
     # [0]: the persistent scheduler's block counter; then each program's lane counts
     # (BLOCK_N x BLOCK_M), where its compactions read them
     counter = torch.zeros(1 + nprog * block_m * cfg.block_n, dtype=torch.int32, device=device)
+    if cfg.profile and interpret:
+        raise SpecError("config.profile reads the GPU's cycle counter: it needs a CUDA device")
+    prof = torch.zeros((nprog, 8) if cfg.profile else (1,), dtype=torch.int64, device=device)
     write_vals = return_values
     if cfg.score_only:
         vals32 = torch.empty(nprog * block_m, dtype=torch.float32, device=device)
@@ -267,11 +274,11 @@ def hytopk_triton(
         # int32 key positions when every position the loop forms (up to T + CAP) fits
         IDX32=T + cap + 2 * cfg.block_n < 2**31,
         REREAD_W=True if cfg.reread_weights is None else bool(cfg.reread_weights),
-        SORT_ROWS=sort_rows,
+        SORT_ROWS=sort_rows, PROFILE=bool(cfg.profile),
     )
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    args = [q, k, w_arg, scratch, counter, idx_out, vals32, *mask_args,
+    args = [q, k, w_arg, scratch, counter, idx_out, vals32, prof, *mask_args,
             q.stride(0), q.stride(1), q.stride(2), q.stride(3),
             kb_stride, k.stride(1), k.stride(2), k.stride(3), *w_strides,
             S, T, num_row_blocks, num_blocks]
@@ -286,6 +293,8 @@ def hytopk_triton(
             _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
     if cfg.score_only:
         return vals32
+    if cfg.profile:
+        return prof
     if return_values:
         if vals32 is not val_out:
             val_out.copy_(vals32)

@@ -534,6 +534,8 @@ def test_buffer_config_errors(interpret):
     q, k, w, topk, spec = _compaction_case(152)
     with pytest.raises(SpecError, match="cap"):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, cap=48))
+    with pytest.raises(SpecError, match="profile.*CUDA"):
+        hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(profile=True))
 
 
 @pytest.mark.interpret
