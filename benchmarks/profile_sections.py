@@ -1,14 +1,16 @@
 """Where the HyTopK kernel's time goes, by section: the SM cycle counter read around each
 part of a row block (``HyTopKConfig(profile=True)``), summed over programs.
 
-    python benchmarks/profile_sections.py --seqs 32768,131072 [--inputs iid,struct] [--config "low_water=16"]
+    python benchmarks/profile_sections.py --seqs 32768,131072 [--inputs iid,struct] [--configs "default;low_water=16"]
 
 Sections: the scored-tile loops (scoring + append), the compactions inside the loop, the
-final compactions, the filler tiles, and the sort + write; plus what the loop restarts
-and the rest of a row block cost (whole block minus the sections). Counts: rows compacted
-inside the loop, per row; inner-loop runs per row block. Shape and inputs are
-``bench_hytopk.py``'s (H=64, D=128, k=2048, causal, bf16). The timing reads add a little
-work; compare the shares, and take times from ``bench_hytopk.py``. Prints a table last.
+final compactions, the filler tiles, and the sort + write; "rest" is the whole row block
+minus those (scheduling, loop restarts' bookkeeping). Counts: rows compacted inside the
+loop, per row; inner-loop runs per row block; and the tile loop's cycles per scored tile.
+``--configs`` items are ``HyTopKConfig`` fields over the default (``score_only=1`` times
+the loop without selection). Shape and inputs are ``bench_hytopk.py``'s (H=64, D=128,
+k=2048, causal, bf16). The timer reads add a little work: compare shares and cycles, take
+times from ``bench_hytopk.py``. Prints a table last.
 """
 from __future__ import annotations
 
@@ -29,46 +31,48 @@ SECTIONS = ("tile loop", "in-loop compactions", "final compactions", "fillers", 
 
 
 def profile(S: int, inputs: str, config: str):
+    """Per-slot totals over programs (see _prof_add in the generated kernel), rows per block."""
     from hyscale_compile.lowerings import triton_hytopk as th
 
     q, k, w = bh.make_inputs(S, inputs, seed=0)
     hi = (torch.arange(S, device="cuda") + 1).view(1, S)
     d = th.default_config(S, S, bh.TOPK, q.device, True, bh.D, bh.H)
-    fields = parse_fields(config) if config else {}
+    fields = parse_fields(config) if config and config != "default" else {}
     cfg = th.HyTopKConfig(**{**dict(block_n=d.block_n, num_warps=d.num_warps, num_stages=d.num_stages), **fields},
                           profile=True)
     th.hytopk_triton(q, k.unsqueeze(2), w, [hi], bh.TOPK, bh.dsa_spec(), config=cfg)  # compile
     prof = th.hytopk_triton(q, k.unsqueeze(2), w, [hi], bh.TOPK, bh.dsa_spec(), config=cfg)
     torch.cuda.synchronize()
-    return prof.sum(0).tolist(), th._block_m(cfg, bh.H, False)
+    return prof.sum(0).tolist(), th._block_m(cfg, bh.H, False), cfg.block_n
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="32768")
     ap.add_argument("--inputs", default="iid")
-    ap.add_argument("--config", default="", help="HyTopKConfig fields over the default, e.g. 'low_water=16'")
+    ap.add_argument("--configs", default="default", help='";"-separated HyTopKConfig field lists, e.g. "default;low_water=16"')
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device (the section timers read the SM cycle counter)")
     rows = []
     for S in (int(x) for x in args.seqs.split(",")):
         for inputs in args.inputs.split(","):
-            tot, block_m = profile(S, inputs, args.config)
-            block = tot[5]
-            rest = block - sum(tot[:5])
-            blocks = -(-S // block_m)
-            shares = [100.0 * x / block for x in tot[:5]] + [100.0 * rest / block]
-            rows.append((S, inputs, shares, tot[6] / S, tot[7] / blocks, block / blocks))
-            bh.log(S, inputs, tot)
-    print(f"\nHyTopK sections ({torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"config: {args.config or 'default'}): % of row-block cycles")
-    print("| S | inputs | " + " | ".join(SECTIONS) + " | rest | compactions / row | inner loops / block "
-          "| kcycles / block |")
-    print("|---" * (len(SECTIONS) + 7) + "|")
-    for S, inputs, shares, comp, loops, cyc in rows:
-        print(f"| {S} | {inputs} | " + " | ".join(f"{x:.1f}" for x in shares)
-              + f" | {comp:.2f} | {loops:.1f} | {cyc / 1e3:.0f} |")
+            for config in (c.strip() for c in args.configs.split(";") if c.strip()):
+                tot, block_m, block_n = profile(S, inputs, config)
+                block = tot[5]
+                rest = block - sum(tot[:5])
+                blocks = -(-S // block_m)
+                tiles = sum(-(-(min(S, r0 + block_m)) // block_n) for r0 in range(0, S, block_m))  # causal
+                shares = [100.0 * x / block for x in tot[:5]] + [100.0 * rest / block]
+                rows.append((S, inputs, config, shares, tot[6] / S, tot[7] / blocks, block / blocks, tot[0] / tiles))
+                bh.log(S, inputs, config, tot)
+    print(f"\nHyTopK sections ({torch.cuda.get_device_name()}, torch {torch.__version__}): % of row-block cycles")
+    print("| S | inputs | config | " + " | ".join(SECTIONS) + " | rest | compactions / row | inner loops / block "
+          "| kcycles / block | loop cycles / tile |")
+    print("|---" * (len(SECTIONS) + 9) + "|")
+    for S, inputs, config, shares, comp, loops, cyc, per_tile in rows:
+        print(f"| {S} | {inputs} | {config} | " + " | ".join(f"{x:.1f}" for x in shares)
+              + f" | {comp:.2f} | {loops:.1f} | {cyc / 1e3:.0f} | {per_tile:.0f} |")
     return 0
 
 

@@ -783,7 +783,8 @@ def {{KERNEL_NAME}}(
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, TF32: tl.constexpr, RETURN_VALUES: tl.constexpr,
-    RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, SLACK: tl.constexpr,
+    RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, SYNC_WATER: tl.constexpr,
+    SLACK: tl.constexpr,
     IDX32: tl.constexpr, SORT_ROWS: tl.constexpr,
     REREAD_W: tl.constexpr, PROFILE: tl.constexpr,
 ):
@@ -858,8 +859,9 @@ def {{KERNEL_NAME}}(
         # 1. scored tiles, in increasing key order. An inner loop runs only as many tiles as
         #    every lane can take (a tile adds at most one key per lane and row), so it holds
         #    no merge and no nested loop, and Triton software-pipelines its key-tile loads.
-        #    Between inner loops, every row whose fullest lane has fewer than LOW_WATER free
-        #    slots is compacted to its TOPK best (which raises its threshold).
+        #    Between inner loops, when some row's fullest lane has fewer than LOW_WATER free
+        #    slots, every row with fewer than SYNC_WATER (>= LOW_WATER) is compacted to its
+        #    TOPK best (which raises its threshold).
         # the scored range in the key type (int32 when T allows: cheaper masks and packs)
         t_end_k = _as_key(t_end, T, IDX32)
         t0 = _as_key(v0, T, IDX32)
@@ -909,7 +911,7 @@ def {{KERNEL_NAME}}(
                     kept = tl.zeros([BLOCK_M], dtype=tl.int32) - 1
                     for r in range(BLOCK_M):
                         c = tl.sum(tl.where(offs_m == r, cmax, 0), axis=0)
-                        if c > SUBCAP - LOW_WATER:
+                        if c > SUBCAP - SYNC_WATER:
                             # (with n <= TOPK keys this only repacks the row; LOW_WATER <=
                             # SUBCAP - ceil((TOPK + SLACK) / BLOCK_N) leaves room after it)
                             nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, SLACK)

@@ -47,6 +47,11 @@ class HyTopKConfig:
     # [1, CAP / block_n - ceil(k / block_n)]. Only the number of compactions and loop
     # restarts depends on it, never the result.
     low_water: Optional[int] = None
+    # When some row must be compacted, also compact the rows whose fullest lane has fewer
+    # than this many free slots (tiles), so that the rows' compactions fall together and the
+    # inner loops between them run longer. None: low_water (only the rows that must).
+    # Clamped to [low_water, CAP / block_n - 1]. Never changes the result.
+    sync_water: Optional[int] = None
     # Candidate buffer per row, in keys (a power of two); None: the smallest power of two
     # >= 2k with room for two tiles per lane above a compacted row.
     cap: Optional[int] = None
@@ -220,6 +225,7 @@ def hytopk_triton(
     # >= 1: room for one more tile; <= subcap - lanes(k + slack): a row compacted when its
     # fullest lane passes subcap - low_water holds more than k keys, and has room afterwards
     low_water = max(1, min(low_water, subcap - lanes(topk + slack)))
+    sync_water = low_water if cfg.sync_water is None else max(low_water, min(int(cfg.sync_water), subcap - 1))
     num_row_blocks = triton_cdiv(S, block_m)
     num_blocks = B * num_row_blocks
     if cfg.num_programs is not None:
@@ -270,7 +276,7 @@ def hytopk_triton(
         HK=Hk, G=G, GP=gp, D=D, TOPK=topk, TOPK_P2=topk_p2, CAP=cap,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         UPCAST=upcast, TF32=tf32, RETURN_VALUES=write_vals, RANK_SORT=sort == "rank",
-        SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water, SLACK=slack,
+        SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water, SYNC_WATER=sync_water, SLACK=slack,
         # int32 key positions when every position the loop forms (up to T + CAP) fits
         IDX32=T + cap + 2 * cfg.block_n < 2**31,
         REREAD_W=True if cfg.reread_weights is None else bool(cfg.reread_weights),
@@ -291,10 +297,10 @@ def hytopk_triton(
             kern[(nprog,)](*args, **launch)
         else:
             _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
-    if cfg.score_only:
-        return vals32
     if cfg.profile:
         return prof
+    if cfg.score_only:
+        return vals32
     if return_values:
         if vals32 is not val_out:
             val_out.copy_(vals32)

@@ -466,12 +466,13 @@ def test_buffer_policy_does_not_change_bits(interpret):
     # k=20, 16-key tiles: the default buffer is 16 lanes x 4 slots (CAP=64), so rows are
     # compacted many times inside the scored-tile loop. low_water (free slots per lane that
     # trigger a compaction, clamped to [1, 2] here) and a larger buffer (cap=128: 8 slots
-    # per lane, clamp [1, 6]) change when and how often rows are compacted, never which keys
-    # survive. Zero ReLU ties at the boundary exercise the index-word search. Same block
+    # per lane, clamp [1, 6]) and sync_water (rows compacted along with one that must be)
+    # change when and how often rows are compacted, never which keys survive. Zero ReLU ties at the boundary exercise the index-word search. Same block
     # shape, so the same arithmetic: results must be bit-identical.
     q, k, w, topk, spec = _compaction_case(151)
     outs = []
-    for extra in (dict(low_water=1), dict(low_water=2), dict(cap=128, low_water=1), dict(cap=128, low_water=6)):
+    for extra in (dict(low_water=1), dict(low_water=2), dict(cap=128, low_water=1), dict(cap=128, low_water=6),
+                  dict(cap=128, low_water=1, sync_water=5)):
         v, i = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, **extra))
         outs.append((v, i))
     assert_same_bits(outs)
