@@ -246,19 +246,17 @@ def _render_reduce(spec: ScoreSpec) -> str:
     return "pass  # reduce='none': H == 1"
 
 
-# The tile loop's append: the raw key (see _raw) of each taken element, written as its two
-# 32-bit words. Compiled: one predicated st.global per element in the layout the head sum
-# leaves the scores in (lanes of a quad hold the same element and store the same value to
-# the same address). A tl.store there makes Triton convert pointers, keys and masks to a
-# coalesced layout through shared memory: 2-4 barriers per tile, and 2 KiB of shared
-# memory that stopped two programs with 3 pipeline stages from fitting on an SM.
+# The tile loop's append. Compiled: one predicated st.global per element in the layout the
+# head sum leaves the scores in (lanes of a quad hold the same element and store the same
+# value to the same address). A tl.store there makes Triton convert pointers, keys and
+# masks to a coalesced layout through shared memory: 2-4 barriers per tile, and 2 KiB of
+# shared memory that stopped two programs with 3 pipeline stages from fitting on an SM.
 _STORE_TAKEN_PTX = """@triton.jit
-def _store_taken(ptrs, lo, hi, take):
-    # ptrs[i] = hi[i] << 32 | lo[i] where take[i], in the operands' own layout (no layout
-    # conversion)
+def _store_taken(ptrs, p, take):
+    # ptrs[i] = p[i] where take[i], in the operands' own layout (no layout conversion)
     tl.inline_asm_elementwise(
-        "{ .reg .pred t; setp.ne.b32 t, $4, 0; @t st.global.v2.b32 [$1], {$2, $3}; mov.b32 $0, 0; }",
-        "=r,l,r,r,r", [ptrs.to(tl.uint64, bitcast=True), lo, hi, take.to(tl.int32)],
+        "{ .reg .pred t; setp.ne.b32 t, $3, 0; @t st.global.b64 [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,l,r", [ptrs.to(tl.uint64, bitcast=True), p, take.to(tl.int32)],
         dtype=tl.int32, is_pure=False, pack=1)"""
 
 # Section timing for benchmarks/profile_sections.py (PROFILE=True only): the SM's cycle
@@ -273,9 +271,8 @@ def _clock():
     return tl.zeros([], dtype=tl.int64)  # the interpreter has no cycle counter"""
 
 _STORE_TAKEN_INTERP = """@triton.jit
-def _store_taken(ptrs, lo, hi, take):
-    # the interpreter runs no inline PTX
-    tl.store(ptrs, (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 4294967295), mask=take)"""
+def _store_taken(ptrs, p, take):
+    tl.store(ptrs, p, mask=take)  # the interpreter runs no inline PTX"""
 
 
 # Two reductions over one axis at once. Compiled: one tl.reduce over a tuple, whose partial
@@ -451,24 +448,13 @@ def _round_bf16(x):
     return tl.where(x != x, x, u.to(tl.float32, bitcast=True))
 
 
-# Keys live in the candidate buffer in "raw" form, (fp32 bits of the score) << 32 |
-# (0xFFFFFFFF - key index), which the tile loop's append writes as two 32-bit words with no
-# arithmetic; whoever reads the buffer orders them with _order. v7 packed the ordered form
-# in the append, on every scored element: ~60 instructions per tile (docs/kernel-design.md, v8).
 @triton.jit
-def _raw(y, keys):
-    return (y.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (4294967295 - keys.to(tl.int64))
-
-
-@triton.jit
-def _order(raw):
-    # raw -> ordered key: a larger ordered key is a larger score, or an equal score at a
-    # smaller key index
-    hi = (raw >> 32).to(tl.int32)
-    hi = tl.where(hi == -2147483648, 0, hi)                          # -0.0 -> +0.0: ReLU zeros tie
-    hi = tl.where((hi & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, hi)     # one positive NaN, above +inf
-    hi = hi ^ ((hi >> 31) & 0x7FFFFFFF)                              # negative floats: flip magnitude
-    return (hi.to(tl.int64) << 32) | (raw & 4294967295)
+def _pack(y, keys):
+    y = tl.where(y == 0.0, 0.0, y)           # -0.0 -> +0.0: ReLU zeros must tie exactly
+    y = tl.where(y != y, float("nan"), y)    # one positive NaN: sorts above +inf, like torch.sort
+    b = y.to(tl.int32, bitcast=True)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)         # negative floats: flip magnitude bits
+    return (b.to(tl.int64) << 32) | (4294967295 - keys.to(tl.int64))
 
 
 {{STORE_TAKEN_FN}}
@@ -693,8 +679,7 @@ def _compact_row(row_ptr, valid, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK
     # SLACK = 0). Returns (m, the smallest key kept, or EMPTY when n <= TOPK). No sort: a
     # count-based search for the threshold (_kth_largest), then one compaction.
     offs = tl.arange(0, CAP)
-    raw = tl.load(row_ptr + offs, mask=valid, other=0)
-    keys = tl.where(valid, _order(raw), EMPTY)
+    keys = tl.load(row_ptr + offs, mask=valid, other=EMPTY)
     kth = tl.full([], EMPTY, tl.int64)
     m = n
     if n > TOPK:
@@ -704,7 +689,7 @@ def _compact_row(row_ptr, valid, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK
     k32 = keep.to(tl.int32)
     pos = tl.cumsum(k32, axis=0) - k32
     tl.debug_barrier()  # every thread has read the row before any thread overwrites it
-    tl.store(row_ptr + pos, raw, mask=keep)
+    tl.store(row_ptr + pos, keys, mask=keep)
     return m, kth
 
 
@@ -732,9 +717,9 @@ def _lane_counts(n, offs_n, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _select_tile(p, raw, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
+def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
                  TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr):
-    # p [BLOCK_N, BLOCK_M]: ordered keys of one tile (raw: the same, raw). Keys above a row's threshold are
+    # p [BLOCK_N, BLOCK_M]: packed keys of one tile. Keys above a row's threshold are
     # appended, compacted, to that row's candidate buffer; a row whose buffer could
     # overflow is first compacted to its TOPK best (raising its threshold).
     take = (p > thr[None, :]) & key_ok[:, None] & row_ok[None, :]
@@ -755,7 +740,7 @@ def _select_tile(p, raw, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
     if tl.max(n_take, axis=0) > 0:
         take32 = take.to(tl.int32)
         pos = cnt[None, :] + tl.cumsum(take32, axis=0) - take32
-        tl.store(scr_cols + pos, raw, mask=take)
+        tl.store(scr_cols + pos, p, mask=take)
         cnt += n_take
     return cnt, thr
 
@@ -769,7 +754,7 @@ def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2
         _compact_row(row_ptr, tl.arange(0, CAP) < n, n, TOPK, CAP, 0)
         tl.debug_barrier()
     offs = tl.arange(0, TOPK_P2)
-    keys = tl.where(offs < TOPK, _order(tl.load(row_ptr + offs, mask=offs < TOPK, other=0)), EMPTY)
+    keys = tl.load(row_ptr + offs, mask=offs < TOPK, other=EMPTY)
     if RANK_SORT:
         pos = _rank_desc(keys)
         keep = offs < TOPK
@@ -909,10 +894,8 @@ def {{KERNEL_NAME}}(
                     # threshold's loses the tie to it: keep y > thr_v, and NaN (which sorts
                     # above +inf); a NaN threshold takes everything.
                     take = (~(y <= thr_v[None, :])) & key_ok[:, None] & row_ok[None, :]
-                    # the raw key's words: the score's bits, and 0xFFFFFFFF - key index
-                    lo = tl.broadcast_to((~keys).to(tl.int32)[:, None], [BLOCK_N, BLOCK_M])
-                    _store_taken(scr + (offs_m[None, :] * CAP + cnt * BLOCK_N + offs_n[:, None]), lo,
-                                 y.to(tl.int32, bitcast=True), take)
+                    p = _pack(y, keys[:, None])
+                    _store_taken(scr + (offs_m[None, :] * CAP + cnt * BLOCK_N + offs_n[:, None]), p, take)
                     cnt += take.to(tl.int32)
             t0 = t_stop
             if PROFILE:
@@ -965,9 +948,9 @@ def {{KERNEL_NAME}}(
                 if wanted:
                     keys64 = tf + offs_n.to(tl.int64)
                     key_ok = keys64 < t_end
-                    raw = _raw(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) - float("inf"), keys64[:, None])
-                    cnt1, thr = _select_tile(_order(raw), raw, key_ok, row_ok, cnt1, thr, scr, scr_cols, offs_m,
-                                             TOPK, CAP, BLOCK_M)
+                    p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) - float("inf"), keys64[:, None])
+                    cnt1, thr = _select_tile(p, key_ok, row_ok, cnt1, thr, scr, scr_cols, offs_m, TOPK, CAP,
+                                             BLOCK_M)
             # 3. per row: compact to the TOPK best, sort those, write them
             tl.debug_barrier()
             if PROFILE:
@@ -993,8 +976,7 @@ def {{KERNEL_NAME}}(
                     s_rows = mb.to(tl.int64) * BLOCK_M + rr
                     offs_k = tl.arange(0, TOPK_P2)
                     ok = (s_rows < S)[:, None] & (offs_k < TOPK)[None, :]
-                    keys2 = tl.where(ok, _order(tl.load(scr + rr[:, None] * CAP + offs_k[None, :], mask=ok, other=0)),
-                                     EMPTY)
+                    keys2 = tl.load(scr + rr[:, None] * CAP + offs_k[None, :], mask=ok, other=EMPTY)
                     best = tl.sort(keys2, dim=1, descending=True)
                     out = (b64 * S + s_rows)[:, None] * TOPK + offs_k[None, :]
                     tl.store(OUT_IDX + out, _unpack_index(best).to(OUT_IDX.dtype.element_ty), mask=ok)
