@@ -771,7 +771,7 @@ def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2
 
 @triton.jit
 def {{KERNEL_NAME}}(
-    Q, K, W, SCRATCH, COUNTER, OUT_IDX, OUT_VAL, PROF,
+    Q, K, W, SCRATCH, COUNTER, OUT_IDX, OUT_VAL, PROF, K_DESC, k_desc_rows,
 {{MASK_ARGS_DEF}}    stride_qb, stride_qs, stride_qh, stride_qd,
     # the key strides within a batch are compile-time constants: a key tile's per-element
     # offsets then come from the thread index in a few instructions instead of occupying
@@ -786,7 +786,7 @@ def {{KERNEL_NAME}}(
     RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, SYNC_WATER: tl.constexpr,
     SLACK: tl.constexpr,
     IDX32: tl.constexpr, SORT_ROWS: tl.constexpr,
-    REREAD_W: tl.constexpr, PROFILE: tl.constexpr,
+    REREAD_W: tl.constexpr, PROFILE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # Persistent programs take row blocks from an atomic counter, heaviest first (the last
     # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
@@ -874,7 +874,13 @@ def {{KERNEL_NAME}}(
             for tt in range(t0, t_stop, BLOCK_N):
                 keys = tt + offs_n
                 key_ok = keys < t_end_k
-                if HK == 1:
+                if USE_TMA:
+                    # one bulk copy per tile (K as [batches x T, D]; rows past the copy's
+                    # batch or past the tensor are masked by key_ok or zero-filled)
+                    kt = K_DESC.load([b * k_desc_rows + tt, 0])
+                    if UPCAST:
+                        kt = kt.to(tl.float32)
+                elif HK == 1:
                     kt = _load_k(K, k_base, 0, tt, k_offs, key_ok, d_ok, stride_kt, stride_kh, UPCAST)
                 else:
                     kt = tl.zeros([BLOCK_N, BLOCK_D], dtype=K.dtype.element_ty)

@@ -66,6 +66,14 @@ class HyTopKConfig:
     # returns a [programs, 8] int64 tensor instead of its outputs (slots: _prof_add in the
     # generated kernel). benchmarks/profile_sections.py prints it.
     profile: bool = False
+    # Key tiles by TMA (a host tensor descriptor over K as [batches x T, D]: one bulk copy per
+    # tile, zero-filled past the tensor) instead of per-thread masked loads. Used only where
+    # the layout allows it (one kv head, 16-bit keys, rows 16-byte aligned, batches
+    # contiguous); elsewhere the pointer loads. Prepared in session 5, not yet measured on a
+    # GPU: off by default (docs/kernel-design.md, v8 "What next"). Its pipeline barriers add
+    # 24 B of shared memory: at the DSA shape 3 stages then take 115,736 B, one program per
+    # SM, so set num_stages=2 with it (99,344 B).
+    tma: bool = False
 
 
 def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True, D: int = 128,
@@ -248,6 +256,9 @@ def hytopk_triton(
     )
 
     kern = load_kernel(spec, len(masks))
+    # (the interpreter runs it on any dtype, so that CPU tests cover the addressing)
+    k_desc, k_desc_rows = (_key_descriptor(k, B, T, cfg.block_n, block_d) if cfg.tma and Hk == 1
+                           and (native16 or interpret) else (None, 0))
     mask_args = _mask_launch_args(spec, masks, B, S, T, device)
     kb_stride = k.stride(0) if k.shape[0] == B else 0
     c = weight_scale(spec)
@@ -280,11 +291,11 @@ def hytopk_triton(
         # int32 key positions when every position the loop forms (up to T + CAP) fits
         IDX32=T + cap + 2 * cfg.block_n < 2**31,
         REREAD_W=True if cfg.reread_weights is None else bool(cfg.reread_weights),
-        SORT_ROWS=sort_rows, PROFILE=bool(cfg.profile),
+        SORT_ROWS=sort_rows, PROFILE=bool(cfg.profile), USE_TMA=k_desc is not None,
     )
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    args = [q, k, w_arg, scratch, counter, idx_out, vals32, prof, *mask_args,
+    args = [q, k, w_arg, scratch, counter, idx_out, vals32, prof, k_desc, k_desc_rows, *mask_args,
             q.stride(0), q.stride(1), q.stride(2), q.stride(3),
             kb_stride, k.stride(1), k.stride(2), k.stride(3), *w_strides,
             S, T, num_row_blocks, num_blocks]
@@ -330,6 +341,26 @@ def _launch_default(kern, nprog, args, launch, dkey):
             continue
         _STAGES[key] = stages
         return
+
+
+def _key_descriptor(k: torch.Tensor, B: int, T: int, block_n: int, block_d: int):
+    """(TensorDescriptor over k [kb, T, 1, D] viewed as [kb * T, D], rows per batch in that
+    view: T, or 0 when one key batch serves every query batch), or (None, 0) when TMA cannot
+    address it: the feature dim must be contiguous, rows and the base 16-byte aligned, the
+    batches one after another, and every row index fit in int32."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # an older triton
+        return None, 0
+    kb, _, _, D = k.shape
+    esz = k.element_size()
+    st, sd = k.stride(1), k.stride(3)
+    if sd != 1 or (st * esz) % 16 or k.data_ptr() % 16 or D * esz < 16 or kb * T + block_n >= 2**31:
+        return None, 0
+    if kb > 1 and k.stride(0) != T * st:
+        return None, 0
+    flat = k.as_strided((kb * T, D), (st, 1))
+    return TensorDescriptor(flat, [kb * T, D], [st, 1], [block_n, block_d]), (T if kb == B else 0)
 
 
 def triton_cdiv(a: int, b: int) -> int:

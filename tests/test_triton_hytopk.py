@@ -495,6 +495,23 @@ def test_large_buffer_threshold_counts(interpret):
     assert torch.equal(v[0, 0], table[0, 0, T - topk:].flip(0))
 
 
+@pytest.mark.interpret
+def test_tma_key_tiles_same_bits(interpret):
+    # HyTopKConfig(tma=True): key tiles through a tensor descriptor over K as [batches x T, D]
+    # (rows past a batch's T belong to the next batch or are zero-filled, and key_ok masks
+    # them). Two batches with their own keys, a T that is not a multiple of the tile, and a
+    # causal mask; the same block shape, so the same bits as the pointer loads.
+    g = _gen(171)
+    B, S, T, H, D, topk = 2, 12, 90, 2, 16, 7
+    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32)
+    masks = [causal_hi(B, S, T)]
+    outs = [run_exact(q, k, w, masks, topk, DSA, config=HyTopKConfig(block_n=32, tma=t)) for t in (False, True)]
+    assert_same_bits(outs)
+    # one key batch shared by both query batches (k.shape[0] == 1)
+    outs = [run_exact(q, k[:1], w, masks, topk, DSA, config=HyTopKConfig(block_n=32, tma=t)) for t in (False, True)]
+    assert_same_bits(outs)
+
+
 def _score_table_rows(g, T):
     """Rows of fp32 scores that stress the k-th search: its start at the highest bit where
     a row's smallest and largest score differ, and the tie and special-value paths."""
