@@ -697,9 +697,10 @@ def test_gpu_dsa_shape_bf16(cuda):
     # the same call again is bitwise identical
     v2, i2 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True)
     assert torch.equal(i2, idx) and torch.equal(v2.view(torch.int32), vals.view(torch.int32))
-    # so are the selection options that leave the arithmetic alone
+    # so are the options that leave the arithmetic alone (TMA key tiles: added in session 5,
+    # first run on a GPU in the next)
     default = triton_hytopk.default_config(S, T, topk, q.device, True, D, H)
-    for extra in (dict(sort_rows=2), dict(sort_rows=4)):
+    for extra in (dict(sort_rows=2), dict(sort_rows=4), dict(tma=True, num_stages=2)):
         cfg = dataclasses.replace(default, **extra)
         v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
         assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra
