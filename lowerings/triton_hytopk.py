@@ -256,8 +256,11 @@ def hytopk_triton(
     )
 
     kern = load_kernel(spec, len(masks))
-    # (the interpreter runs it on any dtype, so that CPU tests cover the addressing)
-    k_desc, k_desc_rows = (_key_descriptor(k, B, T, cfg.block_n, block_d) if cfg.tma and Hk == 1
+    # int32 key positions when every position the loop forms (up to T + CAP) fits
+    idx32 = T + cap + 2 * cfg.block_n < 2**31
+    # (the interpreter runs it on any dtype, so that CPU tests cover the addressing; a TMA
+    # copy takes int32 coordinates, hence idx32)
+    k_desc, k_desc_rows = (_key_descriptor(k, B, T, cfg.block_n, block_d) if cfg.tma and Hk == 1 and idx32
                            and (native16 or interpret) else (None, 0))
     mask_args = _mask_launch_args(spec, masks, B, S, T, device)
     kb_stride = k.stride(0) if k.shape[0] == B else 0
@@ -288,8 +291,7 @@ def hytopk_triton(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         UPCAST=upcast, TF32=tf32, RETURN_VALUES=write_vals, RANK_SORT=sort == "rank",
         SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water, SYNC_WATER=sync_water, SLACK=slack,
-        # int32 key positions when every position the loop forms (up to T + CAP) fits
-        IDX32=T + cap + 2 * cfg.block_n < 2**31,
+        IDX32=idx32,
         REREAD_W=True if cfg.reread_weights is None else bool(cfg.reread_weights),
         SORT_ROWS=sort_rows, PROFILE=bool(cfg.profile), USE_TMA=k_desc is not None,
     )
@@ -346,8 +348,9 @@ def _launch_default(kern, nprog, args, launch, dkey):
 def _key_descriptor(k: torch.Tensor, B: int, T: int, block_n: int, block_d: int):
     """(TensorDescriptor over k [kb, T, 1, D] viewed as [kb * T, D], rows per batch in that
     view: T, or 0 when one key batch serves every query batch), or (None, 0) when TMA cannot
-    address it: the feature dim must be contiguous, rows and the base 16-byte aligned, the
-    batches one after another, and every row index fit in int32."""
+    address it: the feature dim must be contiguous, rows distinct (not broadcast along T),
+    rows and the base 16-byte aligned, the batches one after another, and every row index
+    fit in int32."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:  # an older triton
@@ -355,8 +358,8 @@ def _key_descriptor(k: torch.Tensor, B: int, T: int, block_n: int, block_d: int)
     kb, _, _, D = k.shape
     esz = k.element_size()
     st, sd = k.stride(1), k.stride(3)
-    if sd != 1 or (st * esz) % 16 or k.data_ptr() % 16 or D * esz < 16 or kb * T + block_n >= 2**31:
-        return None, 0
+    if sd != 1 or st < D or (st * esz) % 16 or k.data_ptr() % 16 or D * esz < 16 or kb * T + block_n >= 2**31:
+        return None, 0  # (st < D: keys broadcast or overlapping along T)
     if kb > 1 and k.stride(0) != T * st:
         return None, 0
     flat = k.as_strided((kb * T, D), (st, 1))

@@ -510,6 +510,11 @@ def test_tma_key_tiles_same_bits(interpret):
     # one key batch shared by both query batches (k.shape[0] == 1)
     outs = [run_exact(q, k[:1], w, masks, topk, DSA, config=HyTopKConfig(block_n=32, tma=t)) for t in (False, True)]
     assert_same_bits(outs)
+    # keys broadcast along T (row stride 0) cannot be a descriptor: the pointer loads serve
+    kx = k[:1, :1].expand(B, T, 1, D)
+    assert triton_hytopk._key_descriptor(kx, B, T, 32, 16) == (None, 0)
+    assert triton_hytopk._key_descriptor(k, B, T, 32, 16)[1] == T
+    run_exact(q, kx, w, masks, topk, DSA, config=HyTopKConfig(block_n=32, tma=True))
 
 
 def _score_table_rows(g, T):
