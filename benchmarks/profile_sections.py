@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bench_hytopk as bh  # noqa: E402
-from sweep_hytopk_config import parse_fields  # noqa: E402
+from sweep_hytopk_config import default_fields, parse_fields  # noqa: E402
 
 SECTIONS = ("tile loop", "in-loop compactions", "final compactions", "fillers", "sort + write")
 
@@ -36,10 +36,8 @@ def profile(S: int, inputs: str, config: str):
 
     q, k, w = bh.make_inputs(S, inputs, seed=0)
     hi = (torch.arange(S, device="cuda") + 1).view(1, S)
-    d = th.default_config(S, S, bh.TOPK, q.device, True, bh.D, bh.H)
     fields = parse_fields(config) if config and config != "default" else {}
-    cfg = th.HyTopKConfig(**{**dict(block_n=d.block_n, num_warps=d.num_warps, num_stages=d.num_stages), **fields},
-                          profile=True)
+    cfg = th.HyTopKConfig(**{**default_fields(S), **fields}, profile=True)
     th.hytopk_triton(q, k.unsqueeze(2), w, [hi], bh.TOPK, bh.dsa_spec(), config=cfg)  # compile
     prof = th.hytopk_triton(q, k.unsqueeze(2), w, [hi], bh.TOPK, bh.dsa_spec(), config=cfg)
     torch.cuda.synchronize()

@@ -36,6 +36,14 @@ CONFIGS = {
 }
 
 
+def default_fields(seq: int) -> dict:
+    """The launch's own default block shape and stages at the DSA shape, as config fields."""
+    from hyscale_compile.lowerings.triton_hytopk import default_config
+
+    d = default_config(seq, seq, bh.TOPK, torch.device("cuda"), True, bh.D, bh.H)
+    return dict(block_n=d.block_n, num_warps=d.num_warps, num_stages=d.num_stages)
+
+
 def parse_fields(text: str) -> dict:
     """'num_stages=2,low_water=16' -> {'num_stages': 2, 'low_water': 16} (ints where they parse)."""
     out = {}
@@ -54,10 +62,7 @@ def main(argv=None) -> int:
     # named configs separated by ","; or, when any "=" appears, ";"-separated items that are
     # each a name or a comma-separated list of HyTopKConfig fields over the default
     # ("num_stages=2,low_water=16")
-    from hyscale_compile.lowerings.triton_hytopk import default_config
-
-    d = default_config(args.seq, args.seq, bh.TOPK, torch.device("cuda"), True, bh.D, bh.H)
-    CONFIGS["default"] = dict(block_n=d.block_n, num_warps=d.num_warps, num_stages=d.num_stages)
+    CONFIGS["default"] = default_fields(args.seq)
     names = [c.strip() for c in args.configs.split(";" if "=" in args.configs else ",") if c.strip()]
     for c in names:
         if "=" in c:

@@ -597,6 +597,18 @@ def _rank_desc(keys):
 
 
 @triton.jit
+def _highest_bit(x):
+    # Index of the highest set bit of a uint32 scalar (0 for x <= 1): five halving steps.
+    hb = tl.zeros([], dtype=tl.int32)
+    for i in tl.static_range(5):
+        sh = 16 >> i
+        big = x >= (1 << sh)
+        x = tl.where(big, x >> sh, x)
+        hb += tl.where(big, sh, 0)
+    return hb
+
+
+@triton.jit
 def _kth_largest(keys, u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
     # A key kth with TOPK <= #{valid keys >= kth} <= TOPK + SLACK (the valid keys are
     # distinct; n > TOPK of them; u: their score bits, _score_bits, 0 where not valid).
@@ -616,22 +628,7 @@ def _kth_largest(keys, u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
     # spilled and measured slower (docs/kernel-design.md, v8).
     umin, umax = _min_max(tl.where(valid, u, tl.full([], 4294967295, tl.uint32)), u)
     # bit: the highest bit where umin and umax differ (0 when every key has the same score)
-    x = umin ^ umax
-    hb = tl.zeros([], dtype=tl.int32)
-    big = x >= 65536
-    x = tl.where(big, x >> 16, x)
-    hb += tl.where(big, 16, 0)
-    big = x >= 256
-    x = tl.where(big, x >> 8, x)
-    hb += tl.where(big, 8, 0)
-    big = x >= 16
-    x = tl.where(big, x >> 4, x)
-    hb += tl.where(big, 4, 0)
-    big = x >= 4
-    x = tl.where(big, x >> 2, x)
-    hb += tl.where(big, 2, 0)
-    hb += tl.where(x >= 2, 1, 0)
-    hbu = hb.to(tl.uint32)
+    hbu = _highest_bit(umin ^ umax).to(tl.uint32)
     bit = tl.where(umin == umax, 0, tl.full([], 1, tl.uint32) << hbu)
     # the bits above it, common to every key; every valid key is >= this prefix
     prefix = tl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)

@@ -249,7 +249,6 @@ def hytopk_triton(
     # 16-bit operands of one dtype go to the tensor cores as they are (products are exact
     # in fp32). Everything else is upcast in-kernel to fp32 and uses IEEE (or TF32 when
     # the spec allows it) dots; the interpreter always upcasts (it has no bf16 math).
-    native16 = q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16) and not interpret
     upcast = not native16
     tf32 = (
         spec.fp32_precision == "tf32" and q.dtype == torch.float32 and k.dtype == torch.float32 and not interpret
