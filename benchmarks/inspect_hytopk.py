@@ -45,7 +45,7 @@ from triton.runtime import driver  # noqa: E402
 from sweep_hytopk_config import parse_fields  # noqa: E402  (benchmarks/ is this script's directory)
 
 H, D, TOPK = 64, 128, 2048
-DEFAULT_CONFIGS = "default;num_stages=2;reread_weights=False;score_only=1"
+DEFAULT_CONFIGS = "default;tma=0,num_stages=3,reread_weights=1;reread_weights=1;score_only=1"
 
 
 class _Sm90:
@@ -75,7 +75,7 @@ def compile_dsa(fields: dict, S: int = 4096):
     w = torch.empty(1, S, H)
     hi = torch.arange(1, S + 1).view(1, S)
     # the launch's own default at this shape, with the given fields over it
-    base = default_config(S, S, TOPK, torch.device("cuda"), True, D, H)
+    base = default_config(S, S, TOPK, torch.device("cuda"), True, D, H, tma=True)  # k's layout takes TMA
     cfg = dataclasses.replace(base, **{"num_programs": 264, **fields})
 
     def launcher(kern, args, launch):

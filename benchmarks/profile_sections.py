@@ -7,6 +7,8 @@ Sections: the scored-tile loops (scoring + append), the compactions inside the l
 final compactions, the filler tiles, and the sort + write; "rest" is the whole row block
 minus those (scheduling, loop restarts' bookkeeping). Counts: rows compacted inside the
 loop, per row; inner-loop runs per row block; and the tile loop's cycles per scored tile.
+A compaction (in the loop, and the final one) is split into loading the row's buffer, the
+threshold search, and the cumsum + store, in kcycles per compaction.
 ``--configs`` items are ``HyTopKConfig`` fields over the default (``score_only=1`` times
 the loop without selection). Shape and inputs are ``bench_hytopk.py``'s (H=64, D=128,
 k=2048, causal, bf16). The timer reads add a little work: compare shares and cycles, take
@@ -62,15 +64,21 @@ def main(argv=None) -> int:
                 blocks = -(-S // block_m)
                 tiles = sum(-(-(min(S, r0 + block_m)) // block_n) for r0 in range(0, S, block_m))  # causal
                 shares = [100.0 * x / block for x in tot[:5]] + [100.0 * rest / block]
-                rows.append((S, inputs, config, shares, tot[6] / S, tot[7] / blocks, block / blocks, tot[0] / tiles))
+                # one compaction (per row), in kcycles: load / search / cumsum + store
+                inl = [x / max(tot[6], 1) / 1e3 for x in tot[8:11]]
+                fin = [x / S / 1e3 for x in tot[11:14]]
+                rows.append((S, inputs, config, shares, tot[6] / S, tot[7] / blocks, block / blocks, tot[0] / tiles,
+                             inl, fin))
                 bh.log(S, inputs, config, tot)
     print(f"\nHyTopK sections ({torch.cuda.get_device_name()}, torch {torch.__version__}): % of row-block cycles")
     print("| S | inputs | config | " + " | ".join(SECTIONS) + " | rest | compactions / row | inner loops / block "
-          "| kcycles / block | loop cycles / tile |")
-    print("|---" * (len(SECTIONS) + 9) + "|")
-    for S, inputs, config, shares, comp, loops, cyc, per_tile in rows:
+          "| kcycles / block | loop cycles / tile | in-loop compaction kcycles: load / search / store "
+          "| final compaction kcycles: load / search / store |")
+    print("|---" * (len(SECTIONS) + 11) + "|")
+    for S, inputs, config, shares, comp, loops, cyc, per_tile, inl, fin in rows:
         print(f"| {S} | {inputs} | {config} | " + " | ".join(f"{x:.1f}" for x in shares)
-              + f" | {comp:.2f} | {loops:.1f} | {cyc / 1e3:.0f} | {per_tile:.0f} |")
+              + f" | {comp:.2f} | {loops:.1f} | {cyc / 1e3:.0f} | {per_tile:.0f} | "
+              + " / ".join(f"{x:.1f}" for x in inl) + " | " + " / ".join(f"{x:.1f}" for x in fin) + " |")
     return 0
 
 

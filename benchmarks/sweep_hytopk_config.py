@@ -40,8 +40,10 @@ def default_fields(seq: int) -> dict:
     """The launch's own default block shape and stages at the DSA shape, as config fields."""
     from hyscale_compile.lowerings.triton_hytopk import default_config
 
-    d = default_config(seq, seq, bh.TOPK, torch.device("cuda"), True, bh.D, bh.H)
-    return dict(block_n=d.block_n, num_warps=d.num_warps, num_stages=d.num_stages)
+    # the benchmark's keys ([1, S, 1, D] bf16, contiguous) take TMA key tiles
+    d = default_config(seq, seq, bh.TOPK, torch.device("cuda"), True, bh.D, bh.H, tma=True)
+    return dict(block_n=d.block_n, num_warps=d.num_warps, num_stages=d.num_stages, tma=d.tma,
+                reread_weights=d.reread_weights)
 
 
 def parse_fields(text: str) -> dict:

@@ -37,7 +37,7 @@ from .spec import ScoreSpec, SpecError, skippable_mask_terms
 
 # Bumped whenever the template changes in a way the hash of the source would not show
 # (it always does today: the version is part of the source text).
-CODEGEN_VERSION = 8
+CODEGEN_VERSION = 9
 
 _MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
 _LOCK = threading.Lock()
@@ -264,11 +264,22 @@ def _store_taken(ptrs, p, take):
 # made the load, so the read-modify-write needs no atomic.
 _CLOCK_PTX = """@triton.jit
 def _clock():
-    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)"""
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _clock_after(x):
+    # the cycle counter, read once the int64 scalar x is known (an unused asm operand)
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [x], dtype=tl.int64, is_pure=False, pack=1)"""
 
 _CLOCK_INTERP = """@triton.jit
 def _clock():
-    return tl.zeros([], dtype=tl.int64)  # the interpreter has no cycle counter"""
+    return tl.zeros([], dtype=tl.int64)  # the interpreter has no cycle counter
+
+
+@triton.jit
+def _clock_after(x):
+    return tl.zeros([], dtype=tl.int64)"""
 
 _STORE_TAKEN_INTERP = """@triton.jit
 def _store_taken(ptrs, p, take):
@@ -470,8 +481,9 @@ def _pack(y, keys):
 def _prof_add(PROF, pid, slot: tl.constexpr, delta):
     # PROFILE sections (per program): 0 scored-tile loops, 1 in-loop compactions, 2 final
     # compactions, 3 filler tiles, 4 sort + write, 5 whole row blocks (cycles); 6 rows
-    # compacted inside the loop, 7 inner-loop runs (counts)
-    p = PROF + pid * 8 + slot
+    # compacted inside the loop, 7 inner-loop runs (counts); in-loop compactions 8 load,
+    # 9 threshold search, 10 cumsum + store; final compactions 11, 12, 13 the same (cycles)
+    p = PROF + pid * 16 + slot
     tl.store(p, tl.load(p) + delta)
 
 
@@ -670,32 +682,46 @@ def _score_bits(keys):
 
 
 @triton.jit
-def _compact_row(row_ptr, valid, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.constexpr):
+def _compact_row(row_ptr, valid, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.constexpr,
+                 prof_ptr=None, PROFILE: tl.constexpr = False):
     # The best m of the n valid keys among row_ptr[0:CAP], moved to row_ptr[0:m] in no
     # particular order: m = n when n <= TOPK, else TOPK <= m <= TOPK + SLACK (m = TOPK when
     # SLACK = 0). Returns (m, the smallest key kept, or EMPTY when n <= TOPK). No sort: a
     # count-based search for the threshold (_kth_largest), then one compaction.
+    # (PROFILE: prof_ptr[0:3] += cycles of the load, the search, the cumsum + store)
+    if PROFILE:
+        c0 = _clock()
     offs = tl.arange(0, CAP)
     keys = tl.load(row_ptr + offs, mask=valid, other=EMPTY)
     kth = tl.full([], EMPTY, tl.int64)
     m = n
+    if PROFILE:
+        c1 = _clock_after(tl.max(keys, axis=0))
     if n > TOPK:
         u = tl.where(valid, _score_bits(keys), 0)
         kth, m = _kth_largest(keys, u, valid, n, TOPK, SLACK)
+    if PROFILE:
+        c2 = _clock_after(kth)
     keep = valid & (keys >= kth)                    # real keys are > EMPTY
     k32 = keep.to(tl.int32)
     pos = tl.cumsum(k32, axis=0) - k32
     tl.debug_barrier()  # every thread has read the row before any thread overwrites it
     tl.store(row_ptr + pos, keys, mask=keep)
+    if PROFILE:
+        tl.debug_barrier()
+        c3 = _clock()
+        tl.store(prof_ptr, tl.load(prof_ptr) + (c1 - c0))
+        tl.store(prof_ptr + 1, tl.load(prof_ptr + 1) + (c2 - c1))
+        tl.store(prof_ptr + 2, tl.load(prof_ptr + 2) + (c3 - c2))
     return m, kth
 
 
 @triton.jit
 def _compact_lanes(row_ptr, lane_cnt_ptr, TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SLACK: tl.constexpr):
+                   SLACK: tl.constexpr, prof_ptr, PROFILE: tl.constexpr):
     # _compact_row over a row held as lane sub-buffers.
     n = tl.sum(tl.load(lane_cnt_ptr + tl.arange(0, BLOCK_N)), axis=0)
-    return _compact_row(row_ptr, _lane_valid(lane_cnt_ptr, CAP, BLOCK_N), n, TOPK, CAP, SLACK)
+    return _compact_row(row_ptr, _lane_valid(lane_cnt_ptr, CAP, BLOCK_N), n, TOPK, CAP, SLACK, prof_ptr, PROFILE)
 
 
 @triton.jit
@@ -743,8 +769,23 @@ def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
 
 
 @triton.jit
+def _sort_desc(keys, N: tl.constexpr, R: tl.constexpr):
+    # keys [N] in descending order by tl.sort's bitonic network, its low index bits moved into
+    # registers first. The network compares elements whose flat indices differ in one bit,
+    # and the low bits take the most steps; in Triton's layout of a plain [N] vector the low
+    # bits are lanes and warps (shuffles, shared-memory exchanges) and the top log2(R) bits
+    # are registers (R = N / threads). The keys are a set, so their order going in is free:
+    # viewed as [R, N / R] and transposed, the register bits become the low ones. For 2048
+    # int64 keys, 4 warps (R = 16), sm_90: 8968 -> 7144 instructions, shuffles 1792 -> 896,
+    # barriers 32 -> 10 (docs/kernel-design.md, v9).
+    if R > 1:
+        keys = tl.reshape(tl.trans(tl.reshape(keys, [R, N // R])), [N])
+    return tl.sort(keys, descending=True)
+
+
+@triton.jit
 def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-              CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr):
+              CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr, SORT_R: tl.constexpr):
     # Write the TOPK best of the n (>= TOPK) keys in row_ptr[0:n], in (value desc, index
     # asc) order: compact to TOPK keys, then sort only those.
     if n > TOPK:
@@ -754,12 +795,11 @@ def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2
     keys = tl.load(row_ptr + offs, mask=offs < TOPK, other=EMPTY)
     if RANK_SORT:
         pos = _rank_desc(keys)
-        keep = offs < TOPK
         best = keys
     else:
-        best = tl.sort(keys, descending=True)  # bitonic
-        pos = offs
-        keep = offs < TOPK
+        best = _sort_desc(keys, TOPK_P2, SORT_R)  # bitonic
+        pos = tl.arange(0, TOPK_P2)
+    keep = pos < TOPK
     out = out_off + pos
     tl.store(OUT_IDX + out, _unpack_index(best).to(OUT_IDX.dtype.element_ty), mask=keep)
     if RETURN_VALUES:
@@ -782,8 +822,8 @@ def {{KERNEL_NAME}}(
     UPCAST: tl.constexpr, TF32: tl.constexpr, RETURN_VALUES: tl.constexpr,
     RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, SYNC_WATER: tl.constexpr,
     SLACK: tl.constexpr,
-    IDX32: tl.constexpr, SORT_ROWS: tl.constexpr,
-    REREAD_W: tl.constexpr, PROFILE: tl.constexpr, USE_TMA: tl.constexpr,
+    IDX32: tl.constexpr, SORT_ROWS: tl.constexpr, SORT_R: tl.constexpr,
+    W_AT: tl.constexpr, PROFILE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # Persistent programs take row blocks from an atomic counter, heaviest first (the last
     # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
@@ -866,6 +906,14 @@ def {{KERNEL_NAME}}(
         while t0 < v1_k:
             space = SUBCAP - tl.max(tl.max(cnt, axis=0), axis=0)
             t_stop = tl.minimum(v1_k, t0 + space * BLOCK_N)
+            if W_AT == 1:
+                # the head weights, held in registers through this tile loop only: not live
+                # across the compactions between loops, which then do not spill (v9). A new
+                # name, so that they are not a loop-carried value of the outer loop; the
+                # offset t0 // (T + 1) is 0, but not provably, so the load stays here.
+                wv_l = tl.load(W + w_col_off + t0 // (T + 1), mask=col_ok, other=0.0).to(tl.float32)
+            else:
+                wv_l = wv0
             if PROFILE:
                 c_sec = _clock()
             for tt in range(t0, t_stop, BLOCK_N):
@@ -882,13 +930,13 @@ def {{KERNEL_NAME}}(
                 else:
                     kt = tl.zeros([BLOCK_N, BLOCK_D], dtype=K.dtype.element_ty)
                 y = _score_tile(
-                    kt, qb0, wv0,
+                    kt, qb0, wv_l,
                     Q, K, W, {{SCORE_MASK_ARGS}}
                     stride_qh, stride_qd, stride_kt, stride_kh, stride_wh,
                     {{ROW_BOUND_ARGS_DEF}}
                     b64, rows64, row_ok, q_col_off, w_col_off, col_ok, k_base, tt, k_offs, keys, key_ok,
                     offs_d, d_ok, T,
-                    HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32, REREAD_W,
+                    HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32, W_AT == 2,
                 )
                 if SCORE_ONLY:
                     chk += tl.sum(tl.where(key_ok[:, None], y, 0.0), axis=0)
@@ -917,7 +965,8 @@ def {{KERNEL_NAME}}(
                         if c > SUBCAP - SYNC_WATER:
                             # (with n <= TOPK keys this only repacks the row; LOW_WATER <=
                             # SUBCAP - ceil((TOPK + SLACK) / BLOCK_N) leaves room after it)
-                            nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, SLACK)
+                            nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, SLACK,
+                                                     PROF + pid * 16 + 8, PROFILE)
                             kept = tl.where(offs_m == r, nk, kept)
                             thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
                             if PROFILE:
@@ -935,7 +984,8 @@ def {{KERNEL_NAME}}(
             tl.debug_barrier()
             cnt1 = tl.zeros([BLOCK_M], dtype=tl.int32)
             for r in range(BLOCK_M):
-                nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, 0)
+                nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, 0,
+                                         PROF + pid * 16 + 11, PROFILE)
                 cnt1 = tl.where(offs_m == r, nk, cnt1)
                 thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
             tl.debug_barrier()
@@ -965,7 +1015,7 @@ def {{KERNEL_NAME}}(
                     if s < S:
                         c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
                         _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
-                                  TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES)
+                                  TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, SORT_R)
             else:
                 for r in range(BLOCK_M):
                     c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)

@@ -8,7 +8,7 @@ tensors under ``TRITON_INTERPRET=1`` (tests). Algorithm: docs/kernel-design.md.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -55,29 +55,33 @@ class HyTopKConfig:
     # Candidate buffer per row, in keys (a power of two); None: the smallest power of two
     # >= 2k with room for two tiles per lane above a compacted row.
     cap: Optional[int] = None
-    # Head weights (one kv head): re-read from L1 every tile instead of held in registers
-    # for the whole row block (BLOCK_M * GP / 4 registers per thread next to the
-    # accumulator). None: re-read.
-    reread_weights: Optional[bool] = None
+    # Head weights (one kv head), BLOCK_M * GP / 4 registers per thread next to the
+    # accumulator: re-read from L1 every tile (None, True); held for the whole row block
+    # (False); or "loop": loaded before each tile loop, held through it, not across the
+    # compactions between loops. default_config holds them when the key tiles come by TMA
+    # (which frees the registers): 28.5 against 30.2 ms at 32K (docs/kernel-design.md, v9).
+    reread_weights: Optional[Union[bool, str]] = None
     # Rows sorted together by one bitonic tl.sort at the end of a row block (a divisor of
     # block_m; the "rank" sort always goes row by row). None: 1.
     sort_rows: Optional[int] = None
     # Benchmarks only (GPU): time the kernel's sections with the SM cycle counter; the call
-    # returns a [programs, 8] int64 tensor instead of its outputs (slots: _prof_add in the
+    # returns a [programs, 16] int64 tensor instead of its outputs (slots: _prof_add in the
     # generated kernel). benchmarks/profile_sections.py prints it.
     profile: bool = False
     # Key tiles by TMA (a host tensor descriptor over K as [batches x T, D]: one bulk copy per
     # tile, zero-filled past the tensor) instead of per-thread masked loads. Used only where
     # the layout allows it (one kv head, 16-bit keys, rows 16-byte aligned, batches
-    # contiguous); elsewhere the pointer loads. Prepared in session 5, not yet measured on a
-    # GPU: off by default (docs/kernel-design.md, v8 "What next"). Its pipeline barriers add
-    # 24 B of shared memory: at the DSA shape 3 stages then take 115,736 B, one program per
-    # SM, so set num_stages=2 with it (99,344 B).
+    # contiguous, int32 key positions); elsewhere the pointer loads. default_config turns it
+    # on where it applies, with 2 key-tile stages (its pipeline barriers add 24 B of shared
+    # memory: 3 stages at the DSA shape would take 115,736 B, one program per SM) and held
+    # weights.
     tma: bool = False
 
 
 def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True, D: int = 128,
-                   gp: int = 64) -> HyTopKConfig:
+                   gp: int = 64, tma: bool = False) -> HyTopKConfig:
+    """The launch parameters for a shape (no autotuning). ``tma``: the key layout takes TMA
+    key tiles (``_tma_applies``)."""
     if device.type != "cuda":
         # Interpreter: every program and tile step costs tens of ms; keep tiles small.
         return HyTopKConfig(block_n=32, num_warps=1)
@@ -88,15 +92,31 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
     # As many key-tile stages (up to 3) as keep two programs resident per SM: at the DSA
     # shape the Q block (64 KiB) + 3 key tiles (16 KiB each) + 1 KiB of scratch is exactly
     # half an H100/H200 SM's shared memory. 3 stages measured 10-15% faster than 2 there
-    # (docs/kernel-design.md, v7).
+    # with pointer loads (docs/kernel-design.md, v7); TMA's barriers (8 B a stage) leave
+    # room for 2, and with TMA 2 stages are as fast (v9).
     bd = max(16, _next_pow2(D))
     q_bytes = _block_m(HyTopKConfig(), gp, False) * gp * bd * 2
 
     def fits(stages, programs):
-        return programs * (q_bytes + stages * 64 * bd * 2 + 2048) <= 228 * 1024
+        return programs * (q_bytes + stages * (64 * bd * 2 + (8 if tma else 0)) + 2048) <= 228 * 1024
     programs = 2 if fits(1, 2) else 1
     stages = next((n for n in (3, 2) if fits(n, programs)), 1)
+    if tma:
+        # TMA frees the registers that held weights need (v9: -5% at 32K, -8% at 128K)
+        return HyTopKConfig(block_n=64, num_warps=4, num_stages=stages, tma=True, reread_weights=False)
     return HyTopKConfig(block_n=64, num_warps=4, num_stages=stages)
+
+
+def _weights_at(reread) -> int:
+    """HyTopKConfig.reread_weights as the kernel's W_AT: 2 every tile (None, True), 1 every
+    tile loop ("loop"), 0 once per row block (False)."""
+    if reread is None or reread is True or reread == 1:
+        return 2
+    if reread is False or reread == 0:
+        return 0
+    if reread == "loop":
+        return 1
+    raise SpecError(f"config.reread_weights={reread!r}; expected True, False or 'loop'")
 
 
 def _block_m(cfg: HyTopKConfig, gp: int, interpret: bool) -> int:
@@ -200,7 +220,13 @@ def hytopk_triton(
     native16 = q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16) and not interpret
     G = H // Hk
     gp = _next_pow2(G)
-    cfg = config or default_config(S, T, topk, device, native16, D, gp)
+    if config is None:
+        tma_ok = device.type == "cuda" and native16 and Hk == 1 and _tma_applies(k, B, T, 64)
+        config = default_config(S, T, topk, device, native16, D, gp, tma=tma_ok)
+        defaulted = True
+    else:
+        defaulted = False
+    cfg = config
     block_m = _block_m(cfg, gp, interpret)
     if block_m < 1 or block_m & (block_m - 1) or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1):
         raise SpecError(f"block_m must be a power of two and block_n a power of two >= 16, got {cfg}")
@@ -276,7 +302,7 @@ def hytopk_triton(
     counter = torch.zeros(1 + nprog * block_m * cfg.block_n, dtype=torch.int32, device=device)
     if cfg.profile and interpret:
         raise SpecError("config.profile reads the GPU's cycle counter: it needs a CUDA device")
-    prof = torch.zeros((nprog, 8) if cfg.profile else (1,), dtype=torch.int64, device=device)
+    prof = torch.zeros((nprog, 16) if cfg.profile else (1,), dtype=torch.int64, device=device)
     write_vals = return_values
     if cfg.score_only:
         vals32 = torch.empty(nprog * block_m, dtype=torch.float32, device=device)
@@ -291,8 +317,10 @@ def hytopk_triton(
         UPCAST=upcast, TF32=tf32, RETURN_VALUES=write_vals, RANK_SORT=sort == "rank",
         SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water, SYNC_WATER=sync_water, SLACK=slack,
         IDX32=idx32,
-        REREAD_W=True if cfg.reread_weights is None else bool(cfg.reread_weights),
+        W_AT=_weights_at(cfg.reread_weights),
         SORT_ROWS=sort_rows, PROFILE=bool(cfg.profile), USE_TMA=k_desc is not None,
+        # keys per thread in the final sort (_sort_desc): its low network bits in registers
+        SORT_R=max(1, topk_p2 // (128 * (1 if interpret else cfg.num_warps))),
     )
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -305,7 +333,7 @@ def hytopk_triton(
         return _launcher(kern, args, dict(launch, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     guard = torch.cuda.device(device) if device.type == "cuda" else _nullcontext()
     with guard:
-        if interpret or config is not None:
+        if interpret or not defaulted:
             kern[(nprog,)](*args, **launch)
         else:
             _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
@@ -344,23 +372,33 @@ def _launch_default(kern, nprog, args, launch, dkey):
         return
 
 
-def _key_descriptor(k: torch.Tensor, B: int, T: int, block_n: int, block_d: int):
-    """(TensorDescriptor over k [kb, T, 1, D] viewed as [kb * T, D], rows per batch in that
-    view: T, or 0 when one key batch serves every query batch), or (None, 0) when TMA cannot
-    address it: the feature dim must be contiguous, rows distinct (not broadcast along T),
-    rows and the base 16-byte aligned, the batches one after another, and every row index
-    fit in int32."""
+def _tma_applies(k: torch.Tensor, B: int, T: int, block_n: int) -> bool:
+    """Whether TMA key tiles can address k [kb, T, 1, D]: the feature dim contiguous, rows
+    distinct (not broadcast or overlapping along T), rows and the base 16-byte aligned, the
+    batches one after another, every row index in int32, and room in int32 for key
+    positions up to T plus a candidate buffer of 2^22 keys (the launch checks its own)."""
     try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:  # an older triton
-        return None, 0
+        return False
     kb, _, _, D = k.shape
     esz = k.element_size()
     st, sd = k.stride(1), k.stride(3)
     if sd != 1 or st < D or (st * esz) % 16 or k.data_ptr() % 16 or D * esz < 16 or kb * T + block_n >= 2**31:
-        return None, 0  # (st < D: keys broadcast or overlapping along T)
-    if kb > 1 and k.stride(0) != T * st:
+        return False
+    return (kb == 1 or k.stride(0) == T * st) and T + (1 << 22) < 2**31
+
+
+def _key_descriptor(k: torch.Tensor, B: int, T: int, block_n: int, block_d: int):
+    """(TensorDescriptor over k [kb, T, 1, D] viewed as [kb * T, D], rows per batch in that
+    view: T, or 0 when one key batch serves every query batch), or (None, 0) when TMA cannot
+    address it (``_tma_applies``)."""
+    if not _tma_applies(k, B, T, block_n):
         return None, 0
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    kb, _, _, D = k.shape
+    st = k.stride(1)
     flat = k.as_strided((kb * T, D), (st, 1))
     return TensorDescriptor(flat, [kb * T, D], [st, 1], [block_n, block_d]), (T if kb == B else 0)
 

@@ -440,6 +440,20 @@ def test_launch_parameters_do_not_change_bits(interpret):
     check_exact(q, k, w, masks, topk, DSA, outs[0][0], outs[0][1])
 
 
+@pytest.mark.interpret
+def test_bitonic_sort_with_register_bits_low(interpret):
+    # The final sort moves its low network bits into registers (_sort_desc: the keys viewed
+    # as [R, TOPK_P2 / R] and transposed, R = 4 here for k = 300): same order as the rank
+    # sort, ties included (small integers: many equal scores, broken by index).
+    g = _gen(181)
+    B, S, T, H, D, topk = 1, 3, 700, 2, 16, 300
+    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32, lo=-2, hi=3, w_hi=2)
+    outs = [run_exact(q, k, w, [], topk, ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum"),
+                      config=HyTopKConfig(block_m=4, block_n=32, sort=sort)) for sort in ("rank", "bitonic")]
+    assert_same_bits(outs)
+    assert (outs[0][0][0, :, 1:] == outs[0][0][0, :, :-1]).any(), "the case should have ties"
+
+
 def _compaction_case(seed):
     """k=20 over T=300 small-integer keys, weights >= 1: many compactions per row and
     exact-zero ReLU ties at the k-th score."""
@@ -471,8 +485,11 @@ def test_buffer_policy_does_not_change_bits(interpret):
     # shape, so the same arithmetic: results must be bit-identical.
     q, k, w, topk, spec = _compaction_case(151)
     outs = []
+    # Where the head weights live (reread_weights: every tile, every tile loop, the whole row
+    # block) changes registers, never arithmetic.
     for extra in (dict(low_water=1), dict(low_water=2), dict(cap=128, low_water=1), dict(cap=128, low_water=6),
-                  dict(cap=128, low_water=1, sync_water=5)):
+                  dict(cap=128, low_water=1, sync_water=5), dict(reread_weights=False),
+                  dict(reread_weights="loop", low_water=1)):
         v, i = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, **extra))
         outs.append((v, i))
     assert_same_bits(outs)
@@ -517,6 +534,27 @@ def test_tma_key_tiles_same_bits(interpret):
     run_exact(q, kx, w, masks, topk, DSA, config=HyTopKConfig(block_n=32, tma=True))
 
 
+def test_default_config_takes_tma_where_keys_allow():
+    # The GPU default (v9): TMA key tiles with held weights and 2 stages where k's layout
+    # allows a descriptor; 3 stages and re-read weights otherwise (the 24 B of TMA barriers
+    # would push 3 stages past two programs per SM at the DSA shape).
+    cuda = torch.device("cuda")
+    with_tma = triton_hytopk.default_config(32768, 32768, 2048, cuda, True, 128, 64, tma=True)
+    without = triton_hytopk.default_config(32768, 32768, 2048, cuda, True, 128, 64, tma=False)
+    assert (with_tma.tma, with_tma.reread_weights, with_tma.num_stages) == (True, False, 2)
+    assert (without.tma, without.reread_weights, without.num_stages) == (False, None, 3)
+    B, T, D = 2, 100, 64
+    k = torch.zeros(B, T, 1, D, dtype=torch.bfloat16)
+    assert triton_hytopk._tma_applies(k, B, T, 64)
+    assert triton_hytopk._tma_applies(k[:1], B, T, 64)  # one key batch for all
+    assert triton_hytopk._tma_applies(k[..., :56], B, T, 64)  # a view: rows stay 128 B apart
+    assert not triton_hytopk._tma_applies(torch.zeros(B, T, 1, 60, dtype=torch.bfloat16), B, T, 64)  # 120 B rows
+    assert not triton_hytopk._tma_applies(k.transpose(1, 3).contiguous().transpose(1, 3), B, T, 64)
+    assert not triton_hytopk._tma_applies(k[:, :1].expand(B, T, 1, D), B, T, 64)  # broadcast along T
+    assert not triton_hytopk._tma_applies(torch.zeros(B, 2 * T, 1, D, dtype=torch.bfloat16)[:, :T], B, T, 64)  # gaps
+    assert not triton_hytopk._tma_applies(k, B, 2**31 - 2**21, 64)  # positions past int32
+
+
 def _score_table_rows(g, T):
     """Rows of fp32 scores that stress the k-th search: its start at the highest bit where
     a row's smallest and largest score differ, and the tie and special-value paths."""
@@ -559,6 +597,8 @@ def test_buffer_config_errors(interpret):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, cap=48))
     with pytest.raises(SpecError, match="profile.*CUDA"):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(profile=True))
+    with pytest.raises(SpecError, match="reread_weights='tiles'"):
+        hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(reread_weights="tiles"))
 
 
 @pytest.mark.interpret
@@ -702,10 +742,11 @@ def test_gpu_dsa_shape_bf16(cuda):
     # the same call again is bitwise identical
     v2, i2 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True)
     assert torch.equal(i2, idx) and torch.equal(v2.view(torch.int32), vals.view(torch.int32))
-    # so are the options that leave the arithmetic alone (TMA key tiles: added in session 5,
-    # first run on a GPU in the next)
-    default = triton_hytopk.default_config(S, T, topk, q.device, True, D, H)
-    for extra in (dict(sort_rows=2), dict(sort_rows=4), dict(tma=True, num_stages=2)):
+    # so are the options that leave the arithmetic alone, and the pointer-load path with
+    # re-read weights (v8's default; the default here takes TMA key tiles and held weights)
+    default = triton_hytopk.default_config(S, T, topk, q.device, True, D, H, tma=True)
+    assert default.tma and default.reread_weights is False and default.num_stages == 2
+    for extra in (dict(sort_rows=2), dict(sort_rows=4), dict(tma=False, num_stages=3, reread_weights=True)):
         cfg = dataclasses.replace(default, **extra)
         v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
         assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra
