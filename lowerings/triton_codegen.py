@@ -706,7 +706,10 @@ def _compact_row(row_ptr, valid, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK
     k32 = keep.to(tl.int32)
     pos = tl.cumsum(k32, axis=0) - k32
     tl.debug_barrier()  # every thread has read the row before any thread overwrites it
-    tl.store(row_ptr + pos, keys, mask=keep)
+    # (the inline-PTX store keeps the keys in their load layout: a tl.store here with its
+    # data-dependent addresses got its own layout, and Triton moved the 32 KiB of keys and
+    # the mask through shared memory to it; v9)
+    _store_taken(row_ptr + pos, keys, keep)
     if PROFILE:
         tl.debug_barrier()
         c3 = _clock()
