@@ -516,18 +516,37 @@ def _unpack_index(p):
 @triton.jit
 def _head_sum(x, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr):
     # [BLOCK_N, BLOCK_M * GP] -> [BLOCK_N, BLOCK_M]: the GP heads of each row summed in
-    # Triton's own reduction order (chains inside a thread, then shuffles across lanes). The
-    # order is a function of the compiled kernel, and the launch configuration is a function
-    # of the shape alone (no autotuning), so the bits are reproducible across processes;
-    # other configurations may round differently (fp32 reassociation, DESIGN.md). v6's fixed
-    # pairwise tree cost 88 more instructions per tile (docs/kernel-design.md, v7).
-    return tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_M, GP]), axis=2)
+    # Triton's own reduction order. Columns are (row m, head i) at _col_row_head's
+    # ((i // 2) * BLOCK_M + m) * 2 + i % 2. The order is a function of the compiled kernel,
+    # and the launch configuration is a function of the shape alone (no autotuning), so the
+    # bits are reproducible across processes; other configurations may round differently
+    # (fp32 reassociation, DESIGN.md). v6's fixed pairwise tree cost 88 more instructions
+    # per tile (docs/kernel-design.md, v7).
+    if GP >= 2:
+        # (the long sum first: its chain of adds fuses with the weights' products into FMAs)
+        return tl.sum(tl.sum(tl.reshape(x, [BLOCK_N, GP // 2, BLOCK_M, 2]), axis=1), axis=2)
+    else:
+        return tl.reshape(x, [BLOCK_N, BLOCK_M])
+
+
+@triton.jit
+def _col_row_head(offs_c, BLOCK_M: tl.constexpr, GP: tl.constexpr):
+    # The (query row, head in group) of each dot column. The wgmma accumulator gives each
+    # thread column bit 0 and bits 3+ in registers and bits 1-2 in the lanes of a quad. With
+    # the rows at bits 1-2 (BLOCK_M = 4) the head sum stays inside each thread and leaves
+    # every (key, row) score in one lane: with the rows in registers (v8: column m * GP + i)
+    # the sum ended in shuffles that left each score in all four lanes of the quad, and the
+    # append did its work four times (docs/kernel-design.md, v9).
+    if GP >= 2:
+        return (offs_c // 2) % BLOCK_M, (offs_c // (2 * BLOCK_M)) * 2 + offs_c % 2
+    else:
+        return offs_c, offs_c * 0
 
 
 @triton.jit
 def _load_q(Q, W, q_col_off, w_col_off, hk, col_ok, offs_d, d_ok,
             stride_qh, stride_qd, stride_wh, G: tl.constexpr, UPCAST: tl.constexpr):
-    # The Q block of kv head hk as [BLOCK_M * GP, BLOCK_D]: column m*GP + i is query row m,
+    # The Q block of kv head hk as [BLOCK_M * GP, BLOCK_D]: a column is query row m,
     # head hk*G + i (the offsets carry the i part), with the matching per-column head
     # weights (0 for padding columns).
     qb = tl.load(Q + q_col_off[:, None] + (hk * G) * stride_qh + offs_d[None, :] * stride_qd,
@@ -835,10 +854,9 @@ def {{KERNEL_NAME}}(
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    # dot columns: (row m, head i) at m * GP + i
+    # dot columns: (row m, head i) pairs, in _col_row_head's order
     offs_c = tl.arange(0, BLOCK_M * GP)
-    col_m = offs_c // GP
-    col_i = offs_c % GP
+    col_m, col_i = _col_row_head(offs_c, BLOCK_M, GP)
     offs_d = tl.arange(0, BLOCK_D)
     if BLOCK_D == D:
         d_ok = tl.full([BLOCK_D], 1, tl.int1)  # a constant: the loads' masks fold away
