@@ -58,8 +58,10 @@ class HyTopKConfig:
     # Head weights (one kv head), BLOCK_M * GP / 4 registers per thread next to the
     # accumulator: re-read from L1 every tile (None, True); held for the whole row block
     # (False); or "loop": loaded before each tile loop, held through it, not across the
-    # compactions between loops. default_config holds them when the key tiles come by TMA
-    # (which frees the registers): 28.5 against 30.2 ms at 32K (docs/kernel-design.md, v9).
+    # compactions between loops (fewer spills there, but measured no faster: 23.8 against
+    # 24.2 ms at 32K, 291.5 against 279.8 at 128K). default_config holds them when the key
+    # tiles come by TMA (which frees the registers): 28.5 against 30.2 ms at 32K at the
+    # time (docs/kernel-design.md, v9).
     reread_weights: Optional[Union[bool, str]] = None
     # Rows sorted together by one bitonic tl.sort at the end of a row block (a divisor of
     # block_m; the "rank" sort always goes row by row). None: 1.
