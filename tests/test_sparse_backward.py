@@ -15,7 +15,7 @@ import hyscale_compile
 from hyscale_compile.lowerings import reference as ref
 from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
 from hyscale_compile.testing import graph_text
-from tests.contract import fresh_seed, input_and_param_grads
+from tests.contract import fresh_seed, input_and_param_grads, tolerance
 from tests.test_partition import SETUPS as REPLAY_SETUPS
 
 # ---------------------------------------------------------------------------------------
@@ -61,7 +61,12 @@ def test_op_gradients_equal_dense_reference(name):
     picked = dense.gather(-1, idx.long())
     finite = picked > -math.inf
     assert torch.equal(finite, vals > -math.inf)
-    torch.testing.assert_close(vals[finite].double(), picked[finite], atol=1e-5, rtol=1e-5)
+    # values within DESIGN.md's per-row tolerance: with bf16-rounded logits the op's fp32
+    # logit and the float64 one can round to neighbouring bf16 values (a fixed 1e-5 failed
+    # for seed 701400901: 3.5e-5 off)
+    row_tol = tolerance(q, k, w, spec).unsqueeze(-1).expand_as(vals)
+    err = (vals.double() - picked.detach()).abs()
+    assert (err[finite] <= row_tol[finite]).all(), float((err[finite] - row_tol[finite]).max())
     (picked * g.double()).sum().backward()
     tol = 2e-2 if spec.logit_dtype != "float32" else 1e-5  # the bf16 rounding's gradient is bf16-rounded
     for a, b, what in zip(got, [t.grad for t in ref_leaves], "qkw"):
