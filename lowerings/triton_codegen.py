@@ -518,8 +518,8 @@ def _head_sum(x, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr)
     # [BLOCK_N, BLOCK_M * GP] -> [BLOCK_N, BLOCK_M]: the GP heads of each row summed in
     # Triton's own reduction order. Columns are (row m, head i) at _col_row_head's
     # ((i // 2) * BLOCK_M + m) * 2 + i % 2. The order is a function of the compiled kernel,
-    # and the launch configuration is a function of the shape alone (no autotuning), so the
-    # bits are reproducible across processes; other configurations may round differently
+    # and the launch configuration of the shape and k's layout (no autotuning), so the bits
+    # are reproducible across processes; other configurations may round differently
     # (fp32 reassociation, DESIGN.md). v6's fixed pairwise tree cost 88 more instructions
     # per tile (docs/kernel-design.md, v7).
     if GP >= 2:
@@ -794,12 +794,14 @@ def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
 def _sort_desc(keys, N: tl.constexpr, R: tl.constexpr):
     # keys [N] in descending order by tl.sort's bitonic network, its low index bits moved into
     # registers first. The network compares elements whose flat indices differ in one bit,
-    # and the low bits take the most steps; in Triton's layout of a plain [N] vector the low
-    # bits are lanes and warps (shuffles, shared-memory exchanges) and the top log2(R) bits
-    # are registers (R = N / threads). The keys are a set, so their order going in is free:
-    # viewed as [R, N / R] and transposed, the register bits become the low ones. For 2048
-    # int64 keys, 4 warps (R = 16), sm_90: 8968 -> 7144 instructions, shuffles 1792 -> 896,
-    # barriers 32 -> 10 (docs/kernel-design.md, v9).
+    # and the low bits take the most steps. The keys arrive in the layout of the 32-bit
+    # output stores: flat bits 0-1 in registers (4 per vector), then lanes, then warps, then
+    # the register repeats at the top (log2(R) bits; the launcher's SORT_R = N / (4 *
+    # threads)). The keys are a set, so their order going in is free: viewed as [R, N / R]
+    # and transposed, the repeat bits become bits 0..log2(R)-1 and the vector bits follow,
+    # so the low four bits are all registers (2048 int64 keys, 4 warps: R = 4; checked in the
+    # TTGIR). sm_90: shuffles 2756 -> 2308 and barriers 225 -> 221 over the kernel; 29.5 ->
+    # 27.4 ms at 32K (docs/kernel-design.md, v9).
     if R > 1:
         keys = tl.reshape(tl.trans(tl.reshape(keys, [R, N // R])), [N])
     return tl.sort(keys, descending=True)

@@ -23,7 +23,7 @@ def _next_pow2(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class HyTopKConfig:
-    """Launch parameters, chosen from the shape alone (no autotuning), so results are bitwise
+    """Launch parameters, chosen from the shape and k's layout (no autotuning), so results are bitwise
     reproducible across processes. They never change which keys are selected beyond fp32
     reassociation: kv heads are summed in a fixed order and every dot spans the whole padded
     head dim, but the heads of a group are summed in Triton's reduction order, which depends
@@ -82,8 +82,9 @@ class HyTopKConfig:
 
 def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True, D: int = 128,
                    gp: int = 64, tma: bool = False) -> HyTopKConfig:
-    """The launch parameters for a shape (no autotuning). ``tma``: the key layout takes TMA
-    key tiles (``_tma_applies``)."""
+    """The launch parameters for a shape and key layout (no autotuning: the same call always
+    gets the same parameters, so the bits are reproducible across processes). ``tma``: k's
+    layout takes TMA key tiles (``_tma_applies``)."""
     if device.type != "cuda":
         # Interpreter: every program and tile step costs tens of ms; keep tiles small.
         return HyTopKConfig(block_n=32, num_warps=1)
@@ -101,10 +102,14 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
 
     def fits(stages, programs):
         return programs * (q_bytes + stages * (64 * bd * 2 + (8 if tma else 0)) + 2048) <= 228 * 1024
+    # TMA key tiles with held weights only where measured (v9: 64 heads per kv head, k <=
+    # 2048; -5% at 32K, -8% at 128K, TMA alone no faster): offline builds of other shapes
+    # (k = 4096, 8 or 3 heads) spill more in the tile loop with held weights than with
+    # re-read ones, so they keep v8's pointer loads until measured.
+    tma = tma and gp == 64 and _next_pow2(topk) <= 2048
     programs = 2 if fits(1, 2) else 1
     stages = next((n for n in (3, 2) if fits(n, programs)), 1)
     if tma:
-        # TMA frees the registers that held weights need (v9: -5% at 32K, -8% at 128K)
         return HyTopKConfig(block_n=64, num_warps=4, num_stages=stages, tma=True, reread_weights=False)
     return HyTopKConfig(block_n=64, num_warps=4, num_stages=stages)
 
@@ -223,7 +228,9 @@ def hytopk_triton(
     G = H // Hk
     gp = _next_pow2(G)
     if config is None:
-        tma_ok = device.type == "cuda" and native16 and Hk == 1 and _tma_applies(k, B, T, 64)
+        # (TMA needs sm_90+; before it Triton would turn descriptor loads into pointer loads)
+        tma_ok = (device.type == "cuda" and native16 and Hk == 1 and torch.cuda.get_device_capability(device)[0] >= 9
+                  and _tma_applies(k, T, 64))
         config = default_config(S, T, topk, device, native16, D, gp, tma=tma_ok)
         defaulted = True
     else:
@@ -321,7 +328,9 @@ def hytopk_triton(
         IDX32=idx32,
         W_AT=_weights_at(cfg.reread_weights),
         SORT_ROWS=sort_rows, PROFILE=bool(cfg.profile), USE_TMA=k_desc is not None,
-        # keys per thread in the final sort (_sort_desc): its low network bits in registers
+        # the final sort's [SORT_R, TOPK_P2 / SORT_R] view (_sort_desc): the keys come in
+        # 4 consecutive per thread (the 32-bit output stores' vectors) over 32 * num_warps
+        # threads, so SORT_R = TOPK_P2 / (4 * threads) is the number of register repeats
         SORT_R=max(1, topk_p2 // (128 * (1 if interpret else cfg.num_warps))),
     )
     if not interpret:
@@ -374,7 +383,7 @@ def _launch_default(kern, nprog, args, launch, dkey):
         return
 
 
-def _tma_applies(k: torch.Tensor, B: int, T: int, block_n: int) -> bool:
+def _tma_applies(k: torch.Tensor, T: int, block_n: int) -> bool:
     """Whether TMA key tiles can address k [kb, T, 1, D]: the feature dim contiguous, rows
     distinct (not broadcast or overlapping along T), rows and the base 16-byte aligned, the
     batches one after another, every row index in int32, and room in int32 for key
@@ -395,7 +404,7 @@ def _key_descriptor(k: torch.Tensor, B: int, T: int, block_n: int, block_d: int)
     """(TensorDescriptor over k [kb, T, 1, D] viewed as [kb * T, D], rows per batch in that
     view: T, or 0 when one key batch serves every query batch), or (None, 0) when TMA cannot
     address it (``_tma_applies``)."""
-    if not _tma_applies(k, B, T, block_n):
+    if not _tma_applies(k, T, block_n):
         return None, 0
     from triton.tools.tensor_descriptor import TensorDescriptor
 
