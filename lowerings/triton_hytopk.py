@@ -74,9 +74,9 @@ class HyTopKConfig:
     # tile, zero-filled past the tensor) instead of per-thread masked loads. Used only where
     # the layout allows it (one kv head, 16-bit keys, rows 16-byte aligned, batches
     # contiguous, int32 key positions); elsewhere the pointer loads. default_config turns it
-    # on where it applies, with 2 key-tile stages (its pipeline barriers add 24 B of shared
-    # memory: 3 stages at the DSA shape would take 115,736 B, one program per SM) and held
-    # weights.
+    # on where it applies and was measured (sm_90+, 64 heads per kv head, k <= 2048), with
+    # 2 key-tile stages (its pipeline barriers add 24 B of shared memory: 3 stages at the
+    # DSA shape would take 115,736 B, one program per SM) and held weights.
     tma: bool = False
 
 
