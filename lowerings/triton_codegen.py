@@ -872,7 +872,9 @@ def {{KERNEL_NAME}}(
     lane_cnt = COUNTER + 1 + pid * (BLOCK_M * BLOCK_N)
     # 32-bit offsets (computed where used: registers are scarce across the tile loop)
     lane_cnt_offs = offs_m[None, :] * BLOCK_N + offs_n[:, None]
-    chk = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # SCORE_ONLY: every score is added here, elementwise, so that none is dead code; summed
+    # once at the end (a sum over keys per tile would add a cross-warp reduction per tile)
+    chk = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     j = tl.atomic_add(COUNTER, 1)
     while j < num_blocks:
         if PROFILE:
@@ -962,7 +964,7 @@ def {{KERNEL_NAME}}(
                     HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32, W_AT == 2,
                 )
                 if SCORE_ONLY:
-                    chk += tl.sum(tl.where(key_ok[:, None], y, 0.0), axis=0)
+                    chk += tl.where(key_ok[:, None], y, 0.0)
                 else:
                     # Keys come in increasing index order, so a key whose value equals the
                     # threshold's loses the tie to it: keep y > thr_v, and NaN (which sorts
@@ -1065,6 +1067,6 @@ def {{KERNEL_NAME}}(
             _prof_add(PROF, pid, 5, _clock() - c_blk)
         j = tl.atomic_add(COUNTER, 1)
     if SCORE_ONLY:
-        tl.store(OUT_VAL + pid * BLOCK_M + offs_m, chk)
+        tl.store(OUT_VAL + pid * BLOCK_M + offs_m, tl.sum(chk, axis=0))
 '''
 
