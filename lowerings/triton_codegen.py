@@ -701,21 +701,17 @@ def _score_bits(keys):
 
 
 @triton.jit
-def _compact_row(row_ptr, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.constexpr,
+def _compact_row(row_ptr, valid, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.constexpr,
                  prof_ptr=None, PROFILE: tl.constexpr = False):
-    # The best m of the n keys in row_ptr[0:CAP], moved to row_ptr[0:m] in no particular
-    # order: m = n when n <= TOPK, else TOPK <= m <= TOPK + SLACK (m = TOPK when SLACK = 0).
-    # Returns (m, the smallest key kept, or EMPTY when n <= TOPK). No sort: a count-based
-    # search for the threshold (_kth_largest), then one compaction.
-    # The buffer's invariant: a slot that holds no key holds EMPTY (cleared at the start of
-    # each row block, and here: the slots at m and above that held keys). So the load needs
-    # no mask from the lane counts: it does not wait for them, and valid comes from the keys.
+    # The best m of the n valid keys among row_ptr[0:CAP], moved to row_ptr[0:m] in no
+    # particular order: m = n when n <= TOPK, else TOPK <= m <= TOPK + SLACK (m = TOPK when
+    # SLACK = 0). Returns (m, the smallest key kept, or EMPTY when n <= TOPK). No sort: a
+    # count-based search for the threshold (_kth_largest), then one compaction.
     # (PROFILE: prof_ptr[0:3] += cycles of the load, the search, the cumsum + store)
     if PROFILE:
         c0 = _clock()
     offs = tl.arange(0, CAP)
-    keys = tl.load(row_ptr + offs)
-    valid = keys != EMPTY
+    keys = tl.load(row_ptr + offs, mask=valid, other=EMPTY)
     kth = tl.full([], EMPTY, tl.int64)
     m = n
     if PROFILE:
@@ -731,10 +727,8 @@ def _compact_row(row_ptr, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.co
     tl.debug_barrier()  # every thread has read the row before any thread overwrites it
     # (the inline-PTX store keeps the keys in their load layout: a tl.store here with its
     # data-dependent addresses got its own layout, and Triton moved the 32 KiB of keys and
-    # the mask through shared memory to it; v9). The m kept keys fill [0, m); the slots at
-    # m and above that held keys become EMPTY (disjoint addresses: no order needed).
+    # the mask through shared memory to it; v9)
     _store_taken(row_ptr + pos, keys, keep)
-    _store_taken(row_ptr + offs, tl.full([CAP], EMPTY, tl.int64), valid & (offs >= m))
     if PROFILE:
         tl.debug_barrier()
         c3 = _clock()
@@ -742,6 +736,22 @@ def _compact_row(row_ptr, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.co
         tl.store(prof_ptr + 1, tl.load(prof_ptr + 1) + (c2 - c1))
         tl.store(prof_ptr + 2, tl.load(prof_ptr + 2) + (c3 - c2))
     return m, kth
+
+
+@triton.jit
+def _compact_lanes(row_ptr, lane_cnt_ptr, TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SLACK: tl.constexpr, prof_ptr, PROFILE: tl.constexpr):
+    # _compact_row over a row held as lane sub-buffers.
+    n = tl.sum(tl.load(lane_cnt_ptr + tl.arange(0, BLOCK_N)), axis=0)
+    return _compact_row(row_ptr, _lane_valid(lane_cnt_ptr, CAP, BLOCK_N), n, TOPK, CAP, SLACK, prof_ptr, PROFILE)
+
+
+@triton.jit
+def _lane_valid(lane_cnt_ptr, CAP: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Which of a row's CAP slots hold keys while the buffer is BLOCK_N lane sub-buffers
+    # (slot s of lane j at s * BLOCK_N + j; lane_cnt_ptr[j] keys in lane j).
+    offs = tl.arange(0, CAP)
+    return (offs // BLOCK_N) < tl.load(lane_cnt_ptr + offs % BLOCK_N)
 
 
 @triton.jit
@@ -765,7 +775,7 @@ def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
             c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
             nr = tl.sum(tl.where(offs_m == r, n_take, 0), axis=0)
             if c + nr > CAP:
-                _, kth = _compact_row(scr + r * CAP, c, TOPK, CAP, 0)
+                _, kth = _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, c, TOPK, CAP, 0)
                 cnt = tl.where(offs_m == r, TOPK, cnt)
                 thr = tl.where(offs_m == r, kth, thr)
         tl.debug_barrier()
@@ -803,7 +813,7 @@ def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2
     # Write the TOPK best of the n (>= TOPK) keys in row_ptr[0:n], in (value desc, index
     # asc) order: compact to TOPK keys, then sort only those.
     if n > TOPK:
-        _compact_row(row_ptr, n, TOPK, CAP, 0)
+        _compact_row(row_ptr, tl.arange(0, CAP) < n, n, TOPK, CAP, 0)
         tl.debug_barrier()
     offs = tl.arange(0, TOPK_P2)
     keys = tl.load(row_ptr + offs, mask=offs < TOPK, other=EMPTY)
@@ -857,6 +867,11 @@ def {{KERNEL_NAME}}(
     k_offs = offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd  # a key tile's element offsets
     scr = SCRATCH + pid.to(tl.int64) * (BLOCK_M * CAP)
     scr_cols = scr + offs_m.to(tl.int64)[None, :] * CAP  # [1, BLOCK_M] row starts
+    # this program's lane counts [BLOCK_N, BLOCK_M], written where compactions read them
+    # (after the scheduler's counter at COUNTER[0])
+    lane_cnt = COUNTER + 1 + pid * (BLOCK_M * BLOCK_N)
+    # 32-bit offsets (computed where used: registers are scarce across the tile loop)
+    lane_cnt_offs = offs_m[None, :] * BLOCK_N + offs_n[:, None]
     # SCORE_ONLY: every score is added here, elementwise, so that none is dead code; summed
     # once at the end (a sum over keys per tile would add a cross-warp reduction per tile)
     chk = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -903,10 +918,6 @@ def {{KERNEL_NAME}}(
         thr = tl.zeros([BLOCK_M], dtype=tl.int64) + EMPTY
         thr_v = tl.zeros([BLOCK_M], dtype=tl.float32) + float("nan")
         tl.debug_barrier()  # the previous block's last reads of SCRATCH are done
-        if not SCORE_ONLY:
-            # every slot of the block's buffers starts EMPTY (_compact_row's invariant)
-            tl.store(scr + tl.arange(0, BLOCK_M * CAP), tl.full([BLOCK_M * CAP], EMPTY, tl.int64))
-            tl.debug_barrier()
         # 1. scored tiles, in increasing key order. An inner loop runs only as many tiles as
         #    every lane can take (a tile adds at most one key per lane and row), so it holds
         #    no merge and no nested loop, and Triton software-pipelines its key-tile loads.
@@ -971,16 +982,16 @@ def {{KERNEL_NAME}}(
                 if tl.max(cmax, axis=0) > SUBCAP - LOW_WATER:
                     if PROFILE:
                         c_sec = _clock()
-                    tl.debug_barrier()  # the appended keys are visible to every thread
-                    nsum = tl.sum(cnt, axis=0)  # keys per row
+                    tl.store(lane_cnt + lane_cnt_offs, cnt)
+                    tl.debug_barrier()  # the lane counts and appended keys are visible to every thread
                     kept = tl.zeros([BLOCK_M], dtype=tl.int32) - 1
                     for r in range(BLOCK_M):
                         c = tl.sum(tl.where(offs_m == r, cmax, 0), axis=0)
                         if c > SUBCAP - SYNC_WATER:
                             # (with n <= TOPK keys this only repacks the row; LOW_WATER <=
                             # SUBCAP - ceil((TOPK + SLACK) / BLOCK_N) leaves room after it)
-                            n = tl.sum(tl.where(offs_m == r, nsum, 0), axis=0)
-                            nk, kth = _compact_row(scr + r * CAP, n, TOPK, CAP, SLACK, PROF + pid * 16 + 8, PROFILE)
+                            nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, SLACK,
+                                                     PROF + pid * 16 + 8, PROFILE)
                             kept = tl.where(offs_m == r, nk, kept)
                             thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
                             if PROFILE:
@@ -994,12 +1005,12 @@ def {{KERNEL_NAME}}(
             if PROFILE:
                 c_sec = _clock()
             # every row's lanes -> its best min(n, TOPK) keys, contiguous at [0, n)
+            tl.store(lane_cnt + lane_cnt_offs, cnt)
             tl.debug_barrier()
-            nsum = tl.sum(cnt, axis=0)
             cnt1 = tl.zeros([BLOCK_M], dtype=tl.int32)
             for r in range(BLOCK_M):
-                n = tl.sum(tl.where(offs_m == r, nsum, 0), axis=0)
-                nk, kth = _compact_row(scr + r * CAP, n, TOPK, CAP, 0, PROF + pid * 16 + 11, PROFILE)
+                nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, 0,
+                                         PROF + pid * 16 + 11, PROFILE)
                 cnt1 = tl.where(offs_m == r, nk, cnt1)
                 thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
             tl.debug_barrier()
@@ -1034,7 +1045,7 @@ def {{KERNEL_NAME}}(
                 for r in range(BLOCK_M):
                     c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
                     if c > TOPK:  # fillers were appended
-                        _compact_row(scr + r * CAP, c, TOPK, CAP, 0)
+                        _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, c, TOPK, CAP, 0)
                 tl.debug_barrier()
                 # SORT_ROWS rows per bitonic sort: the same network steps, with more
                 # independent work per step and fewer barriers per row

@@ -306,8 +306,9 @@ def hytopk_triton(
     else:
         w_arg, w_strides = w, w.stride()
     scratch = torch.empty(nprog * block_m * cap, dtype=torch.int64, device=device)
-    # the persistent scheduler's block counter
-    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    # [0]: the persistent scheduler's block counter; then each program's lane counts
+    # (BLOCK_N x BLOCK_M), where its compactions read them
+    counter = torch.zeros(1 + nprog * block_m * cfg.block_n, dtype=torch.int32, device=device)
     if cfg.profile and interpret:
         raise SpecError("config.profile reads the GPU's cycle counter: it needs a CUDA device")
     prof = torch.zeros((nprog, 16) if cfg.profile else (1,), dtype=torch.int64, device=device)
