@@ -97,16 +97,16 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
     # half an H100/H200 SM's shared memory. 3 stages measured 10-15% faster than 2 there
     # with pointer loads (docs/kernel-design.md, v7); TMA's barriers (8 B a stage) leave
     # room for 2, and with TMA 2 stages are as fast (v9).
-    bd = max(16, _next_pow2(D))
-    q_bytes = _block_m(HyTopKConfig(), gp, False) * gp * bd * 2
-
-    def fits(stages, programs):
-        return programs * (q_bytes + stages * (64 * bd * 2 + (8 if tma else 0)) + 2048) <= 228 * 1024
     # TMA key tiles with held weights only where measured (v9: 64 heads per kv head, k <=
     # 2048; -5% at 32K, -8% at 128K, TMA alone no faster): offline builds of other shapes
     # (k = 4096, 8 or 3 heads) spill more in the tile loop with held weights than with
     # re-read ones, so they keep v8's pointer loads until measured.
     tma = tma and gp == 64 and _next_pow2(topk) <= 2048
+    bd = max(16, _next_pow2(D))
+    q_bytes = _block_m(HyTopKConfig(), gp, False) * gp * bd * 2
+
+    def fits(stages, programs):
+        return programs * (q_bytes + stages * (64 * bd * 2 + (8 if tma else 0)) + 2048) <= 228 * 1024
     programs = 2 if fits(1, 2) else 1
     stages = next((n for n in (3, 2) if fits(n, programs)), 1)
     if tma:
@@ -117,9 +117,9 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
 def _weights_at(reread) -> int:
     """HyTopKConfig.reread_weights as the kernel's W_AT: 2 every tile (None, True), 1 every
     tile loop ("loop"), 0 once per row block (False)."""
-    if reread is None or reread is True or reread == 1:
+    if reread is None or reread == 1:  # (True == 1, False == 0)
         return 2
-    if reread is False or reread == 0:
+    if reread == 0:
         return 0
     if reread == "loop":
         return 1
@@ -227,14 +227,12 @@ def hytopk_triton(
     native16 = q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16) and not interpret
     G = H // Hk
     gp = _next_pow2(G)
-    if config is None:
+    defaulted = config is None
+    if defaulted:
         # (TMA needs sm_90+; before it Triton would turn descriptor loads into pointer loads)
         tma_ok = (device.type == "cuda" and native16 and Hk == 1 and torch.cuda.get_device_capability(device)[0] >= 9
                   and _tma_applies(k, T, 64))
         config = default_config(S, T, topk, device, native16, D, gp, tma=tma_ok)
-        defaulted = True
-    else:
-        defaulted = False
     cfg = config
     block_m = _block_m(cfg, gp, interpret)
     if block_m < 1 or block_m & (block_m - 1) or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1):

@@ -481,8 +481,9 @@ def test_buffer_policy_does_not_change_bits(interpret):
     # compacted many times inside the scored-tile loop. low_water (free slots per lane that
     # trigger a compaction, clamped to [1, 2] here) and a larger buffer (cap=128: 8 slots
     # per lane, clamp [1, 6]) and sync_water (rows compacted along with one that must be)
-    # change when and how often rows are compacted, never which keys survive. Zero ReLU ties at the boundary exercise the index-word search. Same block
-    # shape, so the same arithmetic: results must be bit-identical.
+    # change when and how often rows are compacted, never which keys survive. Zero ReLU ties
+    # at the boundary exercise the index-word search. Same block shape, so the same
+    # arithmetic: results must be bit-identical.
     q, k, w, topk, spec = _compaction_case(151)
     outs = []
     # Where the head weights live (reread_weights: every tile, every tile loop, the whole row
