@@ -259,19 +259,13 @@ def hytopk_triton(
                             f"= {cfg.block_n * (lanes(topk) + 1)}")
         cap = cfg.cap
     subcap = cap // cfg.block_n
-    # A compacted row's keys fill its kept area (topk_p2 slots) first; what does not fit
-    # starts its lanes again
-    def overflow(n):
-        return max(0, n - topk_p2)
-
     # Compactions inside the tile loop may keep up to k + slack keys (their threshold search
     # stops early); room permitting, two tiles' worth.
-    slack = 2 * cfg.block_n if subcap - lanes(overflow(topk + 2 * cfg.block_n)) >= 1 else 0
+    slack = 2 * cfg.block_n if subcap - lanes(topk + 2 * cfg.block_n) >= 1 else 0
     low_water = 8 if cfg.low_water is None else int(cfg.low_water)
-    # >= 1: room for one more tile; <= subcap - lanes(overflow(k + slack)): a row compacted
-    # when its fullest lane passes subcap - low_water holds more than k keys, and has room
-    # afterwards
-    low_water = max(1, min(low_water, subcap - lanes(overflow(topk + slack))))
+    # >= 1: room for one more tile; <= subcap - lanes(k + slack): a row compacted when its
+    # fullest lane passes subcap - low_water holds more than k keys, and has room afterwards
+    low_water = max(1, min(low_water, subcap - lanes(topk + slack)))
     sync_water = low_water if cfg.sync_water is None else max(low_water, min(int(cfg.sync_water), subcap - 1))
     num_row_blocks = triton_cdiv(S, block_m)
     num_blocks = B * num_row_blocks
@@ -309,8 +303,7 @@ def hytopk_triton(
         w_arg, w_strides = q, (0, 0, 0)  # never read: reduce != weighted_sum
     else:
         w_arg, w_strides = w, w.stride()
-    # per row: a kept area (topk_p2 keys), then cap candidate slots
-    scratch = torch.empty(nprog * block_m * (topk_p2 + cap), dtype=torch.int64, device=device)
+    scratch = torch.empty(nprog * block_m * cap, dtype=torch.int64, device=device)
     # [0]: the persistent scheduler's block counter; then each program's lane counts
     # (BLOCK_N x BLOCK_M), where its compactions read them
     counter = torch.zeros(1 + nprog * block_m * cfg.block_n, dtype=torch.int32, device=device)
