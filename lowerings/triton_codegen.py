@@ -272,15 +272,6 @@ def _clock_after(x):
     # the cycle counter, read once the int64 scalar x is known (an unused asm operand)
     return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [x], dtype=tl.int64, is_pure=False, pack=1)"""
 
-_SMID_PTX = """@triton.jit
-def _smid():
-    # the SM this program runs on (programs do not migrate)
-    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)"""
-
-_SMID_INTERP = """@triton.jit
-def _smid():
-    return tl.zeros([], dtype=tl.int32)  # the interpreter runs one program at a time"""
-
 _CLOCK_INTERP = """@triton.jit
 def _clock():
     return tl.zeros([], dtype=tl.int64)  # the interpreter has no cycle counter
@@ -339,7 +330,6 @@ def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = 
         "STORE_TAKEN_FN": _STORE_TAKEN_INTERP if _interpreting() else _STORE_TAKEN_PTX,
         "MULTI_REDUCE_FNS": _MULTI_REDUCE_INTERP if _interpreting() else _MULTI_REDUCE_COMPILED,
         "CLOCK_FN": _CLOCK_INTERP if _interpreting() else _CLOCK_PTX,
-        "SMID_FN": _SMID_INTERP if _interpreting() else _SMID_PTX,
         "MASK_ARGS_DEF": "".join(f"    {a},\n" for a in mask_args),
         "SCORE_MASK_ARGS": "".join(f"{a}, " for a in _score_mask_args(spec)),
         "ROW_BOUNDS": _indent(_render_row_bounds(spec), 8) or "        pass",
@@ -485,9 +475,6 @@ def _pack(y, keys):
 
 
 {{CLOCK_FN}}
-
-
-{{SMID_FN}}
 
 
 @triton.jit
@@ -852,7 +839,7 @@ def {{KERNEL_NAME}}(
     # registers across the tile loop (one compiled kernel per key layout)
     stride_kb, stride_kt: tl.constexpr, stride_kh: tl.constexpr, stride_kd: tl.constexpr,
     stride_wb, stride_ws, stride_wh,
-    S, T, num_row_blocks, num_blocks, num_programs,
+    S, T, num_row_blocks, num_blocks,
     HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -860,7 +847,7 @@ def {{KERNEL_NAME}}(
     RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, SYNC_WATER: tl.constexpr,
     SLACK: tl.constexpr,
     IDX32: tl.constexpr, SORT_ROWS: tl.constexpr, SORT_R: tl.constexpr,
-    W_AT: tl.constexpr, PROFILE: tl.constexpr, USE_TMA: tl.constexpr, DEFER_WATER: tl.constexpr,
+    W_AT: tl.constexpr, PROFILE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # Persistent programs take row blocks from an atomic counter, heaviest first (the last
     # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
@@ -883,11 +870,6 @@ def {{KERNEL_NAME}}(
     # this program's lane counts [BLOCK_N, BLOCK_M], written where compactions read them
     # (after the scheduler's counter at COUNTER[0])
     lane_cnt = COUNTER + 1 + pid * (BLOCK_M * BLOCK_N)
-    # then 1024 per-SM counts of programs now selecting (compacting or sorting), so that a
-    # program can put its in-loop compactions where the other program of its SM is scoring:
-    # the two otherwise start on blocks of equal length and select in phase (v11). Only when
-    # a compaction happens depends on it, never what it keeps.
-    busy = COUNTER + 1 + num_programs * (BLOCK_M * BLOCK_N) + _smid() % 1024
     # 32-bit offsets (computed where used: registers are scarce across the tile loop)
     lane_cnt_offs = offs_m[None, :] * BLOCK_N + offs_n[:, None]
     # SCORE_ONLY: every score is added here, elementwise, so that none is dead code; summed
@@ -997,14 +979,7 @@ def {{KERNEL_NAME}}(
                 _prof_add(PROF, pid, 7, 1)
             if (not SCORE_ONLY) and (t0 < v1_k):
                 cmax = tl.max(cnt, axis=0)
-                water = LOW_WATER
-                if DEFER_WATER > 0:
-                    # the other program of this SM is selecting: compact later, in its tile loop
-                    if tl.atomic_add(busy, 0, sem="relaxed") > 0:
-                        water = DEFER_WATER
-                if tl.max(cmax, axis=0) > SUBCAP - water:
-                    if DEFER_WATER > 0:
-                        tl.atomic_add(busy, 1, sem="relaxed")
+                if tl.max(cmax, axis=0) > SUBCAP - LOW_WATER:
                     if PROFILE:
                         c_sec = _clock()
                     tl.store(lane_cnt + lane_cnt_offs, cnt)
@@ -1024,13 +999,9 @@ def {{KERNEL_NAME}}(
                     tl.debug_barrier()
                     cnt = tl.where(kept[None, :] >= 0, _lane_counts(kept, offs_n, BLOCK_N), cnt)
                     thr_v = tl.where(thr == EMPTY, float("nan"), _unpack_value(thr))
-                    if DEFER_WATER > 0:
-                        tl.atomic_add(busy, -1, sem="relaxed")
                     if PROFILE:
                         _prof_add(PROF, pid, 1, _clock() - c_sec)
         if not SCORE_ONLY:
-            if DEFER_WATER > 0:
-                tl.atomic_add(busy, 1, sem="relaxed")
             if PROFILE:
                 c_sec = _clock()
             # every row's lanes -> its best min(n, TOPK) keys, contiguous at [0, n)
@@ -1090,8 +1061,6 @@ def {{KERNEL_NAME}}(
                     if RETURN_VALUES:
                         tl.store(OUT_VAL + out, _unpack_value(best), mask=ok)
             tl.debug_barrier()
-            if DEFER_WATER > 0:
-                tl.atomic_add(busy, -1, sem="relaxed")
             if PROFILE:
                 _prof_add(PROF, pid, 4, _clock() - c_sec)
         if PROFILE:

@@ -78,11 +78,6 @@ class HyTopKConfig:
     # 2 key-tile stages (its pipeline barriers add 24 B of shared memory: 3 stages at the
     # DSA shape would take 115,736 B, one program per SM) and held weights.
     tma: bool = False
-    # When the other program on the SM is selecting (compacting or sorting), postpone this
-    # program's in-loop compactions until its fullest lane has fewer than this many free
-    # slots (tiles), so that the two programs' selections fall in each other's tile loops
-    # (docs/kernel-design.md, v11). 0: never postpone. None: 0. Never changes the result.
-    defer_water: Optional[int] = None
 
 
 def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True, D: int = 128,
@@ -117,12 +112,6 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
     if tma:
         return HyTopKConfig(block_n=64, num_warps=4, num_stages=stages, tma=True, reread_weights=False)
     return HyTopKConfig(block_n=64, num_warps=4, num_stages=stages)
-
-
-# Tests only: the initial per-SM count of selecting programs (defer_water). The interpreter
-# runs one program at a time, so no program ever sees a partner selecting; 1 makes every
-# program see one, which postpones every in-loop compaction that may be postponed.
-_PARTNER_BUSY_INIT = 0
 
 
 def _weights_at(reread) -> int:
@@ -278,10 +267,6 @@ def hytopk_triton(
     # fullest lane passes subcap - low_water holds more than k keys, and has room afterwards
     low_water = max(1, min(low_water, subcap - lanes(topk + slack)))
     sync_water = low_water if cfg.sync_water is None else max(low_water, min(int(cfg.sync_water), subcap - 1))
-    defer_water = 0 if cfg.defer_water is None else int(cfg.defer_water)
-    if defer_water < 0:
-        raise SpecError(f"config.defer_water={cfg.defer_water} must be >= 0")
-    defer_water = min(defer_water, low_water)  # (0: off)
     num_row_blocks = triton_cdiv(S, block_m)
     num_blocks = B * num_row_blocks
     if cfg.num_programs is not None:
@@ -321,10 +306,7 @@ def hytopk_triton(
     scratch = torch.empty(nprog * block_m * cap, dtype=torch.int64, device=device)
     # [0]: the persistent scheduler's block counter; then each program's lane counts
     # (BLOCK_N x BLOCK_M), where its compactions read them
-    # (and 1024 per-SM counts of selecting programs: defer_water)
-    counter = torch.zeros(1 + nprog * block_m * cfg.block_n + 1024, dtype=torch.int32, device=device)
-    if _PARTNER_BUSY_INIT:
-        counter[-1024:] = _PARTNER_BUSY_INIT  # tests: every program sees a selecting partner
+    counter = torch.zeros(1 + nprog * block_m * cfg.block_n, dtype=torch.int32, device=device)
     if cfg.profile and interpret:
         raise SpecError("config.profile reads the GPU's cycle counter: it needs a CUDA device")
     prof = torch.zeros((nprog, 16) if cfg.profile else (1,), dtype=torch.int64, device=device)
@@ -343,7 +325,7 @@ def hytopk_triton(
         SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water, SYNC_WATER=sync_water, SLACK=slack,
         IDX32=idx32,
         W_AT=_weights_at(cfg.reread_weights),
-        SORT_ROWS=sort_rows, PROFILE=bool(cfg.profile), USE_TMA=k_desc is not None, DEFER_WATER=defer_water,
+        SORT_ROWS=sort_rows, PROFILE=bool(cfg.profile), USE_TMA=k_desc is not None,
         # the final sort's [SORT_R, TOPK_P2 / SORT_R] view (_sort_desc): the keys come in
         # 4 consecutive per thread (the 32-bit output stores' vectors) over 32 * num_warps
         # threads, so SORT_R = TOPK_P2 / (4 * threads) is the number of register repeats
@@ -354,7 +336,7 @@ def hytopk_triton(
     args = [q, k, w_arg, scratch, counter, idx_out, vals32, prof, k_desc, k_desc_rows, *mask_args,
             q.stride(0), q.stride(1), q.stride(2), q.stride(3),
             kb_stride, k.stride(1), k.stride(2), k.stride(3), *w_strides,
-            S, T, num_row_blocks, num_blocks, nprog]
+            S, T, num_row_blocks, num_blocks]
     if _launcher is not None:
         # offline inspection (benchmarks/inspect_hytopk.py): hand over what would launch
         return _launcher(kern, args, dict(launch, num_warps=cfg.num_warps, num_stages=cfg.num_stages))

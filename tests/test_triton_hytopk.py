@@ -497,25 +497,6 @@ def test_buffer_policy_does_not_change_bits(interpret):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("busy", [0, 1])
-def test_postponed_compactions_do_not_change_bits(interpret, monkeypatch, busy):
-    # defer_water postpones a program's in-loop compactions while the other program of its
-    # SM is selecting (a per-SM count). The interpreter runs programs one at a time, so the
-    # count is 0 (busy=0: the flag's bookkeeping alone) unless the test starts it at 1
-    # (busy=1: every compaction that may wait waits until fewer than defer_water slots are
-    # free). Either way only the timing of compactions moves: the bits may not.
-    from hyscale_compile.lowerings import triton_hytopk as th
-
-    q, k, w, topk, spec = _compaction_case(152)
-    outs = [run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, low_water=2))]
-    monkeypatch.setattr(th, "_PARTNER_BUSY_INIT", busy)
-    for dw in (1, 2):
-        outs.append(run_exact(q, k, w, [], topk, spec,
-                              config=HyTopKConfig(block_m=4, block_n=16, low_water=2, defer_water=dw)))
-    assert_same_bits(outs)
-
-
-@pytest.mark.interpret
 def test_large_buffer_threshold_counts(interpret):
     # A 32768-key buffer (cap=32768) with every key valid and above the thresholds: v7's
     # search packed two counts per reduction as 16-bit fields, which once wrapped here and
@@ -625,8 +606,6 @@ def test_buffer_config_errors(interpret):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(profile=True))
     with pytest.raises(SpecError, match="reread_weights='tiles'"):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(reread_weights="tiles"))
-    with pytest.raises(SpecError, match="defer_water=-1"):
-        hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(defer_water=-1))
 
 
 @pytest.mark.interpret
