@@ -35,6 +35,7 @@ Progress goes to stderr; full logs and a JSON land in --out (default $OUT).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -363,7 +364,10 @@ def main():
                 del idx
             # scoring alone (diagnostic)
             if "hytopk:score-only" not in skip:
-                cfg = th.HyTopKConfig(score_only=True)
+                # the launch's own default at this shape, selection off (a bare HyTopKConfig
+                # would be v8's pointer loads, 1 stage, re-read weights: up to 1.2x slower)
+                tma = torch.cuda.get_device_capability()[0] >= 9 and th._tma_applies(k.unsqueeze(2), S, 64)
+                cfg = dataclasses.replace(th.default_config(S, S, TOPK, q.device, True, D, H, tma=tma), score_only=True)
                 ms, peak, _, _ = measure(
                     lambda: th.hytopk_triton(q, k.unsqueeze(2), w, [hi], TOPK, spec, config=cfg), args.reps)
                 row(S, inp, "hytopk:score-only", ms, peak, None, "diagnostic: selection off")

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call (docs/performance.md, "How the GPU numbers were taken"): install, GPU
 # tests, the joint-graph tests on this machine's torch, then the given benchmark steps.
-#   bash benchmarks/gpu_checks.sh tests sweep        # step names: tests, sweep, sparse, variants, varianttests, train, demo
+#   bash benchmarks/gpu_checks.sh tests sweep        # step names: tests, sweep, sparse, variants, varianttests, train, demo, matmul
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -27,6 +27,7 @@ for step in "$@"; do
     train) timeout 400 python3 examples/train_dsa.py --device cuda --seq ${TRAIN_SEQ:-32768} --steps ${TRAIN_STEPS:-30} \
              --out "$OUT/train_dsa_loss.png" > "$OUT/train.log" 2>&1; echo "train rc=$?"; grep -v "it/s\]" "$OUT/train.log" | tail -25 ;;
     demo) timeout 400 python3 examples/demo.py --seq ${DEMO_SEQ:-16384} > "$OUT/demo.log" 2>&1; echo "demo rc=$?"; tail -12 "$OUT/demo.log" ;;
+    matmul) timeout 120 python3 benchmarks/matmul_rate.py > "$OUT/matmul.md" 2> "$OUT/matmul.log"; echo "matmul rc=$?"; cat "$OUT/matmul.md" ;;
     varianttests) timeout 300 python3 -m pytest -q -m gpu tests/test_variants.py > "$OUT/variant_tests.log" 2>&1
              echo "variant gpu tests rc=$?: $(tail -1 "$OUT/variant_tests.log")" ;;
     *) echo "unknown step $step" ;;

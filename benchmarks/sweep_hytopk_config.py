@@ -43,7 +43,7 @@ def default_fields(seq: int) -> dict:
     # the benchmark's keys ([1, S, 1, D] bf16, contiguous) take TMA key tiles
     d = default_config(seq, seq, bh.TOPK, torch.device("cuda"), True, bh.D, bh.H, tma=True)
     return dict(block_n=d.block_n, num_warps=d.num_warps, num_stages=d.num_stages, tma=d.tma,
-                reread_weights=d.reread_weights)
+                reread_weights=d.reread_weights, l2_prefetch=d.l2_prefetch)
 
 
 def parse_fields(text: str) -> dict:

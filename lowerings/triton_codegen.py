@@ -281,6 +281,16 @@ def _clock():
 def _clock_after(x):
     return tl.zeros([], dtype=tl.int64)"""
 
+_PREFETCH_L2_PTX = """@triton.jit
+def _prefetch_l2(ptrs):
+    # a hint: bring each address's line into L2 (no data comes back, nothing waits)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l",
+                              [ptrs.to(tl.uint64, bitcast=True)], dtype=tl.int32, is_pure=False, pack=1)"""
+
+_PREFETCH_L2_INTERP = """@triton.jit
+def _prefetch_l2(ptrs):
+    pass  # the interpreter has no caches to warm"""
+
 _STORE_TAKEN_INTERP = """@triton.jit
 def _store_taken(ptrs, p, take):
     tl.store(ptrs, p, mask=take)  # the interpreter runs no inline PTX"""
@@ -328,6 +338,7 @@ def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = 
         "LIBDEVICE": "" if _interpreting() else "from triton.language.extra import libdevice\n",
         "EPILOGUE_FN": _render_epilogue(spec),
         "STORE_TAKEN_FN": _STORE_TAKEN_INTERP if _interpreting() else _STORE_TAKEN_PTX,
+        "PREFETCH_FN": _PREFETCH_L2_INTERP if _interpreting() else _PREFETCH_L2_PTX,
         "MULTI_REDUCE_FNS": _MULTI_REDUCE_INTERP if _interpreting() else _MULTI_REDUCE_COMPILED,
         "CLOCK_FN": _CLOCK_INTERP if _interpreting() else _CLOCK_PTX,
         "MASK_ARGS_DEF": "".join(f"    {a},\n" for a in mask_args),
@@ -469,6 +480,9 @@ def _pack(y, keys):
 
 
 {{STORE_TAKEN_FN}}
+
+
+{{PREFETCH_FN}}
 
 
 {{MULTI_REDUCE_FNS}}
@@ -847,7 +861,8 @@ def {{KERNEL_NAME}}(
     RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, SYNC_WATER: tl.constexpr,
     SLACK: tl.constexpr,
     IDX32: tl.constexpr, SORT_ROWS: tl.constexpr, SORT_R: tl.constexpr,
-    W_AT: tl.constexpr, PROFILE: tl.constexpr, USE_TMA: tl.constexpr,
+    W_AT: tl.constexpr, PROFILE: tl.constexpr, USE_TMA: tl.constexpr, L2_PREFETCH: tl.constexpr,
+    PF_LINES: tl.constexpr,
 ):
     # Persistent programs take row blocks from an atomic counter, heaviest first (the last
     # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
@@ -865,6 +880,7 @@ def {{KERNEL_NAME}}(
     else:
         d_ok = offs_d < D
     k_offs = offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd  # a key tile's element offsets
+    offs_pf = tl.arange(0, PF_LINES)  # L2_PREFETCH: the 128-byte lines of a key tile
     scr = SCRATCH + pid.to(tl.int64) * (BLOCK_M * CAP)
     scr_cols = scr + offs_m.to(tl.int64)[None, :] * CAP  # [1, BLOCK_M] row starts
     # this program's lane counts [BLOCK_N, BLOCK_M], written where compactions read them
@@ -944,6 +960,12 @@ def {{KERNEL_NAME}}(
             for tt in range(t0, t_stop, BLOCK_N):
                 keys = tt + offs_n
                 key_ok = keys < t_end_k
+                if L2_PREFETCH > 0:
+                    # the key tile L2_PREFETCH tiles ahead into L2, one 128-byte line per
+                    # lane of offs_pf (clamped to the last key: a hint, never a fault; v13)
+                    pf_row = tl.minimum(tt + L2_PREFETCH * BLOCK_N + offs_pf // (PF_LINES // BLOCK_N), T - 1)
+                    _prefetch_l2(K + (k_base + pf_row.to(tl.int64) * stride_kt)
+                                 + (offs_pf % (PF_LINES // BLOCK_N)) * (1024 // K.dtype.element_ty.primitive_bitwidth))
                 if USE_TMA:
                     # one bulk copy per tile (K as [batches x T, D]; rows past the copy's
                     # batch or past the tensor are masked by key_ok or zero-filled)

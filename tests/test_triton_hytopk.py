@@ -497,6 +497,23 @@ def test_buffer_policy_does_not_change_bits(interpret):
 
 
 @pytest.mark.interpret
+def test_l2_prefetch_does_not_change_bits(interpret):
+    # l2_prefetch issues cache hints for the key tile n tiles ahead (clamped to the last
+    # key): no arithmetic changes. 256-byte key rows take it; 64-byte rows (not whole
+    # 128-byte lines) turn it off. The interpreter evaluates the addresses, not the hint.
+    g = _gen(161)
+    for D in (64, 16):
+        # small integers: every sum is exact, so run_exact can compare values bit for bit
+        q = torch.randint(-3, 3, (1, 8, 2, D), generator=g).float()
+        k = torch.randint(-3, 3, (1, 300, 1, D), generator=g).float()
+        w = torch.randint(1, 3, (1, 8, 2), generator=g).float()
+        spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum")
+        outs = [run_exact(q, k, w, [], 20, spec, config=HyTopKConfig(block_m=4, block_n=16, l2_prefetch=n))
+                for n in (0, 1, 4, 100)]
+        assert_same_bits(outs)
+
+
+@pytest.mark.interpret
 def test_large_buffer_threshold_counts(interpret):
     # A 32768-key buffer (cap=32768) with every key valid and above the thresholds: v7's
     # search packed two counts per reduction as 16-bit fields, which once wrapped here and
@@ -544,6 +561,8 @@ def test_default_config_takes_tma_where_keys_allow():
     without = triton_hytopk.default_config(32768, 32768, 2048, cuda, True, 128, 64, tma=False)
     assert (with_tma.tma, with_tma.reread_weights, with_tma.num_stages) == (True, False, 2)
     assert (without.tma, without.reread_weights, without.num_stages) == (False, None, 3)
+    # (no L2 prefetch by default: measured no faster, v13)
+    assert with_tma.l2_prefetch is None and without.l2_prefetch is None
     # only in the measured regime (64 heads per kv head, k <= 2048): elsewhere held weights
     # spilled more in offline builds, so those shapes keep the pointer loads
     for args in ((32768, 32768, 4096, cuda, True, 128, 64), (32768, 32768, 2048, cuda, True, 128, 8)):
@@ -606,6 +625,8 @@ def test_buffer_config_errors(interpret):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(profile=True))
     with pytest.raises(SpecError, match="reread_weights='tiles'"):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(reread_weights="tiles"))
+    with pytest.raises(SpecError, match="l2_prefetch=-1"):
+        hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(l2_prefetch=-1))
 
 
 @pytest.mark.interpret
@@ -753,7 +774,8 @@ def test_gpu_dsa_shape_bf16(cuda):
     # re-read weights (v8's default; the default here takes TMA key tiles and held weights)
     default = triton_hytopk.default_config(S, T, topk, q.device, True, D, H, tma=True)
     assert default.tma and default.reread_weights is False and default.num_stages == 2
-    for extra in (dict(sort_rows=2), dict(sort_rows=4), dict(tma=False, num_stages=3, reread_weights=True)):
+    for extra in (dict(sort_rows=2), dict(sort_rows=4), dict(tma=False, num_stages=3, reread_weights=True),
+                  dict(l2_prefetch=4), dict(tma=False, l2_prefetch=2)):
         cfg = dataclasses.replace(default, **extra)
         v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
         assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra
