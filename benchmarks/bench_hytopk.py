@@ -365,7 +365,7 @@ def main():
             # scoring alone (diagnostic)
             if "hytopk:score-only" not in skip:
                 # the launch's own default at this shape, selection off (a bare HyTopKConfig
-                # would be v8's pointer loads, 1 stage, re-read weights: up to 1.2x slower)
+                # would be v8's pointer loads, 1 stage, re-read weights: a slower kernel)
                 tma = torch.cuda.get_device_capability()[0] >= 9 and th._tma_applies(k.unsqueeze(2), S, 64)
                 cfg = dataclasses.replace(th.default_config(S, S, TOPK, q.device, True, D, H, tma=tma), score_only=True)
                 ms, peak, _, _ = measure(

@@ -8,7 +8,7 @@ Model: a causal row sees n keys (n uniform in [1, S)), in tiles of 64; the key a
 of a tile goes to lane j. A key is appended when it is above the row's threshold. An inner
 loop runs as many tiles as the fullest lane has free slots; after it, a row whose fullest
 lane has fewer than low_water free slots is compacted to its best k + slack keys, which
-sets its threshold. The per-row counts of the kernel's profile (`profile_sections.py`,
+sets its threshold (slack 128: the kernel's 2 x BLOCK_N). The per-row counts of the kernel's profile (`profile_sections.py`,
 slot 6) are the measured counterpart. Not modelled: the 4 rows of a block sharing inner
 loops (sync_water), ties, masked keys.
 """
@@ -27,7 +27,7 @@ LAYOUTS = {
 }
 
 
-def simulate_row(scores, k, subcap, kept_area, block_n=64, low_water=8, slack=64):
+def simulate_row(scores, k, subcap, kept_area, block_n=64, low_water=8, slack=128):
     """(compactions inside the loop, keys they loaded, keys left for the final compaction)"""
     ntiles = -(-len(scores) // block_n)
     lanes = np.zeros(block_n, int)
@@ -48,7 +48,10 @@ def simulate_row(scores, k, subcap, kept_area, block_n=64, low_water=8, slack=64
             compactions += 1
             loaded += len(keys)
             if len(keys) > k:
-                keys = np.partition(keys, len(keys) - (k + slack))[len(keys) - (k + slack):]
+                # the best k + slack (the kernel's search may stop with up to k + slack kept;
+                # this keeps exactly that many, its worst case for room)
+                m = min(len(keys), k + slack)
+                keys = np.partition(keys, len(keys) - m)[len(keys) - m:]
                 thr = keys.min()
             if kept_area:
                 kept, new = keys, []
@@ -69,10 +72,16 @@ def main():
     a = ap.parse_args()
     if a.rows < 1 or a.topk < 1:
         ap.error("--rows and --topk must be >= 1")
+    try:
+        seqs = [int(x) for x in a.seqs.split(",") if x]
+    except ValueError:
+        ap.error(f"--seqs must be comma-separated integers, got {a.seqs!r}")
+    if not seqs or min(seqs) < 2:
+        ap.error("--seqs: every S must be >= 2")
     rng = np.random.default_rng(a.seed)
     print("| S | layout | compactions / row | keys loaded / row | keys at the final compaction |")
     print("|---|---|---|---|---|")
-    for S in (int(x) for x in a.seqs.split(",")):
+    for S in seqs:
         ns = rng.integers(1, S, a.rows)
         for name, (subcap, kept_area) in LAYOUTS.items():
             r = np.array([simulate_row(rng.standard_normal(int(n)).astype(np.float32), a.topk, subcap, kept_area)

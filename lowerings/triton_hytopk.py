@@ -78,9 +78,11 @@ class HyTopKConfig:
     # 2 key-tile stages (its pipeline barriers add 24 B of shared memory: 3 stages at the
     # DSA shape would take 115,736 B, one program per SM) and held weights.
     tma: bool = False
-    # Prefetch the key tile this many tiles ahead into L2 (one 128-byte line per thread and
-    # tile) so that its copy finds it there; 0 or None: off. Keys whose rows are not
-    # contiguous 128-byte multiples are not prefetched. Never changes the result.
+    # Prefetch the key tile this many tiles ahead into L2 (one hint per 128-byte line of the
+    # tile: one per thread at the DSA shape) so that its copy finds it there; 0 or None: off.
+    # Only for one kv head whose key rows are whole 128-byte lines with a contiguous feature
+    # dim, and a power-of-two number of lines per tile; elsewhere off. A hint: never changes
+    # the result, never faults.
     l2_prefetch: Optional[int] = None
 
 
@@ -114,7 +116,7 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
     programs = 2 if fits(1, 2) else 1
     stages = next((n for n in (3, 2) if fits(n, programs)), 1)
     if tma:
-        # (l2_prefetch: the scoring alone gains 6% at 128K, the full kernel nothing; v13)
+        # (l2_prefetch: the scoring alone gains 4-6% at 128K, the full kernel nothing; v13)
         return HyTopKConfig(block_n=64, num_warps=4, num_stages=stages, tma=True, reread_weights=False)
     return HyTopKConfig(block_n=64, num_warps=4, num_stages=stages)
 
@@ -273,6 +275,8 @@ def hytopk_triton(
     low_water = max(1, min(low_water, subcap - lanes(topk + slack)))
     sync_water = low_water if cfg.sync_water is None else max(low_water, min(int(cfg.sync_water), subcap - 1))
     # L2 prefetch: a key row's feature dim as whole 128-byte lines, stride_d 1
+    if cfg.l2_prefetch is not None and (not isinstance(cfg.l2_prefetch, int) or isinstance(cfg.l2_prefetch, bool)):
+        raise SpecError(f"config.l2_prefetch={cfg.l2_prefetch!r} must be an int (tiles ahead) or None")
     l2_prefetch = int(cfg.l2_prefetch or 0)
     if l2_prefetch < 0:
         raise SpecError(f"config.l2_prefetch={cfg.l2_prefetch} must be >= 0")

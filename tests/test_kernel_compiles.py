@@ -36,11 +36,12 @@ def test_dsa_kernel_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    dump = tmp_path / "dump"
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "inspect_hytopk.py"), "--configs",
-                          "default;score_only=1;profile=1;tma=0,num_stages=3,reread_weights=1"], capture_output=True, text=True, env=env,
-                         timeout=600)
+                          "default;score_only=1;profile=1;tma=0,num_stages=3,reread_weights=1;l2_prefetch=4",
+                          "--dump", str(dump)], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    names = ("default", "score_only=1", "profile=1", "tma=0,num_stages=3,reread_weights=1")
+    names = ("default", "score_only=1", "profile=1", "tma=0,num_stages=3,reread_weights=1", "l2_prefetch=4")
     rows = {ln.split()[0]: ln for ln in out.stdout.splitlines() if ln.split()[:1] and ln.split()[0] in names}
     assert set(rows) == set(names), out.stdout
     for name, row in rows.items():
@@ -65,9 +66,15 @@ def test_dsa_kernel_compiles_for_sm90(tmp_path):
             assert loop < 470, f"the tile loop grew past v9's 416 instructions: {row}"
         elif name == "profile=1":  # the section timers (benchmarks/profile_sections.py) compile
             assert loop_atom == 0, row
+        elif name == "l2_prefetch=4":
+            # the L2 hints (v13, an option): a few address instructions per tile, no barrier
+            assert loop_bar <= 3 and loop_atom == 0 and loop_spill <= 8 and loop < 480, row
         elif name.startswith("tma=0"):
             # the pointer-load path (keys TMA cannot address): v8's loop, 743 / 3
             assert loop_bar <= 2 and loop_atom == 0 and loop_spill <= 8, row
         else:  # score-only: nothing spilled in the loop
             assert loop_spill == 0, f"spill code inside the tile loop: {row}"
             assert loop_bar <= 5 and loop_atom == 0, row
+    # the hint is in the l2_prefetch build (config 4) and compiled out of the default (0)
+    assert "CCTL.E.PF2" in (dump / "cfg4.sass").read_text()
+    assert "CCTL.E.PF2" not in (dump / "cfg0.sass").read_text()

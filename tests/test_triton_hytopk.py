@@ -500,7 +500,10 @@ def test_buffer_policy_does_not_change_bits(interpret):
 def test_l2_prefetch_does_not_change_bits(interpret):
     # l2_prefetch issues cache hints for the key tile n tiles ahead (clamped to the last
     # key): no arithmetic changes. 256-byte key rows take it; 64-byte rows (not whole
-    # 128-byte lines) turn it off. The interpreter evaluates the addresses, not the hint.
+    # 128-byte lines) turn it off. The interpreter evaluates the addresses, not the hint, so
+    # this checks that the option runs and leaves the bits alone; that the hint is compiled
+    # in (and out by default) is test_kernel_compiles'. A wrong address could only cost
+    # time: a prefetch never faults and never changes data.
     g = _gen(161)
     for D in (64, 16):
         # small integers: every sum is exact, so run_exact can compare values bit for bit
@@ -627,6 +630,8 @@ def test_buffer_config_errors(interpret):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(reread_weights="tiles"))
     with pytest.raises(SpecError, match="l2_prefetch=-1"):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(l2_prefetch=-1))
+    with pytest.raises(SpecError, match="l2_prefetch=2.5"):
+        hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(l2_prefetch=2.5))
 
 
 @pytest.mark.interpret
