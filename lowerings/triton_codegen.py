@@ -822,8 +822,36 @@ def _sort_desc(keys, N: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
+def _rank_by_score(keys, su_ptr, N: tl.constexpr, LOG_N: tl.constexpr):
+    # The position of each key in descending order of score: #{sorted scores above its
+    # score}, by a binary search in su_ptr[0:N] (the keys' score bits, sorted descending).
+    # It is the key's rank when no other key has its score (_scores_tied). Padding keys
+    # (EMPTY, score bits 0) sort last.
+    u = _score_bits(keys)
+    lo = tl.zeros([N], dtype=tl.int32)
+    hi = tl.zeros([N], dtype=tl.int32) + N
+    for _ in tl.static_range(LOG_N + 1):
+        mid = (lo + hi) // 2
+        open_ = lo < hi
+        above = tl.load(su_ptr + mid, mask=open_, other=0) > u
+        lo = tl.where(open_ & above, mid + 1, lo)
+        hi = tl.where(open_ & (~above), mid, hi)
+    return lo
+
+
+@triton.jit
+def _scores_tied(su, su_ptr, N: tl.constexpr):
+    # Whether two real keys share a score: two equal neighbours in the sorted scores su
+    # (also in su_ptr[0:N]), padding (0) aside
+    offs = tl.arange(0, N)
+    nxt = tl.load(su_ptr + offs + 1, mask=offs + 1 < N, other=0)
+    return tl.max(((su != 0) & (nxt == su)).to(tl.int32), axis=0) > 0
+
+
+@triton.jit
 def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-              CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr, SORT_R: tl.constexpr):
+              CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr, SORT_R: tl.constexpr,
+              SCORE32: tl.constexpr, LOG_P2: tl.constexpr):
     # Write the TOPK best of the n (>= TOPK) keys in row_ptr[0:n], in (value desc, index
     # asc) order: compact to TOPK keys, then sort only those.
     if n > TOPK:
@@ -834,6 +862,20 @@ def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2
     if RANK_SORT:
         pos = _rank_desc(keys)
         best = keys
+    elif SCORE32:
+        # v14: sort the 32-bit score bits, then place each key by a search among them; a row
+        # with a score shared by two kept keys takes the int64 sort (the tie rule needs the
+        # index). The sorted scores go to the row's scratch after its TOPK_P2 keys.
+        su_ptr = (row_ptr + TOPK_P2).to(tl.pointer_type(tl.uint32), bitcast=True)
+        su = tl.sort(_score_bits(keys), descending=True)
+        tl.store(su_ptr + offs, su)
+        tl.debug_barrier()
+        pos = _rank_by_score(keys, su_ptr, TOPK_P2, LOG_P2)
+        best = keys
+        if _scores_tied(su, su_ptr, TOPK_P2):
+            best = _sort_desc(keys, TOPK_P2, SORT_R)
+            pos = tl.arange(0, TOPK_P2)
+        # (the next write to this scratch comes after the next row block's first barrier)
     else:
         best = _sort_desc(keys, TOPK_P2, SORT_R)  # bitonic
         pos = tl.arange(0, TOPK_P2)
@@ -860,7 +902,7 @@ def {{KERNEL_NAME}}(
     UPCAST: tl.constexpr, TF32: tl.constexpr, RETURN_VALUES: tl.constexpr,
     RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, SYNC_WATER: tl.constexpr,
     SLACK: tl.constexpr,
-    IDX32: tl.constexpr, SORT_ROWS: tl.constexpr, SORT_R: tl.constexpr,
+    IDX32: tl.constexpr, SORT_ROWS: tl.constexpr, SORT_R: tl.constexpr, SCORE32: tl.constexpr, LOG_P2: tl.constexpr,
     W_AT: tl.constexpr, PROFILE: tl.constexpr, USE_TMA: tl.constexpr, L2_PREFETCH: tl.constexpr,
     PF_LINES: tl.constexpr,
 ):
@@ -1062,7 +1104,7 @@ def {{KERNEL_NAME}}(
                     if s < S:
                         c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
                         _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
-                                  TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, SORT_R)
+                                  TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, SORT_R, SCORE32, LOG_P2)
             else:
                 for r in range(BLOCK_M):
                     c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)

@@ -35,9 +35,12 @@ class HyTopKConfig:
     num_warps: int = 4
     num_stages: int = 1
     num_programs: Optional[int] = None  # persistent programs; None: 2 per SM (or 64)
-    # How a row's final TOPK keys are ordered: "bitonic" (tl.sort, the GPU path) or
-    # "rank" (count the keys above each key: O(k^2), but vectorized, which the
-    # interpreter runs far faster than a bitonic network). None: rank iff interpreting.
+    # How a row's final TOPK keys are ordered: "bitonic" (tl.sort of the int64 keys, the GPU
+    # path); "score32" (tl.sort of their 32-bit score bits, each key placed by a binary
+    # search among them; rows where two kept keys share a score take "bitonic"; needs
+    # cap >= 1.5 x next_pow2(k), else "bitonic"; v14); or "rank" (count the keys above each
+    # key: O(k^2), but vectorized, which the interpreter runs far faster than a bitonic
+    # network). None: rank iff interpreting, else bitonic.
     sort: Optional[str] = None
     # Benchmarks only: score every tile but select nothing (outputs are garbage). Shows
     # what the selection costs on top of the scoring.
@@ -247,8 +250,8 @@ def hytopk_triton(
     if not interpret and block_m * gp < 16:
         raise SpecError(f"block_m * heads per kv head = {block_m * gp} < 16 (tl.dot minimum), got {cfg}")
     sort = cfg.sort or ("rank" if interpret else "bitonic")
-    if sort not in ("rank", "bitonic"):
-        raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank' or 'bitonic'")
+    if sort not in ("rank", "bitonic", "score32"):
+        raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank', 'bitonic' or 'score32'")
     block_d = max(16, _next_pow2(D))
     topk_p2 = _next_pow2(topk)
     sort_rows = 1 if cfg.sort_rows is None or sort == "rank" else int(cfg.sort_rows)
@@ -348,6 +351,9 @@ def hytopk_triton(
         # 4 consecutive per thread (the 32-bit output stores' vectors) over 32 * num_warps
         # threads, so SORT_R = TOPK_P2 / (4 * threads) is the number of register repeats
         SORT_R=max(1, topk_p2 // (128 * (1 if interpret else cfg.num_warps))),
+        # the score-bit sort keeps its sorted scores after the row's keys: room for them
+        SCORE32=sort == "score32" and sort_rows == 1 and cap >= topk_p2 + topk_p2 // 2,
+        LOG_P2=topk_p2.bit_length() - 1,
     )
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)

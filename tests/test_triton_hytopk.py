@@ -454,6 +454,40 @@ def test_bitonic_sort_with_register_bits_low(interpret):
     assert (outs[0][0][0, :, 1:] == outs[0][0][0, :, :-1]).any(), "the case should have ties"
 
 
+@pytest.mark.interpret
+def test_score32_sort_same_order(interpret):
+    # sort="score32" (v14): the score bits sorted, each key placed by a binary search among
+    # them; rows where two kept keys share a score take the int64 sort. Against the rank
+    # sort, bit for bit: (1) distinct scores (the search path), k = 300 (padding to 512) and
+    # k = 64; (2) small integers with many ties (the fallback path); (3) causal rows with
+    # fewer than k visible keys (-inf fillers tie: fallback) next to rows that have enough.
+    g = _gen(191)
+    S, T, D = 4, 700, 16
+    q = torch.zeros(1, S, 1, D)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, T, 1, D)
+    k[0, :, 0, 0] = torch.randperm(T, generator=g).float() - 350.0  # distinct integer scores
+    spec = ScoreSpec(reduce="none")
+    for topk in (300, 64):
+        outs = [run_exact(q, k, None, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=32, sort=sort))
+                for sort in ("rank", "score32")]
+        assert_same_bits(outs)
+    q2, k2, w2 = int_operands(g, 1, 3, T, 2, 1, D, torch.float32, lo=-2, hi=3, w_hi=2)
+    tied = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum")
+    outs = [run_exact(q2, k2, w2, [], 300, tied, config=HyTopKConfig(block_m=4, block_n=32, sort=sort))
+            for sort in ("rank", "score32")]
+    assert_same_bits(outs)
+    assert (outs[0][0][0, :, 1:] == outs[0][0][0, :, :-1]).any(), "the case should have ties"
+    hi = (torch.arange(8) * 90 + 1).view(1, 8)  # row s sees keys [0, 90 s + 1): rows 0-3 need fillers
+    causal = ScoreSpec(reduce="none", post=(("mask", 0),), masks=(MaskTerm(kind="range", hi=0),))
+    q3 = torch.zeros(1, 8, 1, D)
+    q3[..., 0] = 1.0
+    outs = [run_exact(q3, k, None, [hi], 300, causal, config=HyTopKConfig(block_m=4, block_n=32, sort=sort))
+            for sort in ("rank", "score32")]
+    assert_same_bits(outs)
+    assert torch.isneginf(outs[0][0][0, 0]).any() and not torch.isneginf(outs[0][0][0, 7]).any()
+
+
 def _compaction_case(seed):
     """k=20 over T=300 small-integer keys, weights >= 1: many compactions per row and
     exact-zero ReLU ties at the k-th score."""
@@ -780,7 +814,7 @@ def test_gpu_dsa_shape_bf16(cuda):
     default = triton_hytopk.default_config(S, T, topk, q.device, True, D, H, tma=True)
     assert default.tma and default.reread_weights is False and default.num_stages == 2
     for extra in (dict(sort_rows=2), dict(sort_rows=4), dict(tma=False, num_stages=3, reread_weights=True),
-                  dict(l2_prefetch=4), dict(tma=False, l2_prefetch=2)):
+                  dict(l2_prefetch=4), dict(tma=False, l2_prefetch=2), dict(sort="score32")):
         cfg = dataclasses.replace(default, **extra)
         v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
         assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra
