@@ -848,6 +848,22 @@ def _scores_tied(su, su_ptr, N: tl.constexpr):
     return tl.max(((su != 0) & (nxt == su)).to(tl.int32), axis=0) > 0
 
 
+@triton.jit(noinline=True)
+def _emit_sorted_keys(row_ptr, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
+                      RETURN_VALUES: tl.constexpr, SORT_R: tl.constexpr):
+    # score32's fallback (a kept score shared by two keys): the int64 sort of the row's TOPK
+    # keys at row_ptr[0:TOPK], written out. Not inlined, so that its network's registers are
+    # not the kernel's (inlined, the tile loop grew 416 -> 426 instructions, 4 -> 7 spill
+    # instructions; v14). Takes scalars only, as noinline functions must.
+    offs = tl.arange(0, TOPK_P2)
+    keys = tl.load(row_ptr + offs, mask=offs < TOPK, other=EMPTY)
+    best = _sort_desc(keys, TOPK_P2, SORT_R)
+    keep = offs < TOPK
+    tl.store(OUT_IDX + out_off + offs, _unpack_index(best).to(OUT_IDX.dtype.element_ty), mask=keep)
+    if RETURN_VALUES:
+        tl.store(OUT_VAL + out_off + offs, _unpack_value(best), mask=keep)
+
+
 @triton.jit
 def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
               CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr, SORT_R: tl.constexpr,
@@ -870,11 +886,12 @@ def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2
         su = tl.sort(_score_bits(keys), descending=True)
         tl.store(su_ptr + offs, su)
         tl.debug_barrier()
-        pos = _rank_by_score(keys, su_ptr, TOPK_P2, LOG_P2)
-        best = keys
         if _scores_tied(su, su_ptr, TOPK_P2):
-            best = _sort_desc(keys, TOPK_P2, SORT_R)
-            pos = tl.arange(0, TOPK_P2)
+            _emit_sorted_keys(row_ptr, OUT_IDX, OUT_VAL, out_off, TOPK, TOPK_P2, RETURN_VALUES, SORT_R)
+            pos = tl.zeros([TOPK_P2], dtype=tl.int32) + TOPK  # (written: nothing left to store)
+        else:
+            pos = _rank_by_score(keys, su_ptr, TOPK_P2, LOG_P2)
+        best = keys
         # (the next write to this scratch comes after the next row block's first barrier)
     else:
         best = _sort_desc(keys, TOPK_P2, SORT_R)  # bitonic

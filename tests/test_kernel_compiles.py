@@ -71,9 +71,10 @@ def test_dsa_kernel_compiles_for_sm90(tmp_path):
             # the L2 hints (v13, an option): a few address instructions per tile, no barrier
             assert loop_bar <= 3 and loop_atom == 0 and loop_spill <= 8 and loop < 480, row
         elif name == "sort=score32":
-            # the 32-bit score sort with the int64 one as its fallback (v14, an option): the
-            # tile loop as the default's, within a few instructions (426 / 7 when written)
-            assert loop_bar <= 3 and loop_atom == 0 and loop_spill <= 10 and loop < 480, row
+            # the 32-bit score sort with the int64 one as its (not inlined) fallback (v14, an
+            # option): the tile loop as the default's (418 / 4 when written; 426 / 7 with the
+            # fallback inlined)
+            assert loop_bar <= 3 and loop_atom == 0 and loop_spill <= 8 and loop < 470, row
         elif name.startswith("tma=0"):
             # the pointer-load path (keys TMA cannot address): v8's loop, 743 / 3
             assert loop_bar <= 2 and loop_atom == 0 and loop_spill <= 8, row
