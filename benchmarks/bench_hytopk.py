@@ -366,7 +366,7 @@ def main():
             if "hytopk:score-only" not in skip:
                 # the launch's own default at this shape, selection off (a bare HyTopKConfig
                 # would be v8's pointer loads, 1 stage, re-read weights: a slower kernel)
-                tma = torch.cuda.get_device_capability()[0] >= 9 and th._tma_applies(k.unsqueeze(2), S, 64)
+                tma = th.default_takes_tma(k.unsqueeze(2), S, True)
                 cfg = dataclasses.replace(th.default_config(S, S, TOPK, q.device, True, D, H, tma=tma), score_only=True)
                 ms, peak, _, _ = measure(
                     lambda: th.hytopk_triton(q, k.unsqueeze(2), w, [hi], TOPK, spec, config=cfg), args.reps)

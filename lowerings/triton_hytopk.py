@@ -239,10 +239,7 @@ def hytopk_triton(
     gp = _next_pow2(G)
     defaulted = config is None
     if defaulted:
-        # (TMA needs sm_90+; before it Triton would turn descriptor loads into pointer loads)
-        tma_ok = (device.type == "cuda" and native16 and Hk == 1 and torch.cuda.get_device_capability(device)[0] >= 9
-                  and _tma_applies(k, T, 64))
-        config = default_config(S, T, topk, device, native16, D, gp, tma=tma_ok)
+        config = default_config(S, T, topk, device, native16, D, gp, tma=default_takes_tma(k, T, native16))
     cfg = config
     block_m = _block_m(cfg, gp, interpret)
     if block_m < 1 or block_m & (block_m - 1) or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1):
@@ -284,9 +281,11 @@ def hytopk_triton(
     if l2_prefetch < 0:
         raise SpecError(f"config.l2_prefetch={cfg.l2_prefetch} must be >= 0")
     row_bytes = D * k.element_size()
-    if Hk != 1 or k.stride(3) != 1 or row_bytes % 128 or (cfg.block_n * row_bytes // 128) & (cfg.block_n * row_bytes // 128 - 1):
+    pf_lines = cfg.block_n * row_bytes // 128  # a key tile's 128-byte lines
+    if Hk != 1 or k.stride(3) != 1 or row_bytes % 128 or pf_lines & (pf_lines - 1):
         l2_prefetch = 0
-    pf_lines = cfg.block_n * row_bytes // 128 if l2_prefetch else 1
+    if not l2_prefetch:
+        pf_lines = 1
     num_row_blocks = triton_cdiv(S, block_m)
     num_blocks = B * num_row_blocks
     if cfg.num_programs is not None:
@@ -403,6 +402,14 @@ def _launch_default(kern, nprog, args, launch, dkey):
             continue
         _STAGES[key] = stages
         return
+
+
+def default_takes_tma(k: torch.Tensor, T: int, native16: bool) -> bool:
+    """Whether the default launch takes TMA key tiles for keys k [kb, T, Hk, D]: 16-bit
+    operands of one dtype on an sm_90+ GPU, one kv head, and a layout TMA can address
+    (before sm_90 Triton would turn descriptor loads into pointer loads)."""
+    return (k.device.type == "cuda" and native16 and k.shape[2] == 1
+            and torch.cuda.get_device_capability(k.device)[0] >= 9 and _tma_applies(k, T, 64))
 
 
 def _tma_applies(k: torch.Tensor, T: int, block_n: int) -> bool:
