@@ -43,7 +43,7 @@ def profile(S: int, inputs: str, config: str):
     th.hytopk_triton(q, k.unsqueeze(2), w, [hi], bh.TOPK, bh.dsa_spec(), config=cfg)  # compile
     prof = th.hytopk_triton(q, k.unsqueeze(2), w, [hi], bh.TOPK, bh.dsa_spec(), config=cfg)
     torch.cuda.synchronize()
-    return prof.sum(0).tolist(), th._block_m(cfg, bh.H, False), cfg.block_n, th.redone_blocks()
+    return prof.sum(0).tolist(), th._block_m(cfg, bh.H, False), cfg.block_n
 
 
 def main(argv=None) -> int:
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     for S in (int(x) for x in args.seqs.split(",")):
         for inputs in args.inputs.split(","):
             for config in (c.strip() for c in args.configs.split(";") if c.strip()):
-                tot, block_m, block_n, redone = profile(S, inputs, config)
+                tot, block_m, block_n = profile(S, inputs, config)
                 block = tot[5]
                 rest = block - sum(tot[:5])
                 blocks = -(-S // block_m)
@@ -68,17 +68,17 @@ def main(argv=None) -> int:
                 inl = [x / max(tot[6], 1) / 1e3 for x in tot[8:11]]
                 fin = [x / S / 1e3 for x in tot[11:14]]
                 rows.append((S, inputs, config, shares, tot[6] / S, tot[7] / blocks, block / blocks, tot[0] / tiles,
-                             inl, fin, redone))
+                             inl, fin))
                 bh.log(S, inputs, config, tot)
     print(f"\nHyTopK sections ({torch.cuda.get_device_name()}, torch {torch.__version__}): % of row-block cycles")
     print("| S | inputs | config | " + " | ".join(SECTIONS) + " | rest | compactions / row | inner loops / block "
           "| kcycles / block | loop cycles / tile | in-loop compaction kcycles: load / search / store "
-          "| final compaction kcycles: load / search / store | blocks redone (presample) |")
-    print("|---" * (len(SECTIONS) + 12) + "|")
-    for S, inputs, config, shares, comp, loops, cyc, per_tile, inl, fin, redone in rows:
+          "| final compaction kcycles: load / search / store |")
+    print("|---" * (len(SECTIONS) + 11) + "|")
+    for S, inputs, config, shares, comp, loops, cyc, per_tile, inl, fin in rows:
         print(f"| {S} | {inputs} | {config} | " + " | ".join(f"{x:.1f}" for x in shares)
               + f" | {comp:.2f} | {loops:.1f} | {cyc / 1e3:.0f} | {per_tile:.0f} | "
-              + " / ".join(f"{x:.1f}" for x in inl) + " | " + " / ".join(f"{x:.1f}" for x in fin) + f" | {redone} |")
+              + " / ".join(f"{x:.1f}" for x in inl) + " | " + " / ".join(f"{x:.1f}" for x in fin) + " |")
     return 0
 
 

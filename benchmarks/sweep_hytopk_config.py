@@ -47,7 +47,7 @@ def default_fields(seq: int) -> dict:
 
 
 def parse_fields(text: str) -> dict:
-    """'num_stages=2,presample_z=2.5' -> {'num_stages': 2, 'presample_z': 2.5} (ints, then floats, where they parse)."""
+    """'num_stages=2,l2_prefetch=4,sort=score32' -> {'num_stages': 2, 'l2_prefetch': 4, 'sort': 'score32'} (ints, then floats, where they parse)."""
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, _, val = item.partition("=")
@@ -102,7 +102,6 @@ def main(argv=None) -> int:
         t0 = time.time()
         ms, _, idx, _ = bh.measure(lambda: th.hytopk_triton(q, k.unsqueeze(2), w, [hi], bh.TOPK, spec, config=cfg))
         first = time.time() - t0
-        redone = th.redone_blocks()  # of the last timed call
         exact = bh.check_rows(idx, q, k, w, rows)
         same = None
         if ref_idx is None:  # the first config is the reference
@@ -113,7 +112,7 @@ def main(argv=None) -> int:
         if not args.no_score_only:
             so = th.HyTopKConfig(**kw, score_only=True)
             ms_so, _, _, _ = bh.measure(lambda: th.hytopk_triton(q, k.unsqueeze(2), w, [hi], bh.TOPK, spec, config=so))
-        table.append((name, ms, ms_so, exact, same, f"{kw}; first call {first:.1f} s; blocks redone {redone}"))
+        table.append((name, ms, ms_so, exact, same, f"{kw}; first call {first:.1f} s"))
         bh.log(name, ms, ms_so, exact, same)
     print(f"\nS={S}, H={bh.H}, D={bh.D}, k={bh.TOPK}, causal, {args.inputs} bf16; floor {floor:.2f} ms "
           f"({torch.cuda.get_device_name()}, torch {torch.__version__})")

@@ -805,54 +805,6 @@ def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
 
 
 @triton.jit
-def _sample_threshold(row_ptr, lane_cnt_ptr, j, CAP: tl.constexpr, BLOCK_N: tl.constexpr):
-    # v15: the estimate of a row's k-th best score taken from its sampled tiles: the
-    # smallest key of the highest score-bits prefix that at least j of the row's keys (lane
-    # sub-buffers) reach, i.e. a key at or below the j-th best score, with no index of its
-    # own (low word 0, below every real key of that score). EMPTY when the row holds fewer
-    # than j keys. The search stops once the prefix keeps at most j + j / 4 keys: any
-    # lower estimate is as exact, only less selective (the end checks it either way).
-    offs = tl.arange(0, CAP)
-    valid = _lane_valid(lane_cnt_ptr, CAP, BLOCK_N)
-    n = tl.sum(tl.load(lane_cnt_ptr + tl.arange(0, BLOCK_N)), axis=0)
-    keys = tl.load(row_ptr + offs, mask=valid, other=EMPTY)
-    u = tl.where(valid, _score_bits(keys), 0)
-    umin, umax = _min_max(tl.where(valid, u, tl.full([], 4294967295, tl.uint32)), u)
-    hbu = _highest_bit(umin ^ umax).to(tl.uint32)
-    bit = tl.where(umin == umax, 0, tl.full([], 1, tl.uint32) << hbu)
-    prefix = tl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
-    n_ge = n
-    while (bit > 0) & (n_ge > j + j // 4):
-        c = prefix | bit
-        n_c = tl.sum((u >= c).to(tl.int32), axis=0)
-        prefix = tl.where(n_c >= j, c, prefix)
-        n_ge = tl.where(n_c >= j, n_c, n_ge)
-        bit = bit >> 1
-    tau = (prefix ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64) << 32
-    return tl.where(n >= j, tau, EMPTY)
-
-
-@triton.jit
-def _sampled_first(tt, v0, ns, est, PRESAMPLE: tl.constexpr, BLOCK_N: tl.constexpr):
-    # v15: the tile at virtual position tt of a row block's scored range [v0, ...): the ns
-    # sample tiles (every PRESAMPLE-th from v0) first, then the others in increasing order;
-    # the identity when the block takes no sample (est false)
-    o = (tt - v0) // BLOCK_N
-    r = o - ns
-    tile = tl.where(o < ns, o * PRESAMPLE, r + r // (PRESAMPLE - 1) + 1)
-    return tl.where(est, v0 + tile * BLOCK_N, tt)
-
-
-@triton.jit
-def _thr_parts(thr, T, IDX32: tl.constexpr):
-    # A packed threshold as (its value, or NaN for EMPTY: take everything; its index in the
-    # key type, clamped to [0, T]): key p > thr exactly when its value is above the value,
-    # or equal to it at a smaller index
-    thr_v = tl.where(thr == EMPTY, float("nan"), _unpack_value(thr))
-    return thr_v, _as_key(_unpack_index(thr), T, IDX32)
-
-
-@triton.jit
 def _sort_desc(keys, N: tl.constexpr, R: tl.constexpr):
     # keys [N] in descending order by tl.sort's bitonic network, its low index bits moved into
     # registers first. The network compares elements whose flat indices differ in one bit,
@@ -969,7 +921,7 @@ def {{KERNEL_NAME}}(
     SLACK: tl.constexpr,
     IDX32: tl.constexpr, SORT_ROWS: tl.constexpr, SORT_R: tl.constexpr, SCORE32: tl.constexpr, LOG_P2: tl.constexpr,
     W_AT: tl.constexpr, PROFILE: tl.constexpr, USE_TMA: tl.constexpr, L2_PREFETCH: tl.constexpr,
-    PF_LINES: tl.constexpr, PRESAMPLE: tl.constexpr, PRESAMPLE_Z: tl.constexpr,
+    PF_LINES: tl.constexpr,
 ):
     # Persistent programs take row blocks from an atomic counter, heaviest first (the last
     # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
@@ -998,11 +950,6 @@ def {{KERNEL_NAME}}(
     # SCORE_ONLY: every score is added here, elementwise, so that none is dead code; summed
     # once at the end (a sum over keys per tile would add a cross-warp reduction per tile)
     chk = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if PRESAMPLE > 0:
-        # the block whose sampled threshold failed its check (v15) runs again without one;
-        # COUNTER's last slot counts such blocks
-        redo_cnt = COUNTER + 1 + tl.num_programs(0) * (BLOCK_M * BLOCK_N)
-        retry = tl.zeros([], dtype=tl.int32)
     j = tl.atomic_add(COUNTER, 1)
     while j < num_blocks:
         if PROFILE:
@@ -1045,16 +992,6 @@ def {{KERNEL_NAME}}(
         cnt = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
         thr = tl.zeros([BLOCK_M], dtype=tl.int64) + EMPTY
         thr_v = tl.zeros([BLOCK_M], dtype=tl.float32) + float("nan")
-        if PRESAMPLE > 0:
-            # v15 (docs/kernel-design.md): a block with keys enough to need compactions
-            # scores every PRESAMPLE-th tile first, sets each row's tau from them, and from
-            # then on appends only keys scoring >= tau (and above thr); thr_t: thr's index,
-            # since keys no longer come in index order
-            nt = (v1 - v0 + BLOCK_N - 1) // BLOCK_N
-            est = (retry == 0) & (nt * BLOCK_N >= 2 * CAP)
-            ns = tl.where(est, (nt + PRESAMPLE - 1) // PRESAMPLE, nt)
-            tau = tl.zeros([BLOCK_M], dtype=tl.int64) + EMPTY
-            thr_t = _as_key(tl.zeros([BLOCK_M], dtype=tl.int32) + T, T, IDX32)
         tl.debug_barrier()  # the previous block's last reads of SCRATCH are done
         # 1. scored tiles, in increasing key order. An inner loop runs only as many tiles as
         #    every lane can take (a tile adds at most one key per lane and row), so it holds
@@ -1066,15 +1003,9 @@ def {{KERNEL_NAME}}(
         t_end_k = _as_key(t_end, T, IDX32)
         t0 = _as_key(v0, T, IDX32)
         v1_k = _as_key(v1, T, IDX32)
-        if PRESAMPLE > 0:
-            v0_k = t0
-            ns = _as_key(ns, T, IDX32)
-            t_smp = tl.minimum(t0 + ns * BLOCK_N, v1_k)  # where the sample ends
         while t0 < v1_k:
             space = SUBCAP - tl.max(tl.max(cnt, axis=0), axis=0)
             t_stop = tl.minimum(v1_k, t0 + space * BLOCK_N)
-            if PRESAMPLE > 0:
-                t_stop = tl.where(t0 < t_smp, tl.minimum(t_stop, t_smp), t_stop)
             if W_AT == 1:
                 # the head weights, held in registers through this tile loop only: not live
                 # across the compactions between loops, which then do not spill (v9). A new
@@ -1085,11 +1016,7 @@ def {{KERNEL_NAME}}(
                 wv_l = wv0
             if PROFILE:
                 c_sec = _clock()
-            for tt_v in range(t0, t_stop, BLOCK_N):
-                if PRESAMPLE > 0:
-                    tt = _sampled_first(tt_v, v0_k, ns, est, PRESAMPLE, BLOCK_N)
-                else:
-                    tt = tt_v
+            for tt in range(t0, t_stop, BLOCK_N):
                 keys = tt + offs_n
                 key_ok = keys < t_end_k
                 if L2_PREFETCH > 0:
@@ -1123,12 +1050,7 @@ def {{KERNEL_NAME}}(
                     # Keys come in increasing index order, so a key whose value equals the
                     # threshold's loses the tie to it: keep y > thr_v, and NaN (which sorts
                     # above +inf); a NaN threshold takes everything.
-                    if PRESAMPLE > 0:
-                        # out of index order: a tie with thr goes to the smaller index
-                        take = ((~(y <= thr_v[None, :])) | ((y == thr_v[None, :]) & (keys[:, None] < thr_t[None, :]))) \
-                            & key_ok[:, None] & row_ok[None, :]
-                    else:
-                        take = (~(y <= thr_v[None, :])) & key_ok[:, None] & row_ok[None, :]
+                    take = (~(y <= thr_v[None, :])) & key_ok[:, None] & row_ok[None, :]
                     p = _pack(y, keys[:, None])
                     _store_taken(scr + (offs_m[None, :] * CAP + cnt * BLOCK_N + offs_n[:, None]), p, take)
                     cnt += take.to(tl.int32)
@@ -1157,25 +1079,9 @@ def {{KERNEL_NAME}}(
                                 _prof_add(PROF, pid, 6, 1)
                     tl.debug_barrier()
                     cnt = tl.where(kept[None, :] >= 0, _lane_counts(kept, offs_n, BLOCK_N), cnt)
-                    if PRESAMPLE > 0:
-                        thr_v, thr_t = _thr_parts(tl.maximum(thr, tau), T, IDX32)
-                    else:
-                        thr_v = tl.where(thr == EMPTY, float("nan"), _unpack_value(thr))
+                    thr_v = tl.where(thr == EMPTY, float("nan"), _unpack_value(thr))
                     if PROFILE:
                         _prof_add(PROF, pid, 1, _clock() - c_sec)
-            if PRESAMPLE > 0:
-                if est & (t0 == t_smp) & (t0 < v1_k):
-                    # the sample is scored: tau per row, the j-th best sampled score with j
-                    # its expected share of the row's k best plus PRESAMPLE_Z deviations
-                    tl.store(lane_cnt + lane_cnt_offs, cnt)
-                    tl.debug_barrier()
-                    e = (TOPK * ns).to(tl.float32) / nt.to(tl.float32)
-                    jj = tl.minimum(tl.maximum(tl.ceil(e + PRESAMPLE_Z * tl.sqrt(e)).to(tl.int32), 1), TOPK)
-                    for r in range(BLOCK_M):
-                        tau = tl.where(offs_m == r, _sample_threshold(scr + r * CAP, lane_cnt + r * BLOCK_N, jj,
-                                                                      CAP, BLOCK_N), tau)
-                    tl.debug_barrier()
-                    thr_v, thr_t = _thr_parts(tl.maximum(thr, tau), T, IDX32)
         if not SCORE_ONLY:
             if PROFILE:
                 c_sec = _clock()
@@ -1183,81 +1089,64 @@ def {{KERNEL_NAME}}(
             tl.store(lane_cnt + lane_cnt_offs, cnt)
             tl.debug_barrier()
             cnt1 = tl.zeros([BLOCK_M], dtype=tl.int32)
-            kth_r = tl.zeros([BLOCK_M], dtype=tl.int64) + EMPTY
             for r in range(BLOCK_M):
                 nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, 0,
                                          PROF + pid * 16 + 11, PROFILE)
                 cnt1 = tl.where(offs_m == r, nk, cnt1)
                 thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
-                kth_r = tl.where(offs_m == r, kth, kth_r)
             tl.debug_barrier()
             if PROFILE:
                 _prof_add(PROF, pid, 2, _clock() - c_sec)
                 c_sec = _clock()
-            if PRESAMPLE > 0:
-                # the check (v15): a row with a tau is exact when its TOPK-th best kept key
-                # scores >= tau (kth > tau: every key the estimate dropped scores below it);
-                # kth is EMPTY when the row kept TOPK keys or fewer, which fails too
-                retry = tl.max(((tau != EMPTY) & (kth_r <= tau)).to(tl.int32), axis=0)
-                go = retry == 0
-            else:
-                go = True
-            if go:
-                # 2. all -inf tiles below v0 and from v1 to t_end (fillers), in any order: the
-                #    packed threshold also compares indices
-                for i0 in range(0, v0 + (t_end - v1), BLOCK_N):
-                    tf = tl.where(i0 < v0, i0, i0 - v0 + v1)  # [0, v0), then [v1, t_end)
-                    first_key = NEG_INF_HI * 4294967296 + (4294967295 - tf)
-                    wanted = tl.max(tl.where(row_ok & (thr < first_key), 1, 0), axis=0) > 0
-                    if wanted:
-                        keys64 = tf + offs_n.to(tl.int64)
-                        key_ok = keys64 < t_end
-                        p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) - float("inf"), keys64[:, None])
-                        cnt1, thr = _select_tile(p, key_ok, row_ok, cnt1, thr, scr, scr_cols, offs_m, TOPK, CAP,
-                                                 BLOCK_M)
-                # 3. per row: compact to the TOPK best, sort those, write them
-                tl.debug_barrier()
-                if PROFILE:
-                    _prof_add(PROF, pid, 3, _clock() - c_sec)
-                    c_sec = _clock()
-                if SORT_ROWS == 1:
-                    for r in range(BLOCK_M):
-                        s = mb.to(tl.int64) * BLOCK_M + r
-                        if s < S:
-                            c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
-                            _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
-                                      TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, SORT_R, SCORE32, LOG_P2)
-                else:
-                    for r in range(BLOCK_M):
+            # 2. all -inf tiles below v0 and from v1 to t_end (fillers), in any order: the
+            #    packed threshold also compares indices
+            for i0 in range(0, v0 + (t_end - v1), BLOCK_N):
+                tf = tl.where(i0 < v0, i0, i0 - v0 + v1)  # [0, v0), then [v1, t_end)
+                first_key = NEG_INF_HI * 4294967296 + (4294967295 - tf)
+                wanted = tl.max(tl.where(row_ok & (thr < first_key), 1, 0), axis=0) > 0
+                if wanted:
+                    keys64 = tf + offs_n.to(tl.int64)
+                    key_ok = keys64 < t_end
+                    p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) - float("inf"), keys64[:, None])
+                    cnt1, thr = _select_tile(p, key_ok, row_ok, cnt1, thr, scr, scr_cols, offs_m, TOPK, CAP,
+                                             BLOCK_M)
+            # 3. per row: compact to the TOPK best, sort those, write them
+            tl.debug_barrier()
+            if PROFILE:
+                _prof_add(PROF, pid, 3, _clock() - c_sec)
+                c_sec = _clock()
+            if SORT_ROWS == 1:
+                for r in range(BLOCK_M):
+                    s = mb.to(tl.int64) * BLOCK_M + r
+                    if s < S:
                         c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
-                        if c > TOPK:  # fillers were appended
-                            _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, c, TOPK, CAP, 0)
-                    tl.debug_barrier()
-                    # SORT_ROWS rows per bitonic sort: the same network steps, with more
-                    # independent work per step and fewer barriers per row
-                    for r0 in range(0, BLOCK_M, SORT_ROWS):
-                        rr = r0 + tl.arange(0, SORT_ROWS)
-                        s_rows = mb.to(tl.int64) * BLOCK_M + rr
-                        offs_k = tl.arange(0, TOPK_P2)
-                        ok = (s_rows < S)[:, None] & (offs_k < TOPK)[None, :]
-                        keys2 = tl.load(scr + rr[:, None] * CAP + offs_k[None, :], mask=ok, other=EMPTY)
-                        best = tl.sort(keys2, dim=1, descending=True)
-                        out = (b64 * S + s_rows)[:, None] * TOPK + offs_k[None, :]
-                        tl.store(OUT_IDX + out, _unpack_index(best).to(OUT_IDX.dtype.element_ty), mask=ok)
-                        if RETURN_VALUES:
-                            tl.store(OUT_VAL + out, _unpack_value(best), mask=ok)
+                        _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
+                                  TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, SORT_R, SCORE32, LOG_P2)
+            else:
+                for r in range(BLOCK_M):
+                    c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
+                    if c > TOPK:  # fillers were appended
+                        _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, c, TOPK, CAP, 0)
                 tl.debug_barrier()
-                if PROFILE:
-                    _prof_add(PROF, pid, 4, _clock() - c_sec)
+                # SORT_ROWS rows per bitonic sort: the same network steps, with more
+                # independent work per step and fewer barriers per row
+                for r0 in range(0, BLOCK_M, SORT_ROWS):
+                    rr = r0 + tl.arange(0, SORT_ROWS)
+                    s_rows = mb.to(tl.int64) * BLOCK_M + rr
+                    offs_k = tl.arange(0, TOPK_P2)
+                    ok = (s_rows < S)[:, None] & (offs_k < TOPK)[None, :]
+                    keys2 = tl.load(scr + rr[:, None] * CAP + offs_k[None, :], mask=ok, other=EMPTY)
+                    best = tl.sort(keys2, dim=1, descending=True)
+                    out = (b64 * S + s_rows)[:, None] * TOPK + offs_k[None, :]
+                    tl.store(OUT_IDX + out, _unpack_index(best).to(OUT_IDX.dtype.element_ty), mask=ok)
+                    if RETURN_VALUES:
+                        tl.store(OUT_VAL + out, _unpack_value(best), mask=ok)
+            tl.debug_barrier()
+            if PROFILE:
+                _prof_add(PROF, pid, 4, _clock() - c_sec)
         if PROFILE:
             _prof_add(PROF, pid, 5, _clock() - c_blk)
-        if PRESAMPLE > 0:
-            if retry == 0:
-                j = tl.atomic_add(COUNTER, 1)
-            else:
-                tl.atomic_add(redo_cnt, 1)  # the same block again, without a sample
-        else:
-            j = tl.atomic_add(COUNTER, 1)
+        j = tl.atomic_add(COUNTER, 1)
     if SCORE_ONLY:
         tl.store(OUT_VAL + pid * BLOCK_M + offs_m, tl.sum(chk, axis=0))
 '''

@@ -8,7 +8,6 @@ tensors under ``TRITON_INTERPRET=1`` (tests). Algorithm: docs/kernel-design.md.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Optional, Sequence, Union
 
 import torch
@@ -88,15 +87,6 @@ class HyTopKConfig:
     # dim, and a power-of-two number of lines per tile; elsewhere off. A hint: never changes
     # the result, never faults.
     l2_prefetch: Optional[int] = None
-    # Sampled threshold (v15): a row block with at least 2 x cap keys to score scores every
-    # presample-th key tile first, estimates each row's k-th best score from them (the j-th
-    # best sampled score, j = e + presample_z * sqrt(e), e = k x the sampled share), and
-    # then appends only keys scoring at least that. A row whose k-th best kept key falls
-    # below its estimate fails the end's check, and its block is scored again without a
-    # sample (redone_blocks() counts them): the result never depends on the estimate.
-    # 0 or None: off. An int >= 2.
-    presample: Optional[int] = None
-    presample_z: float = 3.0
 
 
 def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True, D: int = 128,
@@ -296,14 +286,6 @@ def hytopk_triton(
         l2_prefetch = 0
     if not l2_prefetch:
         pf_lines = 1
-    presample = cfg.presample or 0
-    if not isinstance(presample, int) or isinstance(presample, bool) or presample == 1 or presample < 0:
-        raise SpecError(f"config.presample={cfg.presample!r} must be None, 0 (off) or an int >= 2 (a stride in tiles)")
-    pz = cfg.presample_z
-    if isinstance(pz, bool) or not isinstance(pz, (int, float)) or not (0.0 <= pz < 1e6):
-        raise SpecError(f"config.presample_z={cfg.presample_z!r} must be a finite number >= 0")
-    if cfg.score_only:
-        presample = 0
     num_row_blocks = triton_cdiv(S, block_m)
     num_blocks = B * num_row_blocks
     if cfg.num_programs is not None:
@@ -342,9 +324,8 @@ def hytopk_triton(
         w_arg, w_strides = w, w.stride()
     scratch = torch.empty(nprog * block_m * cap, dtype=torch.int64, device=device)
     # [0]: the persistent scheduler's block counter; then each program's lane counts
-    # (BLOCK_N x BLOCK_M), where its compactions read them; last: blocks redone (presample)
-    counter = torch.zeros(2 + nprog * block_m * cfg.block_n, dtype=torch.int32, device=device)
-    _LAST.counter = counter
+    # (BLOCK_N x BLOCK_M), where its compactions read them
+    counter = torch.zeros(1 + nprog * block_m * cfg.block_n, dtype=torch.int32, device=device)
     if cfg.profile and interpret:
         raise SpecError("config.profile reads the GPU's cycle counter: it needs a CUDA device")
     prof = torch.zeros((nprog, 16) if cfg.profile else (1,), dtype=torch.int64, device=device)
@@ -365,7 +346,6 @@ def hytopk_triton(
         W_AT=_weights_at(cfg.reread_weights),
         SORT_ROWS=sort_rows, PROFILE=bool(cfg.profile), USE_TMA=k_desc is not None,
         L2_PREFETCH=l2_prefetch, PF_LINES=pf_lines,
-        PRESAMPLE=presample, PRESAMPLE_Z=float(pz),
         # the final sort's [SORT_R, TOPK_P2 / SORT_R] view (_sort_desc): the keys come in
         # 4 consecutive per thread (the 32-bit output stores' vectors) over 32 * num_warps
         # threads, so SORT_R = TOPK_P2 / (4 * threads) is the number of register repeats
@@ -398,19 +378,6 @@ def hytopk_triton(
             val_out.copy_(vals32)
         return val_out, idx_out
     return idx_out
-
-
-_LAST = threading.local()
-
-
-def redone_blocks() -> int:
-    """Row blocks that the last ``hytopk_triton`` launch on this thread scored twice because
-    a sampled threshold (``HyTopKConfig.presample``) failed its check (waits for the GPU).
-    0 without presample."""
-    counter = getattr(_LAST, "counter", None)
-    if counter is None:
-        raise RuntimeError("redone_blocks(): no hytopk_triton launch on this thread yet")
-    return int(counter[-1].item())
 
 
 # (kernel, launch constants, dtypes, device) -> the num_stages that compiled within the

@@ -551,65 +551,6 @@ def test_l2_prefetch_does_not_change_bits(interpret):
 
 
 @pytest.mark.interpret
-def test_presample_same_answer(interpret):
-    # presample (v15) scores a strided sample of a block's tiles first, filters on an
-    # estimate from it, and keys come out of index order: the selection, ties (small
-    # integers and ReLU zeros: the filter's index tie-break) and -inf fillers of the causal
-    # rows must be exactly those without it. k=20, block_n=16: cap 64, so blocks with >= 128
-    # keys take a sample; 400 keys = 25 tiles.
-    g = _gen(171)
-    B, S, T, H, D, topk = 1, 8, 400, 2, 16, 20
-    spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=DSA.post, masks=DSA.masks)
-    masks = [causal_hi(B, S, T)]
-    configs = [HyTopKConfig(block_m=4, block_n=16, presample=p, presample_z=z)
-               for p, z in ((0, 3.0), (3, 3.0), (8, 1.0))]
-    # random: the threshold check against float64 (the bits are compared below)
-    q, k, w = torch.randn(B, S, H, D, generator=g), torch.randn(B, T, 1, D, generator=g), torch.rand(B, S, H, generator=g)
-    outs = [hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=c) for c in configs]
-    s64, scale = scores64(q, k, w, masks, spec)
-    for vals, idx in outs:
-        check_sorted_contract(vals, idx)
-        check_threshold(vals, idx, s64, scale, D, H, 2.0**-24)
-    assert_same_bits(outs)
-    # small integers (ties everywhere): equal to the stable sort, bit for bit
-    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32, lo=-2, hi=2)
-    assert_same_bits([run_exact(q, k, w, masks, topk, spec, config=c) for c in configs])
-
-
-@pytest.mark.interpret
-def test_presample_redo_when_the_sample_misleads(interpret):
-    # 15 hot keys (< k=20), all in sampled tiles (stride 4: tiles 0, 4, 8, ...): every row's
-    # estimate is a hot score, so the rest is dropped, the check fails, and the block is
-    # scored again without a sample. The answer must be the one without presample.
-    g = _gen(172)
-    B, S, T, D, topk = 1, 8, 704, 16, 20
-    q = torch.zeros(B, S, 1, D)
-    q[..., 0] = 1.0
-    k = torch.rand(B, T, 1, D, generator=g)
-    tiles = torch.arange(T) // 16
-    hot = torch.nonzero(tiles % 4 == 0).flatten()[torch.randperm(176, generator=g)[:15]]
-    k[0, hot, 0, 0] = 10.0 + torch.arange(15.0)
-    spec = ScoreSpec(epilogue=(), reduce="sum")
-    base = run_exact(q, k, None, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16))
-    assert triton_hytopk.redone_blocks() == 0
-    got = run_exact(q, k, None, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, presample=4))
-    assert triton_hytopk.redone_blocks() == 2  # both row blocks, once each
-    assert_same_bits([base, got])
-    assert set(hot.tolist()) <= set(got[1][0, 0].tolist())
-
-
-@pytest.mark.interpret
-def test_presample_rejects_bad_values(interpret):
-    q, k, w, topk, spec = _compaction_case(152)
-    for bad in (1, -2, 2.5, True):
-        with pytest.raises(SpecError, match="presample="):
-            hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(presample=bad))
-    for bad in (-1.0, float("nan"), "3"):
-        with pytest.raises(SpecError, match="presample_z="):
-            hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(presample=2, presample_z=bad))
-
-
-@pytest.mark.interpret
 def test_large_buffer_threshold_counts(interpret):
     # A 32768-key buffer (cap=32768) with every key valid and above the thresholds: v7's
     # search packed two counts per reduction as 16-bit fields, which once wrapped here and
@@ -877,33 +818,6 @@ def test_gpu_dsa_shape_bf16(cuda):
         cfg = dataclasses.replace(default, **extra)
         v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
         assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra
-
-
-@pytest.mark.gpu
-def test_gpu_presample_same_bits(cuda):
-    # presample (v15) at the DSA shape where blocks take a sample (>= 2 x cap = 8192 keys):
-    # the same bits as without it, with its usual estimate (z=3) and with one so tight
-    # (z=0, stride 4) that some blocks fail the check and are scored again
-    torch.manual_seed(1005)
-    print("seed=1005")
-    B, S, T, H, D, topk = 1, 16384, 16384, 64, 128, 2048
-    q = torch.randn(B, S, H, D, device=cuda, dtype=torch.bfloat16)
-    k = torch.randn(B, T, 1, D, device=cuda, dtype=torch.bfloat16)
-    w = torch.randn(B, S, H, device=cuda) * H**-0.5
-    spec = ScoreSpec(epilogue=(("relu",), ("mul", D**-0.5)), post=DSA.post, masks=DSA.masks)
-    masks = [causal_hi(B, S, T, cuda)]
-    vals, idx = hytopk_triton(q, k, w, masks, topk, spec, return_values=True)
-    rows = torch.tensor([0, 2047, 8191, 8192, 16383] + list(range(11, S, 1021)), device=cuda)
-    _sampled_threshold(q, k, w, masks, topk, spec, vals, idx, rows, 2.0**-24)
-    default = triton_hytopk.default_config(S, T, topk, q.device, True, D, H, tma=True)
-    redone = []
-    for extra in (dict(presample=32), dict(presample=4, presample_z=0.0)):
-        cfg = dataclasses.replace(default, **extra)
-        v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
-        redone.append(triton_hytopk.redone_blocks())
-        assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra
-    print("blocks redone:", redone)
-    assert redone[1] > 0  # the tight estimate did fail somewhere: the redo path ran on the GPU
 
 
 @pytest.mark.gpu
