@@ -565,10 +565,42 @@ def _load_q(Q, W, q_col_off, w_col_off, hk, col_ok, offs_d, d_ok,
     # weights (0 for padding columns).
     qb = tl.load(Q + q_col_off[:, None] + (hk * G) * stride_qh + offs_d[None, :] * stride_qd,
                  mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
+    if UPCAST == 1 or UPCAST == 3:
         qb = qb.to(tl.float32)
     wv = tl.load(W + w_col_off + (hk * G) * stride_wh, mask=col_ok, other=0.0).to(tl.float32)
     return qb, wv
+
+
+@triton.jit
+def _bf16_top(x):
+    # x's top 8 significant bits (sign, exponent, 7 stored bits): its low 16 bits cleared,
+    # i.e. rounded toward zero to bf16, which never overflows
+    return (x.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_split3(kt, qb, DOT16: tl.constexpr):
+    # kt [BLOCK_N, BLOCK_D] fp32 keys . qb [cols, BLOCK_D] bf16 queries (UPCAST 2/3) on the
+    # bf16 tensor cores, exactly: kt = hi + mid + lo, three bf16 values (the fp32
+    # significand's top, middle and last 8 bits, by truncation), so every product with a
+    # bf16 query is exact in fp32 and only the fp32 accumulation rounds, as in an IEEE
+    # dot; the small parts go in first. Non-finite keys stay in hi (mid = lo = 0). Keys
+    # below 2**-103 in magnitude may lose lo to bf16 subnormals. DOT16 false (the
+    # interpreter, which has no bf16 dot): the same parts in fp32 with IEEE dots.
+    hi = tl.where(kt != kt, kt, _bf16_top(kt))
+    r = tl.where(kt - kt == 0.0, kt - hi, 0.0)  # exact; 0 for inf and NaN
+    mid = _bf16_top(r)
+    lo = r - mid                                # <= 8 significant bits: exact in bf16
+    qt = tl.trans(qb)
+    if DOT16:
+        x = tl.dot(lo.to(tl.bfloat16), qt, out_dtype=tl.float32)
+        x = tl.dot(mid.to(tl.bfloat16), qt, acc=x, out_dtype=tl.float32)
+        x = tl.dot(hi.to(tl.bfloat16), qt, acc=x, out_dtype=tl.float32)
+    else:
+        x = tl.dot(lo, qt, input_precision="ieee", out_dtype=tl.float32)
+        x = tl.dot(mid, qt, acc=x, input_precision="ieee", out_dtype=tl.float32)
+        x = tl.dot(hi, qt, acc=x, input_precision="ieee", out_dtype=tl.float32)
+    return x
 
 
 @triton.jit
@@ -578,7 +610,7 @@ def _load_k(K, k_base, hk, t_tile, k_offs, key_ok, d_ok, stride_kt, stride_kh, U
     t64 = tl.zeros([], dtype=tl.int64) + t_tile  # (a Python int under the interpreter)
     kt = tl.load((K + (k_base + t64 * stride_kt + hk * stride_kh)) + k_offs,
                  mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
+    if UPCAST == 1:
         kt = kt.to(tl.float32)
     return kt
 
@@ -619,7 +651,9 @@ def _score_tile(
             qb, wv = _load_q(Q, W, q_col_off, w_col_off, hk, col_ok, offs_d, d_ok,
                              stride_qh, stride_qd, stride_wh, G, UPCAST)
         # x[t, m*GP + i] = k[t] . q[m, head i] (fp32 accumulation)
-        if TF32:
+        if UPCAST >= 2:
+            x = _dot_split3(kt, qb, UPCAST == 2)
+        elif TF32:
             x = tl.dot(kt, tl.trans(qb), input_precision="tf32", out_dtype=tl.float32)
         else:
             # IEEE for fp32 operands; for 16-bit operands the products are exact anyway
@@ -1029,7 +1063,7 @@ def {{KERNEL_NAME}}(
                     # one bulk copy per tile (K as [batches x T, D]; rows past the copy's
                     # batch or past the tensor are masked by key_ok or zero-filled)
                     kt = K_DESC.load([b * k_desc_rows + tt, 0])
-                    if UPCAST:
+                    if UPCAST == 1:
                         kt = kt.to(tl.float32)
                 elif HK == 1:
                     kt = _load_k(K, k_base, 0, tt, k_offs, key_ok, d_ok, stride_kt, stride_kh, UPCAST)

@@ -90,13 +90,19 @@ class HyTopKConfig:
 
 
 def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True, D: int = 128,
-                   gp: int = 64, tma: bool = False) -> HyTopKConfig:
+                   gp: int = 64, tma: bool = False, split: bool = False) -> HyTopKConfig:
     """The launch parameters for a shape and key layout (no autotuning: the same call always
     gets the same parameters, so the bits are reproducible across processes). ``tma``: k's
-    layout takes TMA key tiles (``_tma_applies``)."""
+    layout takes TMA key tiles (``_tma_applies``). ``split``: bf16 queries, fp32 keys
+    (three bf16 dots per tile, _dot_split3)."""
     if device.type != "cuda":
         # Interpreter: every program and tile step costs tens of ms; keep tiles small.
         return HyTopKConfig(block_n=32, num_warps=1)
+    if split:
+        # 64 dot columns (16 query rows at QSA's 4 heads): a 4,096-row query chunk is then
+        # 256 row blocks, about two per SM. 64-key tiles: 1.63 ms against 1.81 with 32 on
+        # QSA's heaviest 32K chunk (H200; docs/performance.md, "QSA: fp32 keys")
+        return HyTopKConfig(block_n=64, num_warps=4, num_stages=2, block_m=-64)
     if not native16:
         # fp32 operands: IEEE dots run on FMA units, fully unrolled; small tiles keep the
         # code (and the compile time) bounded
@@ -235,11 +241,15 @@ def hytopk_triton(
         return (val_out, idx_out) if return_values else idx_out
 
     native16 = q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16) and not interpret
+    # bf16 queries against fp32 keys (keys pooled in fp32, as QSA's mean): exact bf16 dots
+    # on three parts of each key (_dot_split3) instead of fp32 FMA dots
+    split = q.dtype == torch.bfloat16 and k.dtype == torch.float32
     G = H // Hk
     gp = _next_pow2(G)
     defaulted = config is None
     if defaulted:
-        config = default_config(S, T, topk, device, native16, D, gp, tma=default_takes_tma(k, T, native16))
+        config = default_config(S, T, topk, device, native16, D, gp, tma=default_takes_tma(k, T, native16),
+                                split=split)
     cfg = config
     block_m = _block_m(cfg, gp, interpret)
     if block_m < 1 or block_m & (block_m - 1) or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1):
@@ -299,9 +309,11 @@ def hytopk_triton(
     nprog = max(1, min(nprog, num_blocks))
 
     # 16-bit operands of one dtype go to the tensor cores as they are (products are exact
-    # in fp32). Everything else is upcast in-kernel to fp32 and uses IEEE (or TF32 when
-    # the spec allows it) dots; the interpreter always upcasts (it has no bf16 math).
-    upcast = not native16
+    # in fp32): UPCAST 0. bf16 queries with fp32 keys: each key tile split into three bf16
+    # parts, three exact-product dots (2; under the interpreter, which has no bf16 dot, the
+    # same parts in fp32 dots: 3). Everything else is upcast in-kernel to fp32 and uses IEEE
+    # (or TF32 when the spec allows it) dots (1).
+    upcast = 0 if native16 else (3 if interpret else 2) if split else 1
     tf32 = (
         spec.fp32_precision == "tf32" and q.dtype == torch.float32 and k.dtype == torch.float32 and not interpret
     )

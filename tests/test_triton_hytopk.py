@@ -550,6 +550,36 @@ def test_l2_prefetch_does_not_change_bits(interpret):
         assert_same_bits(outs)
 
 
+def _split_case(g, S=8, T=300, H=2, D=16):
+    # bf16 queries, fp32 keys that need all three bf16 parts of _dot_split3: integers up to
+    # 2**17 (18 significant bits), small-integer queries, so every product and sum is exact
+    # (|score| <= 2 * 16 * 3 * 2**17 < 2**24) and the answer is the stable sort's, bit for bit
+    q = torch.randint(-3, 4, (1, S, H, D), generator=g).to(torch.bfloat16)
+    k = torch.randint(-2**17, 2**17, (1, T, 1, D), generator=g).float()
+    return q, k
+
+
+@pytest.mark.interpret
+def test_split_dot_bf16_queries_fp32_keys(interpret):
+    # bf16 q with fp32 k (QSA's pooled keys) takes _dot_split3 (UPCAST 3 under the
+    # interpreter: the three parts in fp32 dots; on the GPU, bf16 dots: test_gpu_split_dot)
+    g = _gen(181)
+    q, k = _split_case(g)
+    k[0, 7, 0, 3] = float("inf")        # a non-finite key stays whole in the top part
+    k[0, 11, 0, 0] = 2.0**-3 + 2.0**-20  # bits in the middle and the last part only
+    spec = ScoreSpec(epilogue=(("relu",),), reduce="sum", post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0),))
+    masks = [causal_hi(1, 8, 300)]
+    run_exact(q, k, None, masks, 20, spec)  # (key 7 scores +inf, -inf or NaN by the sign of q . e_3)
+    # random fp32 keys: the threshold check against float64
+    q = torch.randn(1, 8, 2, 16, generator=g).to(torch.bfloat16)
+    k = torch.randn(1, 300, 1, 16, generator=g) * 3.0
+    vals, idx = hytopk_triton(q, k, None, masks, 20, spec, return_values=True)
+    check_sorted_contract(vals, idx)
+    s64, scale = scores64(q, k, None, masks, spec)
+    check_threshold(vals, idx, s64, scale, 16, 2, 2.0**-24)
+
+
 @pytest.mark.interpret
 def test_large_buffer_threshold_counts(interpret):
     # A 32768-key buffer (cap=32768) with every key valid and above the thresholds: v7's
@@ -818,6 +848,32 @@ def test_gpu_dsa_shape_bf16(cuda):
         cfg = dataclasses.replace(default, **extra)
         v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
         assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra
+
+
+@pytest.mark.gpu
+def test_gpu_split_dot(cuda):
+    # bf16 queries, fp32 keys (QSA's pooled keys): three bf16 tensor-core dots per tile
+    # (_dot_split3). Exact integers: bit for bit the stable sort; the QSA chunk shape
+    # (4,096 rows, 8,192 keys, k=512, block-causal): the threshold check on sampled rows,
+    # and the same bits again.
+    g = _gen(1006)
+    q, k = _split_case(g, S=64, T=2048)
+    spec = ScoreSpec(epilogue=(("relu",),), reduce="sum", post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0),))
+    run_exact(q.to(cuda), k.to(cuda), None, [causal_hi(1, 64, 2048, cuda)], 100, spec)
+    torch.manual_seed(1006)
+    S, N, topk = 4096, 8192, 512
+    q = torch.randn(1, S, 4, 128, device=cuda).to(torch.bfloat16)
+    k = torch.randn(1, 4 * N, 128, device=cuda).to(torch.bfloat16).view(1, N, 4, 128).float().mean(2, keepdim=True)
+    spec = ScoreSpec(epilogue=(("relu",),), reduce="sum", post=(("div", 128**0.5), ("mask", 0)),
+                     masks=(MaskTerm(kind="range", hi=0),))
+    masks = [((torch.arange(S, device=cuda) + 4 * N - S) // 4 + 1).view(1, S)]
+    vals, idx = hytopk_triton(q, k, None, masks, topk, spec, return_values=True)
+    rows = torch.tensor([0, 1, 2047, 4095] + list(range(5, S, 397)), device=cuda)
+    _sampled_threshold(q, k, None, masks, topk, spec, vals, idx, rows, 2.0**-24)
+    check_sorted_contract(vals[:, ::97].cpu(), idx[:, ::97].cpu())
+    v2, i2 = hytopk_triton(q, k, None, masks, topk, spec, return_values=True)
+    assert torch.equal(i2, idx) and torch.equal(v2.view(torch.int32), vals.view(torch.int32))
 
 
 @pytest.mark.gpu

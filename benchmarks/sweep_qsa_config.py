@@ -1,0 +1,91 @@
+"""Launch-parameter sweep of the generated HyTopK kernel at the QSA selection shape (one GPU).
+
+    python benchmarks/sweep_qsa_config.py [--seq 32768] [--configs "default;block_n=64;num_warps=8"]
+
+The call ``bench_variants.py`` makes for the last (heaviest) query chunk of a QSA sequence:
+q [1, 4096, 4, 128] bf16, keys = the mean of 4 bf16 tokens (fp32, so the dot takes the fp32
+path: DESIGN.md rule 3), k = 512, block-causal (query s sees blocks <= s // 4), and the spec
+the hyscale backend builds from ``bench_variants.qsa_select`` (``head-sum-relu``, printed by
+the backend's rewrite; checked here against the graph on sampled rows). For each
+configuration (``HyTopKConfig`` fields over the launch's own default): ms of the whole
+selection, ms of the scoring alone (``score_only``), whether the sampled rows pass the
+threshold check, and whether the indices equal the first configuration's. Prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_hytopk as bh  # noqa: E402
+import bench_variants as bv  # noqa: E402
+from sweep_hytopk_config import parse_fields  # noqa: E402
+
+# what the backend passes for bench_variants.qsa_select (captured from its rewrite)
+QSA_SPEC = ('{"v":1,"name":"head-sum-relu","logit_dtype":"float32","epilogue":[["relu"]],"reduce":"sum",'
+            '"post":[["div",11.313708498984761],["mask",0]],"masks":[{"kind":"range","lo":null,"hi":0,'
+            '"mode":"fill","value":-Infinity}],"score_dtype":"float32","fp32_precision":"ieee"}')
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--configs", default="default")
+    a = ap.parse_args(argv)
+    if a.seq < bv.CHUNK or a.seq % bv.CHUNK:
+        ap.error(f"--seq must be a positive multiple of {bv.CHUNK}")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+    from hyscale_compile.lowerings import triton_hytopk as th
+    from hyscale_compile.lowerings.ops import parse_spec
+
+    S = a.seq
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, S, bv.QH, bv.QD, device="cuda", generator=g).bfloat16()
+    kraw = torch.randn(1, S, bv.QD, device="cuda", generator=g).bfloat16()
+    s0 = S - bv.CHUNK
+    qc = q[:, s0:]
+    kbar = kraw.view(1, S // bv.QR, bv.QR, bv.QD).float().mean(2).unsqueeze(2)  # [1, N, 1, D]
+    hi = ((torch.arange(s0, S, device="cuda") // bv.QR) + 1).view(1, -1)
+    spec = parse_spec(QSA_SPEC)
+    want = bv.qsa_select(qc, kraw, s0)  # the graph, eagerly: a reference for the spec
+    names = [c.strip() for c in a.configs.split(";") if c.strip()]
+    # the launch's own default for these operands (bf16 q, fp32 keys: not native 16-bit)
+    base = th.default_config(bv.CHUNK, S // bv.QR, bv.QK, q.device, False, bv.QD, bv.QH)
+    table, first_idx = [], None
+    for name in names:
+        fields = {} if name == "default" else parse_fields(name)
+        cfg = dataclasses.replace(base, **fields)
+        t0 = time.time()
+        ms, _, idx, _ = bh.measure(lambda: th.hytopk_triton(qc, kbar, None, [hi], bv.QK, spec, config=cfg))
+        first = time.time() - t0
+        exact = bv.qsa_check(lambda qq, kk, ss: th.hytopk_triton(qq, kbar, None, [hi], bv.QK, spec, config=cfg),
+                             q, kraw, [0, 1, 100, 2047, 4095])
+        # the graph's own top-k has no tie rule, so compare it as sets on rows without ties
+        same_as_graph = float((torch.sort(idx.long(), -1).values == torch.sort(want, -1).values).all(-1).float().mean())
+        if first_idx is None:
+            first_idx = idx.clone()
+        same = bool(torch.equal(idx, first_idx))
+        so = dataclasses.replace(cfg, score_only=True)
+        ms_so, _, _, _ = bh.measure(lambda: th.hytopk_triton(qc, kbar, None, [hi], bv.QK, spec, config=so))
+        table.append((name, ms, ms_so, exact, same_as_graph, same, f"first call {first:.1f} s"))
+        bh.log(*table[-1])
+    print(f"\nQSA last chunk: S={S}, rows {s0}..{S - 1}, {S // bv.QR} key blocks, k={bv.QK} "
+          f"({torch.cuda.get_device_name()}, torch {torch.__version__}); x8 chunks ~ the whole sequence")
+    print("| config | hytopk ms | score-only ms | sampled rows exact | rows = graph's set | bits = first | note |")
+    print("|---|---|---|---|---|---|---|")
+    for name, ms, ms_so, exact, sg, same, note in table:
+        print(f"| {name} | {ms:.3f} | {ms_so:.3f} | {exact:.0%} | {sg:.1%} | {'yes' if same else 'NO'} | {note} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
