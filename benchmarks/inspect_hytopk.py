@@ -5,6 +5,7 @@ ptxas made of it: registers, spills, stack, shared memory, and SASS instruction 
     python benchmarks/inspect_hytopk.py --configs "default;num_stages=2;score_only=1"
     python benchmarks/inspect_hytopk.py --dump DIR              # also write ttgir/ptx/sass
     python benchmarks/inspect_hytopk.py --configs default --lines  # the tile loop per source line
+    python benchmarks/inspect_hytopk.py --shape qsa             # QSA's chunk: bf16 q, fp32 pooled keys
 
 Each configuration is ``default`` (the launch's own default at the DSA shape) or a
 comma-separated list of ``HyTopKConfig`` fields (``field=value``) over that default;
@@ -62,6 +63,25 @@ class _Sm90:
 
     def is_active(self):
         return True
+
+
+def compile_qsa(fields: dict):
+    """The QSA chunk's kernel (bench_variants / sweep_qsa_config: 4,096 rows, 4 heads of 128,
+    8,192 fp32 pooled keys, k=512): bf16 queries against fp32 keys, the three-part bf16 dots."""
+    from hyscale_compile.lowerings.ops import parse_spec
+    from hyscale_compile.lowerings.triton_hytopk import default_config, hytopk_triton
+    from sweep_qsa_config import QSA_SPEC
+
+    S, N = 4096, 8192
+    q = torch.empty(1, S, 4, 128, dtype=torch.bfloat16)
+    k = torch.empty(1, N, 1, 128, dtype=torch.float32)
+    hi = torch.arange(1, S + 1).view(1, S)
+    base = default_config(S, N, 512, torch.device("cuda"), False, 128, 4, split=True)
+    cfg = dataclasses.replace(base, **{"num_programs": 264, **fields})
+    t = time.perf_counter()
+    ck = hytopk_triton(q, k, None, [hi], 512, parse_spec(QSA_SPEC), config=cfg,
+                       _launcher=lambda kern, args, launch: kern.warmup(*args, grid=(1,), **launch))
+    return ck, time.perf_counter() - t
 
 
 def compile_dsa(fields: dict, S: int = 4096):
@@ -216,13 +236,16 @@ def main():
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="';'-separated HyTopKConfig field lists")
     ap.add_argument("--dump", default=None, help="directory for ttgir/ptx/sass of each configuration")
     ap.add_argument("--lines", action="store_true", help="also the tile loop's instructions per source line")
+    ap.add_argument("--shape", default="dsa", choices=("dsa", "qsa"),
+                    help="dsa (H=64, bf16 q and k) or qsa (4 heads, bf16 q, fp32 pooled keys: the split dots)")
     args = ap.parse_args()
     driver.set_active(_Sm90())
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     rows = []
     for i, text in enumerate(filter(None, (c.strip() for c in args.configs.split(";")))):
         print(f"[{i}] compiling {text} ...", file=sys.stderr, flush=True)
-        ck, secs = compile_dsa({} if text == "default" else parse_fields(text))
+        fields = {} if text == "default" else parse_fields(text)
+        ck, secs = compile_qsa(fields) if args.shape == "qsa" else compile_dsa(fields)
         rep = ptxas_report(ck.asm["ptx"], bindir)
         counts, sass = sass_counts(ck.asm["cubin"], bindir)
         rows.append((text, rep, ck.metadata.shared, counts, secs))

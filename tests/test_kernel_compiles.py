@@ -84,3 +84,22 @@ def test_dsa_kernel_compiles_for_sm90(tmp_path):
     # the hint is in the l2_prefetch build (config 4) and compiled out of the default (0)
     assert "CCTL.E.PF2" in (dump / "cfg4.sass").read_text()
     assert "CCTL.E.PF2" not in (dump / "cfg0.sass").read_text()
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
+def test_qsa_split_kernel_compiles_for_sm90(tmp_path):
+    # bf16 queries against fp32 keys (QSA's pooled keys) take three bf16 tensor-core dots
+    # per tile (_dot_split3, docs/kernel-design.md v16): 3 dots x 8 k-steps of 16 = 24
+    # wgmma instructions at the default 64-key tiles, where the fp32 path had none
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "inspect_hytopk.py"), "--shape", "qsa",
+                          "--configs", "default"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    row = next(ln for ln in out.stdout.splitlines() if ln.startswith("default"))
+    print(row)
+    cells = row.split("|")[0].split()
+    regs, smem, wgmma = int(cells[1]), int(cells[4]), int(cells[7])
+    assert 0 < regs <= 255 and smem <= 115712
+    assert wgmma == 24, row
