@@ -581,24 +581,29 @@ def _bf16_top(x):
 @triton.jit
 def _dot_split3(kt, qb, DOT16: tl.constexpr):
     # kt [BLOCK_N, BLOCK_D] fp32 keys . qb [cols, BLOCK_D] bf16 queries (UPCAST 2/3) on the
-    # bf16 tensor cores, exactly: kt = hi + mid + lo, three bf16 values (the fp32
-    # significand's top, middle and last 8 bits, by truncation), so every product with a
-    # bf16 query is exact in fp32 and only the fp32 accumulation rounds, as in an IEEE
-    # dot; the small parts go in first. Non-finite keys stay in hi (mid = lo = 0). Keys
-    # below 2**-103 in magnitude may lose lo to bf16 subnormals. DOT16 false (the
-    # interpreter, which has no bf16 dot): the same parts in fp32 with IEEE dots.
+    # bf16 tensor cores: kt = hi + mid + lo exactly, three bf16 values (the fp32
+    # significand's top, middle and last 8 bits, by truncation, which never overflows), so
+    # every product with a bf16 query is exact in fp32; only the fp32 accumulation rounds
+    # (3 x D terms, the small parts first, in the tensor cores' order: within DESIGN.md's
+    # (D + H + 2) u tolerance). Non-finite keys stay whole in hi (mid = lo = 0), and
+    # non-finite queries meet only hi (the mid and lo dots see them as 0), so inf and NaN
+    # come out as in an fp32 dot (inf * 0 = NaN only where the key itself is 0). Keys
+    # below ~2**-103 in magnitude may lose mid or lo to bf16 subnormals (an error below
+    # 2**-126 |q|). DOT16 false (the interpreter, which has no bf16 dot): the same parts
+    # in fp32 IEEE dots.
     hi = tl.where(kt != kt, kt, _bf16_top(kt))
     r = tl.where(kt - kt == 0.0, kt - hi, 0.0)  # exact; 0 for inf and NaN
     mid = _bf16_top(r)
     lo = r - mid                                # <= 8 significant bits: exact in bf16
     qt = tl.trans(qb)
+    qf = tl.trans(tl.where(qb - qb == 0.0, qb, 0.0).to(qb.dtype))  # finite queries only
     if DOT16:
-        x = tl.dot(lo.to(tl.bfloat16), qt, out_dtype=tl.float32)
-        x = tl.dot(mid.to(tl.bfloat16), qt, acc=x, out_dtype=tl.float32)
+        x = tl.dot(lo.to(tl.bfloat16), qf, out_dtype=tl.float32)
+        x = tl.dot(mid.to(tl.bfloat16), qf, acc=x, out_dtype=tl.float32)
         x = tl.dot(hi.to(tl.bfloat16), qt, acc=x, out_dtype=tl.float32)
     else:
-        x = tl.dot(lo, qt, input_precision="ieee", out_dtype=tl.float32)
-        x = tl.dot(mid, qt, acc=x, input_precision="ieee", out_dtype=tl.float32)
+        x = tl.dot(lo, qf, input_precision="ieee", out_dtype=tl.float32)
+        x = tl.dot(mid, qf, acc=x, input_precision="ieee", out_dtype=tl.float32)
         x = tl.dot(hi, qt, acc=x, input_precision="ieee", out_dtype=tl.float32)
     return x
 

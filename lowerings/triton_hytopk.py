@@ -101,7 +101,8 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
     if split:
         # 64 dot columns (16 query rows at QSA's 4 heads): a 4,096-row query chunk is then
         # 256 row blocks, about two per SM. 64-key tiles: 1.63 ms against 1.81 with 32 on
-        # QSA's heaviest 32K chunk (H200; docs/performance.md, "QSA: fp32 keys")
+        # QSA's heaviest 32K chunk (1 stage each); with 2 stages, the whole 32K sequence
+        # 13.15 ms (H200; docs/performance.md, "QSA: fp32 keys")
         return HyTopKConfig(block_n=64, num_warps=4, num_stages=2, block_m=-64)
     if not native16:
         # fp32 operands: IEEE dots run on FMA units, fully unrolled; small tiles keep the
@@ -243,7 +244,9 @@ def hytopk_triton(
     native16 = q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16) and not interpret
     # bf16 queries against fp32 keys (keys pooled in fp32, as QSA's mean): exact bf16 dots
     # on three parts of each key (_dot_split3) instead of fp32 FMA dots
-    split = q.dtype == torch.bfloat16 and k.dtype == torch.float32
+    # (bf16 dots need sm_80+; older GPUs keep the fp32 path)
+    split = (q.dtype == torch.bfloat16 and k.dtype == torch.float32
+             and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 8))
     G = H // Hk
     gp = _next_pow2(G)
     defaulted = config is None

@@ -551,8 +551,8 @@ def test_l2_prefetch_does_not_change_bits(interpret):
 
 
 def _split_case(g, S=8, T=300, H=2, D=16):
-    # bf16 queries, fp32 keys that need all three bf16 parts of _dot_split3: integers up to
-    # 2**17 (18 significant bits), small-integer queries, so every product and sum is exact
+    # bf16 queries, fp32 keys beyond bf16: integers below 2**17 (up to 17 significant bits:
+    # hi, mid and sometimes lo), small-integer queries, so every product and sum is exact
     # (|score| <= 2 * 16 * 3 * 2**17 < 2**24) and the answer is the stable sort's, bit for bit
     q = torch.randint(-3, 4, (1, S, H, D), generator=g).to(torch.bfloat16)
     k = torch.randint(-2**17, 2**17, (1, T, 1, D), generator=g).float()
@@ -566,7 +566,6 @@ def test_split_dot_bf16_queries_fp32_keys(interpret):
     g = _gen(181)
     q, k = _split_case(g)
     k[0, 7, 0, 3] = float("inf")        # a non-finite key stays whole in the top part
-    k[0, 11, 0, 0] = 2.0**-3 + 2.0**-20  # bits in the middle and the last part only
     spec = ScoreSpec(epilogue=(("relu",),), reduce="sum", post=(("mask", 0),),
                      masks=(MaskTerm(kind="range", hi=0),))
     masks = [causal_hi(1, 8, 300)]
@@ -578,6 +577,33 @@ def test_split_dot_bf16_queries_fp32_keys(interpret):
     check_sorted_contract(vals, idx)
     s64, scale = scores64(q, k, None, masks, spec)
     check_threshold(vals, idx, s64, scale, 16, 2, 2.0**-24)
+
+
+def _one_hot_split_case(g, S=8, T=300, D=16):
+    # one head, one nonzero query entry per row (+-1 or +-2): every score is one key entry
+    # times it, exact in fp32 whatever the key's 24 significant bits, so all three parts of
+    # _dot_split3 must be right to the last bit. Non-finite entries: a NaN key entry and an
+    # inf key (NaN for every row: 0 * inf), an inf query entry in row 2 (+-inf, and NaN
+    # where the key entry it meets is 0: key 13).
+    d = torch.randint(0, D, (S,), generator=g)
+    q = torch.zeros(1, S, 1, D)
+    q[0, torch.arange(S), 0, d] = torch.tensor([1.0, -1.0, 2.0, -2.0] * (S // 4))
+    q[0, 2, 0, d[2]] = float("inf")
+    k = torch.randn(1, T, 1, D, generator=g)
+    # a NaN with only low payload bits (cleared by truncation, it would read inf) where row
+    # 0's query is 1: row 0 must score NaN there, the others NaN from 0 * NaN
+    k[0, 5, 0, d[0]] = torch.tensor(0x7F800001, dtype=torch.int32).view(torch.float32)
+    k[0, 9] = float("inf")
+    k[0, 13, 0, d[2]] = 0.0
+    return q.to(torch.bfloat16), k
+
+
+@pytest.mark.interpret
+def test_split_dot_full_mantissas_and_nonfinite(interpret):
+    g = _gen(182)
+    q, k = _one_hot_split_case(g)
+    _, idx = run_exact(q, k, None, [], 20, ScoreSpec(epilogue=(), reduce="sum"))
+    assert idx[0, :, :2].tolist() == [[5, 9]] * 8  # the NaN scores first, in index order
 
 
 @pytest.mark.interpret
@@ -861,6 +887,8 @@ def test_gpu_split_dot(cuda):
     spec = ScoreSpec(epilogue=(("relu",),), reduce="sum", post=(("mask", 0),),
                      masks=(MaskTerm(kind="range", hi=0),))
     run_exact(q.to(cuda), k.to(cuda), None, [causal_hi(1, 64, 2048, cuda)], 100, spec)
+    q, k = _one_hot_split_case(g, S=64, T=2048, D=128)
+    run_exact(q.to(cuda), k.to(cuda), None, [], 100, ScoreSpec(epilogue=(), reduce="sum"))
     torch.manual_seed(1006)
     S, N, topk = 4096, 8192, 512
     q = torch.randn(1, S, 4, 128, device=cuda).to(torch.bfloat16)
@@ -872,6 +900,10 @@ def test_gpu_split_dot(cuda):
     rows = torch.tensor([0, 1, 2047, 4095] + list(range(5, S, 397)), device=cuda)
     _sampled_threshold(q, k, None, masks, topk, spec, vals, idx, rows, 2.0**-24)
     check_sorted_contract(vals[:, ::97].cpu(), idx[:, ::97].cpu())
+    # keys with full fp32 significands (QSA's means have mostly 8-10 bits)
+    kr = torch.randn(1, N, 1, 128, device=cuda)
+    vr, ir = hytopk_triton(q, kr, None, masks, topk, spec, return_values=True)
+    _sampled_threshold(q, kr, None, masks, topk, spec, vr, ir, rows, 2.0**-24)
     v2, i2 = hytopk_triton(q, k, None, masks, topk, spec, return_values=True)
     assert torch.equal(i2, idx) and torch.equal(v2.view(torch.int32), vals.view(torch.int32))
 
