@@ -28,7 +28,7 @@ for step in "$@"; do
              --out "$OUT/train_dsa_loss.png" > "$OUT/train.log" 2>&1; echo "train rc=$?"; grep -v "it/s\]" "$OUT/train.log" | tail -25 ;;
     demo) timeout 400 python3 examples/demo.py --seq ${DEMO_SEQ:-16384} > "$OUT/demo.log" 2>&1; echo "demo rc=$?"; tail -12 "$OUT/demo.log" ;;
     matmul) timeout 120 python3 benchmarks/matmul_rate.py > "$OUT/matmul.md" 2> "$OUT/matmul.log"; echo "matmul rc=$?"; cat "$OUT/matmul.md" ;;
-    qsa) timeout 200 python3 benchmarks/sweep_qsa_config.py --seq 32768 ${QSA_CONFIGS:+--configs $QSA_CONFIGS} \
+    qsa) timeout 200 python3 benchmarks/sweep_qsa_config.py --seq 32768 --keys ${QSA_KEYS:-fp32} ${QSA_CONFIGS:+--configs $QSA_CONFIGS} \
              > "$OUT/qsa.md" 2> "$OUT/qsa.log"; echo "qsa rc=$?"; cat "$OUT/qsa.md" ;;
     power) timeout 200 python3 benchmarks/power_during.py --seq ${POWER_SEQ:-131072} > "$OUT/power.md" 2> "$OUT/power.log"
              echo "power rc=$?"; cat "$OUT/power.md" ;;
