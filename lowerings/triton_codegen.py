@@ -887,6 +887,14 @@ def _scores_tied(su, su_ptr, N: tl.constexpr):
     return tl.max(((su != 0) & (nxt == su)).to(tl.int32), axis=0) > 0
 
 
+@triton.jit
+def _write_keys(OUT_IDX, OUT_VAL, out, keys, keep, RETURN_VALUES: tl.constexpr):
+    # packed keys -> their indices (and fp32 values) at output offsets out, where keep
+    tl.store(OUT_IDX + out, _unpack_index(keys).to(OUT_IDX.dtype.element_ty), mask=keep)
+    if RETURN_VALUES:
+        tl.store(OUT_VAL + out, _unpack_value(keys), mask=keep)
+
+
 @triton.jit(noinline=True)
 def _emit_sorted_keys(row_ptr, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
                       RETURN_VALUES: tl.constexpr, SORT_R: tl.constexpr):
@@ -897,10 +905,7 @@ def _emit_sorted_keys(row_ptr, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TO
     offs = tl.arange(0, TOPK_P2)
     keys = tl.load(row_ptr + offs, mask=offs < TOPK, other=EMPTY)
     best = _sort_desc(keys, TOPK_P2, SORT_R)
-    keep = offs < TOPK
-    tl.store(OUT_IDX + out_off + offs, _unpack_index(best).to(OUT_IDX.dtype.element_ty), mask=keep)
-    if RETURN_VALUES:
-        tl.store(OUT_VAL + out_off + offs, _unpack_value(best), mask=keep)
+    _write_keys(OUT_IDX, OUT_VAL, out_off + offs, best, offs < TOPK, RETURN_VALUES)
 
 
 @triton.jit
@@ -935,11 +940,7 @@ def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2
     else:
         best = _sort_desc(keys, TOPK_P2, SORT_R)  # bitonic
         pos = tl.arange(0, TOPK_P2)
-    keep = pos < TOPK
-    out = out_off + pos
-    tl.store(OUT_IDX + out, _unpack_index(best).to(OUT_IDX.dtype.element_ty), mask=keep)
-    if RETURN_VALUES:
-        tl.store(OUT_VAL + out, _unpack_value(best), mask=keep)
+    _write_keys(OUT_IDX, OUT_VAL, out_off + pos, best, pos < TOPK, RETURN_VALUES)
 
 
 @triton.jit
@@ -1176,10 +1177,8 @@ def {{KERNEL_NAME}}(
                     ok = (s_rows < S)[:, None] & (offs_k < TOPK)[None, :]
                     keys2 = tl.load(scr + rr[:, None] * CAP + offs_k[None, :], mask=ok, other=EMPTY)
                     best = tl.sort(keys2, dim=1, descending=True)
-                    out = (b64 * S + s_rows)[:, None] * TOPK + offs_k[None, :]
-                    tl.store(OUT_IDX + out, _unpack_index(best).to(OUT_IDX.dtype.element_ty), mask=ok)
-                    if RETURN_VALUES:
-                        tl.store(OUT_VAL + out, _unpack_value(best), mask=ok)
+                    _write_keys(OUT_IDX, OUT_VAL, (b64 * S + s_rows)[:, None] * TOPK + offs_k[None, :], best, ok,
+                                RETURN_VALUES)
             tl.debug_barrier()
             if PROFILE:
                 _prof_add(PROF, pid, 4, _clock() - c_sec)
