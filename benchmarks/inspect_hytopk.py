@@ -68,18 +68,19 @@ class _Sm90:
 def compile_qsa(fields: dict):
     """The QSA chunk's kernel (bench_variants / sweep_qsa_config: 4,096 rows, 4 heads of 128,
     8,192 fp32 pooled keys, k=512): bf16 queries against fp32 keys, the three-part bf16 dots."""
+    import bench_variants as bv
     from hyscale_compile.lowerings.ops import parse_spec
     from hyscale_compile.lowerings.triton_hytopk import default_config, hytopk_triton
     from sweep_qsa_config import QSA_SPEC
 
-    S, N = 4096, 8192
-    q = torch.empty(1, S, 4, 128, dtype=torch.bfloat16)
-    k = torch.empty(1, N, 1, 128, dtype=torch.float32)
+    S, N = bv.CHUNK, 32768 // bv.QR  # the last chunk of a 32K sequence
+    q = torch.empty(1, S, bv.QH, bv.QD, dtype=torch.bfloat16)
+    k = torch.empty(1, N, 1, bv.QD, dtype=torch.float32)
     hi = torch.arange(1, S + 1).view(1, S)
-    base = default_config(S, N, 512, torch.device("cuda"), False, 128, 4, split=True)
+    base = default_config(S, N, bv.QK, torch.device("cuda"), False, bv.QD, bv.QH, split=True)
     cfg = dataclasses.replace(base, **{"num_programs": 264, **fields})
     t = time.perf_counter()
-    ck = hytopk_triton(q, k, None, [hi], 512, parse_spec(QSA_SPEC), config=cfg,
+    ck = hytopk_triton(q, k, None, [hi], bv.QK, parse_spec(QSA_SPEC), config=cfg,
                        _launcher=lambda kern, args, launch: kern.warmup(*args, grid=(1,), **launch))
     return ck, time.perf_counter() - t
 
