@@ -17,6 +17,9 @@ head weights (fp32), ReLU, weighted head sum, causal, batch 1. Rows of the table
 * score+topk     a fused Triton score kernel (keys as the rows of the dot, causal tiles
                  skipped) writing fp32 scores per query chunk, then torch.topk per chunk.
 * hytopk         torch.ops.hyscale.hytopk with the DSA spec (the generated kernel).
+* hytopk:unsorted  the same with sorted=False, what the rewrite passes for topk(sorted=False)
+                 (DeepSeek's own V3.2/V4 inference code): the same set, no final sort.
+* score+topk:unsorted  score+topk with torch.topk(sorted=False), its counterpart.
 * hytopk:score   the same kernel with selection switched off (diagnostic: scoring alone).
 * hyscale-compile  torch.compile(hf_indexer, backend="hyscale") on the whole sequence: the
                  rewrite is what runs (the counter of generated-kernel launches is printed).
@@ -57,7 +60,8 @@ if _ROOT not in sys.path:
 
 H, D, TOPK = 64, 128, 2048
 # every row name --rows / --skip understand (floor is always printed)
-ROWS = ("hytopk", "hytopk:score-only", "score+topk", "eager", "compile", "hyscale-compile")
+ROWS = ("hytopk", "hytopk:unsorted", "hytopk:score-only", "score+topk", "score+topk:unsorted", "eager", "compile",
+        "hyscale-compile")
 SCALE = D**-0.5
 
 
@@ -174,7 +178,7 @@ def _score_kernel(Q, K, W, OUT, s_base, T_cols, stride_qs, stride_ws, stride_os,
         tl.store(OUT + rows[None, :].to(tl.int64) * stride_os + keys[:, None], y, mask=keys[:, None] < T_cols)
 
 
-def score_then_topk(q, k, w, chunk=None):
+def score_then_topk(q, k, w, chunk=None, sorted=True):
     S = q.shape[1]
     c = chunk or min(S, 4096)
     q2 = q[0].reshape(S, H * D)
@@ -188,7 +192,7 @@ def score_then_topk(q, k, w, chunk=None):
         out = buf[: s1 - s0, :cols]
         _score_kernel[((s1 - s0) // 4,)](q2[s0:s1], k2, w2[s0:s1], out, s0, cols, q2.stride(0), w2.stride(0),
                                          out.stride(0), H=H, D=D, BLOCK_M=4, BLOCK_N=64, num_warps=4, num_stages=3)
-        idx[0, s0:s1] = torch.topk(out, TOPK, dim=-1).indices
+        idx[0, s0:s1] = torch.topk(out, TOPK, dim=-1, sorted=sorted).indices
     return idx
 
 
@@ -202,8 +206,8 @@ def dsa_spec():
                      post=(("mask", 0),), masks=(MaskTerm(kind="range", hi=0),))
 
 
-def hytopk_op(q, k, w, hi, spec_json):
-    return torch.ops.hyscale.hytopk(q, k.unsqueeze(2), w, [hi], TOPK, spec_json)
+def hytopk_op(q, k, w, hi, spec_json, sorted=True):
+    return torch.ops.hyscale.hytopk(q, k.unsqueeze(2), w, [hi], TOPK, spec_json, sorted)
 
 
 # ------------------------------------------------------------------------------------------
@@ -370,6 +374,10 @@ def main():
                 ms, peak, idx, first = measure(lambda: hytopk_op(q, k, w, hi, spec_json), args.reps)
                 row(S, inp, "hytopk", ms, peak, check_rows(idx, q, k, w, rows), f"first call {first:.0f} ms")
                 del idx
+            if "hytopk:unsorted" not in skip:
+                ms, peak, idx, first = measure(lambda: hytopk_op(q, k, w, hi, spec_json, False), args.reps)
+                row(S, inp, "hytopk:unsorted", ms, peak, check_rows(idx, q, k, w, rows), f"first call {first:.0f} ms")
+                del idx
             # scoring alone (diagnostic)
             if "hytopk:score-only" not in skip:
                 # the launch's own default at this shape, selection off (a bare HyTopKConfig
@@ -382,6 +390,10 @@ def main():
             if "score+topk" not in skip:
                 ms, peak, idx, _ = measure(lambda: score_then_topk(q, k, w), args.reps)
                 row(S, inp, "score+topk", ms, peak, check_rows(idx, q, k, w, rows))
+                del idx
+            if "score+topk:unsorted" not in skip:
+                ms, peak, idx, _ = measure(lambda: score_then_topk(q, k, w, sorted=False), args.reps)
+                row(S, inp, "score+topk:unsorted", ms, peak, check_rows(idx, q, k, w, rows))
                 del idx
             big = S >= args.extrapolate_from
             c = chunk_rows(S)
@@ -434,13 +446,13 @@ def main():
     # the short table, last
     lines = [f"device {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  "
              f"bf16 matmul {meta['bf16_matmul_tflops']:.0f} TFLOP/s  {meta['date']}",
-             f"{'S':>8} {'inputs':>6} {'impl':>18} {'ms':>10} {'peak GiB':>9} {'x floor':>8} {'exact':>6}  note"]
+             f"{'S':>8} {'inputs':>6} {'impl':>19} {'ms':>10} {'peak GiB':>9} {'x floor':>8} {'exact':>6}  note"]
     for r in results:
         ms = "-" if r["ms"] is None else f"{r['ms']:.2f}"
         pk = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
         ra = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         ex = "-" if r["exact"] is None else ("yes" if r["exact"] else "NO")
-        lines.append(f"{r['S']:>8} {r['inputs']:>6} {r['impl']:>18} {ms:>10} {pk:>9} {ra:>8} {ex:>6}  {r['note']}")
+        lines.append(f"{r['S']:>8} {r['inputs']:>6} {r['impl']:>19} {ms:>10} {pk:>9} {ra:>8} {ex:>6}  {r['note']}")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "bench_hytopk.txt"), "w") as f:
         f.write(table + "\n")

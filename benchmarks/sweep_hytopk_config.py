@@ -107,7 +107,10 @@ def main(argv=None) -> int:
         if ref_idx is None:  # the first config is the reference
             ref_idx = idx.clone()
         if ref_idx is not None:
-            same = bool(torch.equal(idx, ref_idx))
+            same = "yes" if torch.equal(idx, ref_idx) else "NO"
+            if same == "NO" and cfg.sort == "none":  # unsorted rows: the same sets?
+                same = "as sets" if torch.equal(idx.sort(-1).values, ref_idx.sort(-1).values) else "NO (sets)"
+
         ms_so = float("nan")
         if not args.no_score_only:
             so = th.HyTopKConfig(**kw, score_only=True)
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
             print(f"| {name} | - | - | - | - | {note} |")
             continue
         print(f"| {name} | {ms:.2f} ({ms / floor:.2f}) | {ms_so:.2f} ({ms_so / floor:.2f}) | "
-              f"{'yes' if exact else 'NO'} | {'-' if same is None else ('yes' if same else 'NO')} | {note} |")
+              f"{'yes' if exact else 'NO'} | {same or '-'} | {note} |")
     return 0
 
 

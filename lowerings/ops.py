@@ -2,15 +2,17 @@
 
 One op family, parameterized by the score description (``spec``, a JSON ``ScoreSpec``):
 
-    hyscale::hytopk(q, k, w, masks, topk, spec) -> Tensor            indices [B,S,k]
-    hyscale::hytopk_values(q, k, w, masks, topk, spec) -> (values, indices)
+    hyscale::hytopk(q, k, w, masks, topk, spec, sorted=True) -> Tensor            indices [B,S,k]
+    hyscale::hytopk_values(q, k, w, masks, topk, spec, sorted=True) -> (values, indices)
     hyscale::hytopk_values_backward(grad, q, k, w, masks, idx, spec, needs_q, needs_k, needs_w)
         -> (gq, gk, gw)     gradients computed at the k selected keys only (``backward.py``)
 
 Indices are int32 (int64 when the key axis has 2**31 or more entries); the rewrite casts
 them for consumers that expected ``aten.topk``'s int64. The values variant exists for
 graphs that read the top-k values: they come from the same selection, so they are
-bit-identical to what it compared. Both always return (value desc, index asc) order.
+bit-identical to what it compared. Both return (value desc, index asc) order, or with
+``sorted=False`` (the matched ``topk``'s own) the same set in an order fixed by the launch
+(the GPU kernel then skips its sort; the CPU reference returns the sorted order).
 ``hytopk_values`` is differentiable in q, k and w (``register_autograd``); the joint-graph
 pass inserts ``hytopk_values_backward`` itself (``passes/sparse_backward.py``).
 
@@ -42,36 +44,38 @@ def parse_spec(spec: str) -> ScoreSpec:
 CALLS = {"hytopk": 0, "topk_table": 0}
 
 
-def _impl(q, k, w, masks, topk, spec, return_values):
+def _impl(q, k, w, masks, topk, spec, return_values, sorted):
     CALLS["hytopk"] += 1
     parsed = parse_spec(spec).validate(num_mask_operands=len(masks)).resolve_operands(masks)
     if q.device.type == "cuda" and os.environ.get("HYSCALE_KERNEL", "triton") != "reference":
         from .triton_hytopk import hytopk_triton
 
-        return hytopk_triton(q, k, w, list(masks), topk, parsed, return_values=return_values)
+        return hytopk_triton(q, k, w, list(masks), topk, parsed, return_values=return_values, sorted=sorted)
+    # (sorted=False allows any order: the reference's sorted one is one of them)
     return reference.streaming_topk(q, k, w, list(masks), topk, parsed, return_values=return_values)
 
 
 @torch.library.custom_op(f"{LIB}::hytopk", mutates_args=())
-def hytopk(q: Tensor, k: Tensor, w: Optional[Tensor], masks: List[Tensor], topk: int, spec: str) -> Tensor:
-    return _impl(q, k, w, masks, topk, spec, False)
+def hytopk(q: Tensor, k: Tensor, w: Optional[Tensor], masks: List[Tensor], topk: int, spec: str,
+           sorted: bool = True) -> Tensor:
+    return _impl(q, k, w, masks, topk, spec, False, sorted)
 
 
 @hytopk.register_fake
-def _(q, k, w, masks, topk, spec):
+def _(q, k, w, masks, topk, spec, sorted=True):
     B, S = q.shape[0], q.shape[1]
     return q.new_empty((B, S, topk), dtype=reference.index_dtype(k.shape[1]))
 
 
 @torch.library.custom_op(f"{LIB}::hytopk_values", mutates_args=())
 def hytopk_values(
-    q: Tensor, k: Tensor, w: Optional[Tensor], masks: List[Tensor], topk: int, spec: str
+    q: Tensor, k: Tensor, w: Optional[Tensor], masks: List[Tensor], topk: int, spec: str, sorted: bool = True
 ) -> Tuple[Tensor, Tensor]:
-    return _impl(q, k, w, masks, topk, spec, True)
+    return _impl(q, k, w, masks, topk, spec, True, sorted)
 
 
 @hytopk_values.register_fake
-def _(q, k, w, masks, topk, spec):
+def _(q, k, w, masks, topk, spec, sorted=True):
     B, S = q.shape[0], q.shape[1]
     vals = q.new_empty((B, S, topk), dtype=dtype_of(parse_spec(spec).score_dtype))
     return vals, q.new_empty((B, S, topk), dtype=reference.index_dtype(k.shape[1]))
@@ -99,7 +103,7 @@ def _(grad, q, k, w, masks, idx, spec, needs_q, needs_k, needs_w):
 
 
 def _values_setup_context(ctx, inputs, output):
-    q, k, w, masks, topk, spec = inputs
+    q, k, w, masks, topk, spec = inputs[:6]
     ctx.spec, ctx.n_masks, ctx.has_w = spec, len(masks), w is not None
     ctx.save_for_backward(q, k, w if w is not None else q.new_empty(0), output[1], *masks)
 
@@ -109,7 +113,7 @@ def _values_backward(ctx, grad_values, grad_indices):
     w = w if ctx.has_w else None
     nq, nk, nw = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     gq, gk, gw = torch.ops.hyscale.hytopk_values_backward(grad_values, q, k, w, masks, idx, ctx.spec, nq, nk, nw)
-    return (gq if nq else None), (gk if nk else None), (gw if nw else None), [None] * ctx.n_masks, None, None
+    return (gq if nq else None), (gk if nk else None), (gw if nw else None), [None] * ctx.n_masks, None, None, None
 
 
 hytopk_values.register_autograd(_values_backward, setup_context=_values_setup_context)

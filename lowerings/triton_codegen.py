@@ -911,15 +911,20 @@ def _emit_sorted_keys(row_ptr, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TO
 @triton.jit
 def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
               CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr, SORT_R: tl.constexpr,
-              SCORE32: tl.constexpr, LOG_P2: tl.constexpr):
+              SCORE32: tl.constexpr, LOG_P2: tl.constexpr, UNSORTED: tl.constexpr):
     # Write the TOPK best of the n (>= TOPK) keys in row_ptr[0:n], in (value desc, index
-    # asc) order: compact to TOPK keys, then sort only those.
+    # asc) order: compact to TOPK keys, then sort only those. UNSORTED (topk's
+    # sorted=False): in the buffer's order instead, which the compactions fix (the same
+    # for every run of the same launch), without the sort.
     if n > TOPK:
         _compact_row(row_ptr, tl.arange(0, CAP) < n, n, TOPK, CAP, 0)
         tl.debug_barrier()
     offs = tl.arange(0, TOPK_P2)
     keys = tl.load(row_ptr + offs, mask=offs < TOPK, other=EMPTY)
-    if RANK_SORT:
+    if UNSORTED:
+        pos = offs
+        best = keys
+    elif RANK_SORT:
         pos = _rank_desc(keys)
         best = keys
     elif SCORE32:
@@ -960,6 +965,7 @@ def {{KERNEL_NAME}}(
     RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, SYNC_WATER: tl.constexpr,
     SLACK: tl.constexpr,
     IDX32: tl.constexpr, SORT_ROWS: tl.constexpr, SORT_R: tl.constexpr, SCORE32: tl.constexpr, LOG_P2: tl.constexpr,
+    UNSORTED: tl.constexpr,
     W_AT: tl.constexpr, PROFILE: tl.constexpr, USE_TMA: tl.constexpr, L2_PREFETCH: tl.constexpr,
     PF_LINES: tl.constexpr,
 ):
@@ -1161,7 +1167,7 @@ def {{KERNEL_NAME}}(
                     if s < S:
                         c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
                         _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
-                                  TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, SORT_R, SCORE32, LOG_P2)
+                                  TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, SORT_R, SCORE32, LOG_P2, UNSORTED)
             else:
                 for r in range(BLOCK_M):
                     c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)

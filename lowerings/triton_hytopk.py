@@ -15,6 +15,11 @@ import torch
 from .reference import check_operands, index_dtype
 from .spec import ScoreSpec, SpecError, dtype_of
 from .triton_codegen import _interpreting, check_interpreter_mode, load_kernel, weight_scale
+from .triton_sort_rows import sort_rows_
+
+# sort="after": at most this many bytes of fp32 values held for the sort kernel at a time
+# (the issue's workspace bound is 1 GiB beside the outputs)
+_AFTER_BUDGET = 512 << 20
 
 
 def _next_pow2(n: int) -> int:
@@ -40,7 +45,12 @@ class HyTopKConfig:
     # search among them; rows where two kept keys share a score take "bitonic"; needs
     # cap >= 1.5 x next_pow2(k), else "bitonic"; v14); or "rank" (count the keys above each
     # key: O(k^2), but vectorized, which the interpreter runs far faster than a bitonic
-    # network). None: rank iff interpreting, else bitonic.
+    # network); "none" (the buffer's order, no sort: what topk's sorted=False allows, and
+    # what the launch uses when called with sorted=False); or "after" (the rows written
+    # unsorted with their fp32 values, then sorted by a kernel of their own,
+    # triton_sort_rows; the values in chunks of rows within _AFTER_BUDGET bytes, B == 1,
+    # else bitonic; v17). None: rank when interpreting; on a GPU "after" where it takes at
+    # most two launches, else bitonic.
     sort: Optional[str] = None
     # Benchmarks only: score every tile but select nothing (outputs are garbage). Shows
     # what the selection costs on top of the scoring.
@@ -118,8 +128,15 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
     # (k = 4096, 8 or 3 heads) spill more in the tile loop with held weights than with
     # re-read ones, so they keep v8's pointer loads until measured.
     tma = tma and gp == 64 and _next_pow2(topk) <= 2048
+    # Few heads per kv head: 32 dot columns (8 query rows at 4 heads) instead of 256 (64
+    # rows), so that a query chunk makes enough row blocks for every SM and a block's rows
+    # are few to compact one after another: HF QSA's heaviest 32K chunk (4 heads, 4,096
+    # rows, bf16 keys) 5.06 -> 1.29 ms (16 rows: 1.36; H200, docs/performance.md, "QSA: the
+    # HF form"). Measured at 4 heads only; 2 and 8 take the same column count (not
+    # measured), one head keeps its 64 rows (not measured either way).
+    block_m = -32 if 2 <= gp <= 8 else None
     bd = max(16, _next_pow2(D))
-    q_bytes = _block_m(HyTopKConfig(), gp, False) * gp * bd * 2
+    q_bytes = _block_m(HyTopKConfig(block_m=block_m), gp, False) * gp * bd * 2
 
     def fits(stages, programs):
         return programs * (q_bytes + stages * (64 * bd * 2 + (8 if tma else 0)) + 2048) <= 228 * 1024
@@ -128,7 +145,7 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
     if tma:
         # (l2_prefetch: the scoring alone gains 4-6% at 128K, the full kernel nothing; v13)
         return HyTopKConfig(block_n=64, num_warps=4, num_stages=stages, tma=True, reread_weights=False)
-    return HyTopKConfig(block_n=64, num_warps=4, num_stages=stages)
+    return HyTopKConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=stages)
 
 
 def _weights_at(reread) -> int:
@@ -168,8 +185,11 @@ def _table_view(t: torch.Tensor, B: int, S: int, T: int, what: str) -> torch.Ten
         raise SpecError(f"{what} of shape {tuple(t.shape)} does not broadcast to [B, S, T] = {(B, S, T)}") from None
 
 
-def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S: int, T: int, device) -> list:
-    """Pointer/stride arguments in the order ``triton_codegen._mask_args`` declares them."""
+def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S: int, T: int, device,
+                      r0: int = 0, r1: Optional[int] = None) -> list:
+    """Pointer/stride arguments in the order ``triton_codegen._mask_args`` declares them, for
+    query rows [r0, r1)."""
+    rows = slice(r0, S if r1 is None else r1)
     args = []
     for j, term in enumerate(spec.masks):
         if term.kind in ("add", "fill"):
@@ -187,7 +207,7 @@ def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S:
             else:
                 if m.dtype != torch.bool:
                     raise SpecError(f"fill mask operand {term.operand} must be bool, got {m.dtype}")
-            v = _table_view(m, B, S, T, f"mask operand {term.operand}")
+            v = _table_view(m, B, S, T, f"mask operand {term.operand}")[:, rows]
             if v.dtype == torch.bool:
                 v = v.view(torch.uint8)  # same bytes; Triton's i1 pointers are awkward
             args += [v, v.stride(0), v.stride(1), v.stride(2)]
@@ -200,7 +220,7 @@ def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S:
                     raise SpecError(f"mask operand {bound} is on {m.device}, expected {device}")
                 if m.dtype.is_floating_point or m.dtype == torch.bool or m.is_complex():
                     raise SpecError(f"range bound operand {bound} must be an integer tensor, got {m.dtype}")
-                v = _row_view(m, B, S, f"range bound operand {bound}")
+                v = _row_view(m, B, S, f"range bound operand {bound}")[:, rows]
                 args += [v, v.stride(0), v.stride(1)]
     return args
 
@@ -214,6 +234,7 @@ def hytopk_triton(
     spec: ScoreSpec,
     return_values: bool = False,
     *,
+    sorted: bool = True,
     config: Optional[HyTopKConfig] = None,
     _launcher=None,
 ):
@@ -221,8 +242,10 @@ def hytopk_triton(
     ``return_values``), exactly like ``reference.streaming_topk``.
 
     idx is int32 (int64 when T >= 2**31), ordered by (value desc, index asc); rows with
-    fewer than k valid keys end with their smallest-index masked keys. Values have dtype
-    ``spec.score_dtype``. ``config`` overrides the launch parameters (tests).
+    fewer than k valid keys end with their smallest-index masked keys. ``sorted=False``
+    (topk's sorted=False): the same set in an unspecified order that is the same on every
+    run of the same launch (no final sort). Values have dtype ``spec.score_dtype``.
+    ``config`` overrides the launch parameters (tests).
     """
     B, S, H, D, T, Hk = check_operands(q, k, w, masks, topk, spec)
     device = q.device
@@ -259,12 +282,34 @@ def hytopk_triton(
         raise SpecError(f"block_m must be a power of two and block_n a power of two >= 16, got {cfg}")
     if not interpret and block_m * gp < 16:
         raise SpecError(f"block_m * heads per kv head = {block_m * gp} < 16 (tl.dot minimum), got {cfg}")
-    sort = cfg.sort or ("rank" if interpret else "bitonic")
-    if sort not in ("rank", "bitonic", "score32"):
-        raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank', 'bitonic' or 'score32'")
+    # default: the rank sort under the interpreter; on a GPU the separate sort kernel
+    # ("after") where its values fit at most two launches (B == 1) or one, else bitonic
+    # (DSA 32K 22.8 -> 20.6 ms, 128K 283.7 -> 276.9 in two launches; more launches not
+    # measured: docs/kernel-design.md, v17)
+    values_are_output = return_values and score_dtype == torch.float32
+    one_launch = values_are_output or B * S * topk * 4 <= _AFTER_BUDGET
+    default_sort = "rank" if interpret else (
+        "after" if one_launch or (B == 1 and S * topk * 4 <= 2 * _AFTER_BUDGET) else "bitonic")
+    sort = cfg.sort or default_sort
+    if sort not in ("rank", "bitonic", "score32", "none", "after"):
+        raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank', 'bitonic', 'score32', 'none' or 'after'")
+    if not sorted:
+        sort = "none"  # any order will do: skip the sort
+    # "after": the fused kernel writes rows unsorted, with fp32 values, and _sort_rows sorts
+    # them; rows go in chunks whose values fit _AFTER_BUDGET (one chunk when the caller's
+    # fp32 values are the workspace). Chunks are row slices of one batch (B == 1) or the
+    # whole call; a call that would need more falls back to the fused bitonic sort.
+    after_rows = S
+    if sort == "after":
+        if not one_launch:
+            after_rows = _AFTER_BUDGET // (topk * 4) if B == 1 else 0
+        if after_rows <= 0:  # several batches over the budget: the fused sort
+            sort = "rank" if interpret else "bitonic"
+        elif cfg.score_only or cfg.profile:  # (benchmarks: the fused kernel alone)
+            sort = "none"
     block_d = max(16, _next_pow2(D))
     topk_p2 = _next_pow2(topk)
-    sort_rows = 1 if cfg.sort_rows is None or sort == "rank" else int(cfg.sort_rows)
+    sort_rows = 1 if cfg.sort_rows is None or sort in ("rank", "none") else int(cfg.sort_rows)
     if sort_rows < 1 or sort_rows & (sort_rows - 1) or block_m % sort_rows:
         raise SpecError(f"sort_rows must be a power of two dividing block_m={block_m}, got {cfg}")
     # A row's buffer: block_n lane sub-buffers of cap // block_n slots. A compacted row of n
@@ -328,7 +373,6 @@ def hytopk_triton(
     # copy takes int32 coordinates, hence idx32)
     k_desc, k_desc_rows = (_key_descriptor(k, B, T, cfg.block_n, block_d) if cfg.tma and Hk == 1 and idx32
                            and (native16 or interpret) else (None, 0))
-    mask_args = _mask_launch_args(spec, masks, B, S, T, device)
     kb_stride = k.stride(0) if k.shape[0] == B else 0
     c = weight_scale(spec)
     if c is not None and w is not None:
@@ -344,13 +388,17 @@ def hytopk_triton(
     if cfg.profile and interpret:
         raise SpecError("config.profile reads the GPU's cycle counter: it needs a CUDA device")
     prof = torch.zeros((nprog, 16) if cfg.profile else (1,), dtype=torch.int64, device=device)
-    write_vals = return_values
+    write_vals = return_values or sort == "after"
+    if sort == "after" and after_rows < S:  # chunks (B == 1) of whole row blocks
+        after_rows = max(block_m, after_rows // block_m * block_m)
     if cfg.score_only:
         vals32 = torch.empty(nprog * block_m, dtype=torch.float32, device=device)
-    elif return_values and score_dtype != torch.float32:
-        vals32 = torch.empty((B, S, topk), dtype=torch.float32, device=device)
+    elif return_values and score_dtype == torch.float32:
+        vals32 = val_out
+    elif write_vals:
+        vals32 = torch.empty((B, after_rows if sort == "after" else S, topk), dtype=torch.float32, device=device)
     else:
-        vals32 = val_out if return_values else idx_out  # placeholder pointer when unused
+        vals32 = idx_out  # placeholder pointer when unused
 
     launch = dict(
         HK=Hk, G=G, GP=gp, D=D, TOPK=topk, TOPK_P2=topk_p2, CAP=cap,
@@ -368,22 +416,50 @@ def hytopk_triton(
         # the score-bit sort keeps its sorted scores after the row's keys: room for them
         SCORE32=sort == "score32" and sort_rows == 1 and cap >= topk_p2 + topk_p2 // 2,
         LOG_P2=topk_p2.bit_length() - 1,
+        UNSORTED=sort in ("none", "after"),
     )
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    args = [q, k, w_arg, scratch, counter, idx_out, vals32, prof, k_desc, k_desc_rows, *mask_args,
-            q.stride(0), q.stride(1), q.stride(2), q.stride(3),
-            kb_stride, k.stride(1), k.stride(2), k.stride(3), *w_strides,
-            S, T, num_row_blocks, num_blocks]
+
+    def args_for(r0, r1, idx_t, vals_t):
+        # the kernel's arguments for query rows [r0, r1) (whole row blocks), written to
+        # idx_t / vals_t ([B, r1 - r0, topk], contiguous)
+        rows = r1 - r0
+        nrb = triton_cdiv(rows, block_m)
+        return [q[:, r0:r1], k, w_arg if w is None else w_arg[:, r0:r1], scratch, counter, idx_t, vals_t, prof,
+                k_desc, k_desc_rows, *_mask_launch_args(spec, masks, B, S, T, device, r0, r1),
+                q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+                kb_stride, k.stride(1), k.stride(2), k.stride(3), *w_strides,
+                rows, T, nrb, B * nrb]
+
     if _launcher is not None:
         # offline inspection (benchmarks/inspect_hytopk.py): hand over what would launch
-        return _launcher(kern, args, dict(launch, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        return _launcher(kern, args_for(0, S, idx_out, vals32),
+                         dict(launch, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     guard = torch.cuda.device(device) if device.type == "cuda" else _nullcontext()
     with guard:
-        if interpret or not defaulted:
-            kern[(nprog,)](*args, **launch)
-        else:
-            _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
+        if sort != "after":
+            args = args_for(0, S, idx_out, vals32)
+            if interpret or not defaulted:
+                kern[(nprog,)](*args, **launch)
+            else:
+                _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
+        for r0 in range(0, S if sort == "after" else 0, after_rows):
+            r1 = min(S, r0 + after_rows)
+            if r0:
+                counter[0] = 0  # the next launch's block counter
+            idx_t = idx_out[:, r0:r1]
+            vals_t = vals32[:, r0:r1] if vals32 is val_out else vals32[:, :r1 - r0]
+            args = args_for(r0, r1, idx_t, vals_t)
+            if interpret or not defaulted:
+                kern[(nprog,)](*args, **launch)
+            else:
+                _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
+            sort_rows_(idx_t, vals_t, write_values=return_values)
+            if return_values and vals32 is not val_out:
+                val_out[:, r0:r1].copy_(vals_t)
+        if sort == "after":
+            vals32 = val_out  # (copied chunk by chunk)
     if cfg.profile:
         return prof
     if cfg.score_only:

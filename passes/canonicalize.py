@@ -202,6 +202,7 @@ class SiteMatch:
     roles: Dict[str, List[str]]  # B, S, H(k then g), D, T label lists
     other_consumers: List[str]
     sizes: Dict[str, Any]
+    sorted: bool = True  # the top-k's own flag: False lets the op skip its final sort
 
 
 # --------------------------------------------------------------------------------------
@@ -462,6 +463,7 @@ class SiteAnalysis:
         largest = tk.kwargs.get("largest", args[3] if args[3] is not None else True)
         if not largest:
             raise Unsupported("largest=False: a selection keeps the highest scores")
+        self.sorted = bool(tk.kwargs.get("sorted", args[4] if args[4] is not None else True))
         y_shape = shape_of(x)
         if len(y_shape) == 0:
             raise Unsupported("top-k of a 0-d tensor")
@@ -1007,7 +1009,7 @@ class SiteAnalysis:
         return SiteMatch(
             topk=tk, spec=spec, q=q_plan, k=k_plan, w=w_plan, mask_operands=mask_operands,
             score_layout=y_lay, topk_dim=dim, k_arg=kk, values_used=values_used, roles=roles,
-            other_consumers=self.other_consumers, sizes=sizes,
+            other_consumers=self.other_consumers, sizes=sizes, sorted=self.sorted,
         )
 
 

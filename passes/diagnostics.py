@@ -31,6 +31,7 @@ class SiteRecord:
     sizes: Dict[str, Any] = dataclasses.field(default_factory=dict)
     spec: str = ""  # ScoreSpec.describe()
     values_used: bool = False
+    sorted: bool = True  # the top-k's own flag (False: the op skips its final sort)
     table_consumers: List[str] = dataclasses.field(default_factory=list)
     graph: str = ""  # "forward"/"joint"/"inference"
     # joint graphs whose top-k values carry gradient: "sparse" (at the k selected keys) or
@@ -45,7 +46,7 @@ class SiteRecord:
         if self.rewritten:
             sz = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
             extra = f"; table still materialized by {', '.join(self.table_consumers)}" if self.table_consumers else ""
-            vals = " (values used)" if self.values_used else ""
+            vals = (" (values used)" if self.values_used else "") + ("" if self.sorted else " (unsorted)")
             if self.backward == "sparse":
                 extra += "; backward: sparse, at the k selected keys"
             elif self.backward:

@@ -217,12 +217,15 @@ def apply_match(graph: fx.Graph, m: SiteMatch, replay: bool = True) -> Applied:
             else:
                 masks.append(em.bound(op[1], op[2]))
         spec = m.spec.to_json()
+        # topk(sorted=False) passes its flag on (the op may then skip its sort); the default
+        # is left out of the call
+        args = [q, k, w, masks, m.k_arg, spec] + ([] if m.sorted else [False])
         if m.values_used:
-            call = em.call(torch.ops.hyscale.hytopk_values.default, [q, k, w, masks, m.k_arg, spec])
+            call = em.call(torch.ops.hyscale.hytopk_values.default, args)
             vals = em.call(operator.getitem, [call, 0])
             idx = em.call(operator.getitem, [call, 1])
         else:
-            call = em.call(torch.ops.hyscale.hytopk.default, [q, k, w, masks, m.k_arg, spec])
+            call = em.call(torch.ops.hyscale.hytopk.default, args)
             vals, idx = None, call
         idx64 = em.call(prims.convert_element_type.default, [idx, torch.int64])
         # the backward rebuilds the int64 view from the saved int32 indices (half the bytes)

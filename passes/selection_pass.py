@@ -114,7 +114,7 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
             diagnostics.SiteRecord(
                 node=tk.name, source=line, rewritten=True, variant=m.spec.name, k=m.k_arg if not isinstance(m.k_arg, fx.Node) else str(m.k_arg.meta.get("val", m.k_arg)),
                 sizes={k: v for k, v in m.sizes.items()}, spec=m.spec.describe(), values_used=m.values_used,
-                table_consumers=m.other_consumers, graph=graph_kind, backward=backward,
+                sorted=m.sorted, table_consumers=m.other_consumers, graph=graph_kind, backward=backward,
             )
         )
     score_mods.restore(graph, stand_ins)

@@ -119,7 +119,7 @@ v2: f32[2, 8, 1, 16] = aten.unsqueeze(in1, 2)
 v3: f32[2, 8, 4] = aten.squeeze.dim(v0, -1)
 v4: i64[1, 8] = aten.unsqueeze(v1, 0)
 v5: i64[1, 8] = aten.add.Tensor(v4, 1)
-v6: i32[2, 8, 4] = hyscale.hytopk(in0, v2, v3, [v5], 4, {"v":1,"name":"dsa","logit_dtype":"float32","epilogue":[["relu"]],"reduce":"weighted_sum","post":[["mask",0]],"masks":[{"kind":"range","lo":null,"hi":0,"mode":"add","value":-Infinity}],"score_dtype":"float32","fp32_precision":"ieee"})
+v6: i32[2, 8, 4] = hyscale.hytopk(in0, v2, v3, [v5], 4, {"v":1,"name":"dsa","logit_dtype":"float32","epilogue":[["relu"]],"reduce":"weighted_sum","post":[["mask",0]],"masks":[{"kind":"range","lo":null,"hi":0,"mode":"add","value":-Infinity}],"score_dtype":"float32","fp32_precision":"ieee"}, False)
 v7: i64[2, 8, 4] = prims.convert_element_type(v6, i64)
 return (v7,)""")
 

@@ -455,6 +455,64 @@ def test_bitonic_sort_with_register_bits_low(interpret):
 
 
 @pytest.mark.interpret
+def test_unsorted_same_set(interpret):
+    # sorted=False (topk's sorted=False: sort="none") skips the final sort: each row is the
+    # sorted launch's set, values paired with their indices, in the same order on every call.
+    # Ties (small integers) and a causal range with rows short of k keys (-inf fillers),
+    # with compactions inside the tile loop (T = 700 keys, cap 1024 for k = 300).
+    g = _gen(187)
+    B, S, T, H, D, topk = 1, 5, 700, 2, 16, 300
+    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32, lo=-2, hi=3, w_hi=2)
+    spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=DSA.post, masks=DSA.masks)
+    hi = torch.tensor([[3, 200, 301, 650, 700]])
+    cfg = HyTopKConfig(block_m=4, block_n=32)
+    vs, is_ = run_exact(q, k, w, [hi], topk, spec, config=cfg)
+    vu, iu = hytopk_triton(q, k, w, [hi], topk, spec, return_values=True, sorted=False, config=cfg)
+    order = iu.sort(-1)
+    assert torch.equal(order.values, is_.sort(-1).values), "not the sorted launch's set"
+    assert torch.equal(vu.gather(-1, order.indices), vs.gather(-1, is_.sort(-1).indices)), "values not paired"
+    assert not torch.equal(iu, is_), "the case should leave some row out of order"
+    # sort="none" is what sorted=False launches; the indices-only call agrees, and so does a
+    # second call, bit for bit
+    iu2 = hytopk_triton(q, k, w, [hi], topk, spec, config=dataclasses.replace(cfg, sort="none"))
+    assert torch.equal(iu2, iu)
+    vu3, iu3 = hytopk_triton(q, k, w, [hi], topk, spec, return_values=True, sorted=False, config=cfg)
+    assert torch.equal(iu3, iu) and torch.equal(vu3.view(torch.int32), vu.view(torch.int32))
+
+
+@pytest.mark.interpret
+def test_sort_after_same_bits(interpret, monkeypatch):
+    # sort="after" (v17): the fused kernel writes rows unsorted with their fp32 values and
+    # triton_sort_rows sorts them; bit for bit the rank sort's answer, in one launch and in
+    # row chunks (the values workspace held to 4 rows: 2 launches for 6 rows), with values
+    # and without, fp32 and bf16 scores (bf16: the values copied out chunk by chunk).
+    g = _gen(191)
+    B, S, T, H, D, topk = 1, 6, 700, 2, 16, 300
+    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32, lo=-2, hi=3, w_hi=2)
+    hi = torch.tensor([[3, 200, 301, 650, 700, 20]])
+    cfg = HyTopKConfig(block_m=4, block_n=32)
+    after = dataclasses.replace(cfg, sort="after")
+    chunked = 4 * topk * 4
+    for score_dtype, budgets in (("float32", (1 << 30, chunked)), ("bfloat16", (chunked,))):
+        spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=DSA.post, masks=DSA.masks,
+                         score_dtype=score_dtype)
+        want = run_exact(q, k, w, [hi], topk, spec, config=cfg)
+        for budget in budgets:
+            monkeypatch.setattr(triton_hytopk, "_AFTER_BUDGET", budget)
+            got = hytopk_triton(q, k, w, [hi], topk, spec, return_values=True, config=after)
+            assert_same_bits([want, got])
+            if score_dtype == "float32":  # indices only: the values live in the workspace
+                assert torch.equal(hytopk_triton(q, k, w, [hi], topk, spec, config=after), want[1]), budget
+    # several batches over the budget: the fused sort instead (same answer)
+    monkeypatch.setattr(triton_hytopk, "_AFTER_BUDGET", topk * 4)
+    q2, k2, w2 = int_operands(g, 2, 2, T, H, 1, D, torch.float32, lo=-2, hi=3, w_hi=2)
+    hi2 = torch.tensor([[301, 650], [700, 20]])
+    want = hytopk_triton(q2, k2, w2, [hi2], topk, DSA, return_values=True, config=cfg)
+    got = hytopk_triton(q2, k2, w2, [hi2], topk, DSA, config=after)
+    assert torch.equal(got, want[1])
+
+
+@pytest.mark.interpret
 def test_score32_sort_same_order(interpret):
     # sort="score32" (v14): the score bits sorted, each key placed by a binary search among
     # them; rows where two kept keys share a score take the int64 sort. Against the rank
@@ -870,10 +928,16 @@ def test_gpu_dsa_shape_bf16(cuda):
     default = triton_hytopk.default_config(S, T, topk, q.device, True, D, H, tma=True)
     assert default.tma and default.reread_weights is False and default.num_stages == 2
     for extra in (dict(sort_rows=2), dict(sort_rows=4), dict(tma=False, num_stages=3, reread_weights=True),
-                  dict(l2_prefetch=4), dict(tma=False, l2_prefetch=2), dict(sort="score32")):
+                  dict(l2_prefetch=4), dict(tma=False, l2_prefetch=2), dict(sort="score32"), dict(sort="after")):
         cfg = dataclasses.replace(default, **extra)
         v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
         assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra
+    # sorted=False: the same sets, values paired with indices, in a repeatable order
+    vu, iu = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, sorted=False)
+    order = iu.sort(-1)
+    assert torch.equal(order.values, idx.sort(-1).values)
+    assert torch.equal(vu.gather(-1, order.indices), vals.gather(-1, idx.sort(-1).indices))
+    assert torch.equal(hytopk_triton(q, k, w, masks, topk, spec, sorted=False), iu)
 
 
 @pytest.mark.gpu

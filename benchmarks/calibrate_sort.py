@@ -1,0 +1,127 @@
+"""What sorting each row's k selected keys costs in a kernel of its own (one GPU).
+
+    python benchmarks/calibrate_sort.py [--rows 32768,131072] [--k 2048]
+
+HyTopK sorts each row's k keys at the end of its row block, inside the fused kernel, where
+two programs of 255 registers share an SM and the sort's shuffles and barriers wait with
+nothing else to issue but the other program's tiles. This measures the alternative: the
+fused kernel leaves each row's k keys unsorted, and a second kernel, one row per program at
+whatever occupancy its registers allow, sorts them. Rows are random packed keys as HyTopK
+builds them ((order-kept fp32 score bits) << 32 | (2^32 - 1 - index)); per config:
+
+* packed   the row's int64 keys in (k x 8 bytes), int32 indices out (the fused kernel would
+           write its packed keys to a workspace of rows x k x 8 bytes)
+* split    int32 indices and fp32 scores in (the fused kernel would write the indices into
+           the output and the scores into a workspace of rows x k x 4 bytes), packed here;
+           the sorted indices written over the unsorted ones
+* copy     the packed form's traffic without the sort (the memory floor of a second pass)
+
+plus ``torch.sort`` of the packed keys for context. Every sorted row is checked against
+``torch.sort``. Prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_hytopk as bh  # noqa: E402
+
+EMPTY = tl.constexpr(-9223372036854775807)
+
+
+@triton.jit
+def _sort_kernel(KEYS, IDX, VAL, OUT_IDX, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, R: tl.constexpr,
+                 MODE: tl.constexpr):
+    # MODE 0 packed, 1 split, 2 copy (see the module docstring)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, TOPK_P2)
+    ok = offs < TOPK
+    if MODE == 1:
+        idx = tl.load(IDX + row * TOPK + offs, mask=ok, other=0)
+        y = tl.load(VAL + row * TOPK + offs, mask=ok, other=0.0)
+        b = y.to(tl.int32, bitcast=True)
+        b = b ^ ((b >> 31) & 0x7FFFFFFF)
+        keys = (b.to(tl.int64) << 32) | (4294967295 - idx.to(tl.int64))
+        keys = tl.where(ok, keys, EMPTY)
+    else:
+        keys = tl.load(KEYS + row * TOPK + offs, mask=ok, other=EMPTY)
+    if MODE != 2:
+        if R > 1:  # the low network bits in registers, as HyTopK's _sort_desc
+            keys = tl.reshape(tl.trans(tl.reshape(keys, [R, TOPK_P2 // R])), [TOPK_P2])
+        keys = tl.sort(keys, descending=True)
+    out = (4294967295 - (keys & 4294967295)).to(tl.int32)
+    tl.store(OUT_IDX + row * TOPK + offs, out, mask=ok)
+
+
+def make_rows(rows: int, k: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    val = torch.randn(rows, k, device="cuda", generator=g).relu_()  # ReLU'd sums: many exact ties
+    idx = torch.randint(0, 1 << 20, (rows, k), device="cuda", generator=g, dtype=torch.int32)
+    b = val.view(torch.int32)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    keys = (b.to(torch.int64) << 32) | (4294967295 - idx.to(torch.int64))
+    return keys, idx, val
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="32768,131072")
+    ap.add_argument("--k", type=int, default=bh.TOPK)
+    ap.add_argument("--warps", default="1,2,4,8")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+    k = args.k
+    k_p2 = 1 << (k - 1).bit_length()
+    table = []
+    for rows in [int(x) for x in args.rows.split(",")]:
+        keys, idx, val = make_rows(rows, k, seed=rows)
+        want = (4294967295 - (torch.sort(keys, dim=-1, descending=True).values & 4294967295)).to(torch.int32)
+        for mode, mname in ((0, "packed"), (1, "split"), (2, "copy")):
+            for nw in [int(x) for x in args.warps.split(",")]:
+                for R in sorted({1, max(1, k_p2 // (128 * nw))}):
+                    if mode == 2 and R > 1:
+                        continue
+                    out = torch.empty(rows, k, dtype=torch.int32, device="cuda")
+                    src = idx.clone()  # split mode writes over its input
+                    o = src if mode == 1 else out
+
+                    def fn():
+                        if mode == 1:
+                            o.copy_(idx)  # (the timing includes this copy: noted in the table)
+                        _sort_kernel[(rows,)](keys, o, val, o, k, k_p2, R, mode, num_warps=nw)
+                        return o
+                    try:
+                        ms, _, res, _ = bh.measure(fn)
+                    except Exception as e:  # noqa: BLE001 (a config that does not compile is a row)
+                        table.append((rows, mname, nw, R, None, f"failed: {type(e).__name__}: {str(e)[:80]}"))
+                        continue
+                    ok = "-" if mode == 2 else ("yes" if torch.equal(res, want) else "NO")
+                    table.append((rows, mname, nw, R, ms, ok))
+                    bh.log(rows, mname, nw, R, ms, ok)
+        cp = torch.empty_like(idx)
+        ms_copy, _, _, _ = bh.measure(lambda: cp.copy_(idx))
+        table.append((rows, "(idx copy alone, in split's time)", "-", "-", ms_copy, "-"))
+        ms, _, _, _ = bh.measure(lambda: torch.sort(keys, dim=-1, descending=True))
+        table.append((rows, "torch.sort (int64 keys)", "-", "-", ms, "-"))
+        del keys, idx, val, want
+        torch.cuda.empty_cache()
+    print(f"\nk={k}, random ReLU'd scores ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {triton.__version__})")
+    print("| rows | form | warps | R | ms | = torch.sort |")
+    print("|---|---|---|---|---|---|")
+    for rows, mname, nw, R, ms, ok in table:
+        print(f"| {rows} | {mname} | {nw} | {R} | {'-' if ms is None else f'{ms:.3f}'} | {ok} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Sort rows of (value, index) pairs in place, in (value desc, index asc) order: HyTopK's
+final order, as a kernel of its own.
+
+HyTopK's fused kernel can sort each row's k keys at the end of its row block, but there two
+programs of 255 registers share an SM, and the sort's shuffles and barriers stall with
+little else to issue. ``sort="after"`` has the fused kernel write each row unsorted (indices
+into the output, fp32 values beside them) and this kernel sort the rows, one row per
+program at the occupancy its own registers allow (docs/kernel-design.md, v17).
+
+``sort_rows_reference`` is the same order in PyTorch (tests).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+EMPTY = tl.constexpr(-9223372036854775807)
+
+
+@triton.jit
+def _sort_rows_kernel(IDX, VAL, K: tl.constexpr, K_P2: tl.constexpr, R: tl.constexpr, WRITE_VALUES: tl.constexpr):
+    # One row of K (index, value) pairs, packed as HyTopK packs them (triton_codegen._pack:
+    # order-kept fp32 bits above, 2^32 - 1 - index below), so that one descending int64
+    # sort gives (value desc, index asc), NaN above +inf.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, K_P2)
+    ok = offs < K
+    idx = tl.load(IDX + row * K + offs, mask=ok, other=0)
+    y = tl.load(VAL + row * K + offs, mask=ok, other=0.0)
+    y = tl.where(y == 0.0, 0.0, y)           # -0.0 ties +0.0
+    y = tl.where(y != y, float("nan"), y)    # one NaN
+    b = y.to(tl.int32, bitcast=True)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    keys = (b.to(tl.int64) << 32) | (4294967295 - idx.to(tl.int64))
+    keys = tl.where(ok, keys, EMPTY)
+    if R > 1:
+        # the network's low index bits in registers (as triton_codegen._sort_desc): the
+        # keys are a set, so their order going in is free
+        keys = tl.reshape(tl.trans(tl.reshape(keys, [R, K_P2 // R])), [K_P2])
+    keys = tl.sort(keys, descending=True)
+    tl.store(IDX + row * K + offs, (4294967295 - (keys & 4294967295)).to(IDX.dtype.element_ty), mask=ok)
+    if WRITE_VALUES:
+        hi = (keys >> 32).to(tl.int32)
+        tl.store(VAL + row * K + offs, (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True), mask=ok)
+
+
+def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True) -> None:
+    """Sort each row (last dim) of ``idx`` (int32/int64, entries in [0, 2^32)) and its fp32
+    ``vals`` in place by (value desc, index asc); -0.0 ties +0.0 and NaN sorts first.
+    ``write_values=False`` leaves ``vals`` unsorted (a workspace). Both contiguous, one
+    shape, on one device (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    if idx.shape != vals.shape:
+        raise ValueError(f"sort_rows_: idx {tuple(idx.shape)} and vals {tuple(vals.shape)} differ in shape")
+    if idx.dtype not in (torch.int32, torch.int64) or vals.dtype != torch.float32:
+        raise ValueError(f"sort_rows_: expected int32/int64 indices and fp32 values, got {idx.dtype}, {vals.dtype}")
+    if not (idx.is_contiguous() and vals.is_contiguous()) or idx.device != vals.device:
+        raise ValueError("sort_rows_: idx and vals must be contiguous and on one device")
+    k = idx.shape[-1] if idx.dim() else 0
+    rows = idx.numel() // k if k else 0
+    if rows == 0:
+        return
+    k_p2 = triton.next_power_of_2(k)
+    interpret = idx.device.type != "cuda"
+    # 2 warps, the network's low 3 bits in registers: 8.5 ms for 131,072 rows of 2,048
+    # against 11.4 with 4 warps and 10.7 with 1 (H200; benchmarks/calibrate_sort.py)
+    num_warps = 1 if interpret or k_p2 < 256 else 2
+    R = max(1, k_p2 // (128 * num_warps))
+    launch = {} if interpret else dict(num_warps=num_warps)
+    guard = torch.cuda.device(idx.device) if idx.device.type == "cuda" else None
+    if guard is not None:
+        with guard:
+            _sort_rows_kernel[(rows,)](idx, vals, k, k_p2, R, write_values, **launch)
+    else:
+        _sort_rows_kernel[(rows,)](idx, vals, k, k_p2, R, write_values, **launch)
+
+
+def sort_rows_reference(idx: torch.Tensor, vals: torch.Tensor):
+    """(values, indices) of each row in (value desc, index asc) order, -0.0 tied with +0.0,
+    NaN first: two stable sorts."""
+    v = torch.where(vals == 0, torch.zeros_like(vals), vals)
+    v = torch.where(torch.isnan(v), torch.full_like(v, float("inf")), v)  # keys only
+    o1 = idx.argsort(dim=-1, stable=True)
+    nan_first = torch.isnan(vals).gather(-1, o1)
+    v1 = v.gather(-1, o1)
+    # NaN above +inf: sort by (isnan desc, value desc), both stable over index asc
+    o2 = v1.argsort(dim=-1, descending=True, stable=True)
+    o3 = nan_first.gather(-1, o2).to(torch.int8).argsort(dim=-1, descending=True, stable=True)
+    order = o1.gather(-1, o2.gather(-1, o3))
+    return vals.gather(-1, order), idx.gather(-1, order)
