@@ -113,7 +113,11 @@ def _values_backward(ctx, grad_values, grad_indices):
     w = w if ctx.has_w else None
     nq, nk, nw = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     gq, gk, gw = torch.ops.hyscale.hytopk_values_backward(grad_values, q, k, w, masks, idx, ctx.spec, nq, nk, nw)
-    return (gq if nq else None), (gk if nk else None), (gw if nw else None), [None] * ctx.n_masks, None, None, None
+    # one None per remaining argument as the op was called (topk, spec, and sorted when it
+    # was passed): needs_input_grad has the call's structure here
+    rest = len(ctx.needs_input_grad) - 4
+    return ((gq if nq else None), (gk if nk else None), (gw if nw else None), [None] * ctx.n_masks,
+            *([None] * rest))
 
 
 hytopk_values.register_autograd(_values_backward, setup_context=_values_setup_context)

@@ -339,3 +339,20 @@ def test_gpu_op_backward_dsa_like_shape():
         tol = 2e-2 if a.dtype == torch.bfloat16 else 1e-4
         torch.testing.assert_close(a.double(), b.to(a.dtype).double(), atol=tol * b.abs().max().item(), rtol=tol,
                                    msg=f"d/d{what}")
+
+
+def test_op_backward_with_sorted_flag():
+    # hytopk_values called with topk's sorted flag (positional or keyword; the rewrite passes
+    # sorted=False on): the backward returns one None per argument as called
+    spec = ScoreSpec(epilogue=(("relu",),)).to_json()
+    torch.manual_seed(fresh_seed("sorted_flag"))
+    q, k, w = torch.randn(1, 8, 2, 4), torch.randn(1, 16, 1, 4), torch.randn(1, 8, 2)
+    grads = []
+    for args, kwargs in (((), {}), ((False,), {}), ((), {"sorted": False})):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, w)]
+        vals, idx = torch.ops.hyscale.hytopk_values(*leaves, [], 3, spec, *args, **kwargs)
+        (vals * torch.arange(3.0)).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for g in grads[1:]:
+        for a, b in zip(grads[0], g):
+            assert torch.equal(a, b)  # (the CPU reference returns the sorted order either way)
