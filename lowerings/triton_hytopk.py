@@ -49,8 +49,8 @@ class HyTopKConfig:
     # what the launch uses when called with sorted=False); or "after" (the rows written
     # unsorted with their fp32 values, then sorted by a kernel of their own,
     # triton_sort_rows; the values in chunks of rows within _AFTER_BUDGET bytes, B == 1,
-    # else bitonic; v17). None: rank when interpreting; on a GPU "after" where it takes at
-    # most two launches, else bitonic.
+    # else bitonic; v17). None: rank when interpreting; on a GPU "after" for k > 1024 where
+    # it takes at most two launches, else bitonic.
     sort: Optional[str] = None
     # Benchmarks only: score every tile but select nothing (outputs are garbage). Shows
     # what the selection costs on top of the scoring.
@@ -283,13 +283,14 @@ def hytopk_triton(
     if not interpret and block_m * gp < 16:
         raise SpecError(f"block_m * heads per kv head = {block_m * gp} < 16 (tl.dot minimum), got {cfg}")
     # default: the rank sort under the interpreter; on a GPU the separate sort kernel
-    # ("after") where its values fit at most two launches (B == 1) or one, else bitonic
-    # (DSA 32K 22.8 -> 20.6 ms, 128K 283.7 -> 276.9 in two launches; more launches not
-    # measured: docs/kernel-design.md, v17)
+    # ("after") for k > 1024 where its values fit at most two launches (B == 1) or one,
+    # else bitonic (DSA, k = 2048: 32K 22.8 -> 20.6 ms, 128K 283.7 -> 276.9 in two
+    # launches; QSA's k = 512: no gain; more launches not measured: kernel-design v17)
     values_are_output = return_values and score_dtype == torch.float32
     one_launch = values_are_output or B * S * topk * 4 <= _AFTER_BUDGET
     default_sort = "rank" if interpret else (
-        "after" if one_launch or (B == 1 and S * topk * 4 <= 2 * _AFTER_BUDGET) else "bitonic")
+        "after" if _next_pow2(topk) >= 2048 and (one_launch or (B == 1 and S * topk * 4 <= 2 * _AFTER_BUDGET))
+        else "bitonic")
     sort = cfg.sort or default_sort
     if sort not in ("rank", "bitonic", "score32", "none", "after"):
         raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank', 'bitonic', 'score32', 'none' or 'after'")
@@ -444,7 +445,7 @@ def hytopk_triton(
                 kern[(nprog,)](*args, **launch)
             else:
                 _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
-        for r0 in range(0, S if sort == "after" else 0, after_rows):
+        for r0 in range(0, S if sort == "after" else 0, max(1, after_rows)):
             r1 = min(S, r0 + after_rows)
             if r0:
                 counter[0] = 0  # the next launch's block counter
