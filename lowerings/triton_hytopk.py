@@ -438,29 +438,28 @@ def hytopk_triton(
         return _launcher(kern, args_for(0, S, idx_out, vals32),
                          dict(launch, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     guard = torch.cuda.device(device) if device.type == "cuda" else _nullcontext()
+    step = after_rows if sort == "after" else S  # one launch, or chunks of rows (B == 1)
     with guard:
-        if sort != "after":
-            args = args_for(0, S, idx_out, vals32)
-            if interpret or not defaulted:
-                kern[(nprog,)](*args, **launch)
-            else:
-                _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
-        for r0 in range(0, S if sort == "after" else 0, max(1, after_rows)):
-            r1 = min(S, r0 + after_rows)
+        for r0 in range(0, S, step):
+            r1 = min(S, r0 + step)
             if r0:
                 counter[0] = 0  # the next launch's block counter
             idx_t = idx_out[:, r0:r1]
-            vals_t = vals32[:, r0:r1] if vals32 is val_out else vals32[:, :r1 - r0]
+            if sort != "after":
+                vals_t = vals32
+            else:  # the caller's fp32 values, or the chunk's workspace
+                vals_t = vals32[:, r0:r1] if vals32 is val_out else vals32[:, :r1 - r0]
             args = args_for(r0, r1, idx_t, vals_t)
             if interpret or not defaulted:
                 kern[(nprog,)](*args, **launch)
             else:
                 _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
-            sort_rows_(idx_t, vals_t, write_values=return_values)
-            if return_values and vals32 is not val_out:
-                val_out[:, r0:r1].copy_(vals_t)
-        if sort == "after":
-            vals32 = val_out  # (copied chunk by chunk)
+            if sort == "after":
+                sort_rows_(idx_t, vals_t, write_values=return_values)
+                if return_values and vals32 is not val_out:
+                    val_out[:, r0:r1].copy_(vals_t)
+    if sort == "after":
+        vals32 = val_out  # (sorted in place, or copied chunk by chunk)
     if cfg.profile:
         return prof
     if cfg.score_only:
