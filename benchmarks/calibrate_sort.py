@@ -15,6 +15,7 @@ builds them ((order-kept fp32 score bits) << 32 | (2^32 - 1 - index)); per confi
            the output and the scores into a workspace of rows x k x 4 bytes), packed here;
            the sorted indices written over the unsorted ones
 * copy     the packed form's traffic without the sort (the memory floor of a second pass)
+* packed, n rows/program  (``--rows-per-program 2,4``) one ``tl.sort`` over [n, k]
 
 plus ``torch.sort`` of the packed keys for context. Every sorted row is checked against
 ``torch.sort``. Prints a table last.
@@ -35,6 +36,18 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_hytopk as bh  # noqa: E402
 
 EMPTY = tl.constexpr(-9223372036854775807)
+
+
+@triton.jit
+def _sort_rows_kernel(KEYS, OUT_IDX, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, ROWS: tl.constexpr):
+    # the packed form, ROWS rows per program: one tl.sort over [ROWS, TOPK_P2] (the same
+    # network, ROWS independent compare-exchanges per step)
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = tl.arange(0, TOPK_P2)
+    ok = (offs < TOPK)[None, :]
+    keys = tl.load(KEYS + r[:, None] * TOPK + offs[None, :], mask=ok, other=EMPTY)
+    keys = tl.sort(keys, dim=1, descending=True)
+    tl.store(OUT_IDX + r[:, None] * TOPK + offs[None, :], (4294967295 - (keys & 4294967295)).to(tl.int32), mask=ok)
 
 
 @triton.jit
@@ -76,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="32768,131072")
     ap.add_argument("--k", type=int, default=bh.TOPK)
     ap.add_argument("--warps", default="1,2,4,8")
+    ap.add_argument("--rows-per-program", default="1", help="also sort 2, 4, ... rows per program (packed form)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
@@ -107,6 +121,18 @@ def main(argv=None) -> int:
                     ok = "-" if mode == 2 else ("yes" if torch.equal(res, want) else "NO")
                     table.append((rows, mname, nw, R, ms, ok))
                     bh.log(rows, mname, nw, R, ms, ok)
+        for rpp in [int(x) for x in args.rows_per_program.split(",") if x and int(x) > 1]:
+            for nw in [int(x) for x in args.warps.split(",")]:
+                out = torch.empty(rows, k, dtype=torch.int32, device="cuda")
+                try:
+                    ms, _, res, _ = bh.measure(
+                        lambda: _sort_rows_kernel[(rows // rpp,)](keys, out, k, k_p2, rpp, num_warps=nw) and out)
+                except Exception as e:  # noqa: BLE001
+                    table.append((rows, f"packed, {rpp} rows/program", nw, 1, None, f"failed: {type(e).__name__}"))
+                    continue
+                ok = "yes" if torch.equal(out, want) else "NO"
+                table.append((rows, f"packed, {rpp} rows/program", nw, 1, ms, ok))
+                bh.log(rows, rpp, nw, ms, ok)
         cp = torch.empty_like(idx)
         ms_copy, _, _, _ = bh.measure(lambda: cp.copy_(idx))
         table.append((rows, "(idx copy alone, in split's time)", "-", "-", ms_copy, "-"))

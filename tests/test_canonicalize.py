@@ -49,6 +49,7 @@ def test_form_is_rewritten_and_matches_eager(name):
             assert site.sizes["H"] != 1 or "single-head" in site.variant, site.line()
             # topk's sorted flag reaches the op (sorted=False lets the kernel skip its sort)
             assert site.sorted == ("sorted_false" not in case.tags), site.line()
+            assert ("(unsorted)" in site.line()) == (not site.sorted), site.line()
         out = compiled(case.fn)(*case.args)
         if case.unique:
             assert_same_outputs(out, case.fn(*case.args))
