@@ -310,7 +310,8 @@ def hytopk_triton(
             sort = "none"
     block_d = max(16, _next_pow2(D))
     topk_p2 = _next_pow2(topk)
-    sort_rows = 1 if cfg.sort_rows is None or sort in ("rank", "none") else int(cfg.sort_rows)
+    # (the rows are sorted together inside the fused kernel only by the bitonic sort)
+    sort_rows = 1 if cfg.sort_rows is None or sort in ("rank", "none", "after") else int(cfg.sort_rows)
     if sort_rows < 1 or sort_rows & (sort_rows - 1) or block_m % sort_rows:
         raise SpecError(f"sort_rows must be a power of two dividing block_m={block_m}, got {cfg}")
     # A row's buffer: block_n lane sub-buffers of cap // block_n slots. A compacted row of n
@@ -433,12 +434,13 @@ def hytopk_triton(
                 kb_stride, k.stride(1), k.stride(2), k.stride(3), *w_strides,
                 rows, T, nrb, B * nrb]
 
+    step = after_rows if sort == "after" else S  # one launch, or chunks of rows (B == 1)
     if _launcher is not None:
-        # offline inspection (benchmarks/inspect_hytopk.py): hand over what would launch
-        return _launcher(kern, args_for(0, S, idx_out, vals32),
+        # offline inspection (benchmarks/inspect_hytopk.py): hand over what the (first)
+        # launch would be
+        return _launcher(kern, args_for(0, step, idx_out[:, :step], vals32 if sort != "after" else vals32[:, :step]),
                          dict(launch, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     guard = torch.cuda.device(device) if device.type == "cuda" else _nullcontext()
-    step = after_rows if sort == "after" else S  # one launch, or chunks of rows (B == 1)
     with guard:
         for r0 in range(0, S, step):
             r1 = min(S, r0 + step)

@@ -503,10 +503,11 @@ def test_sort_after_same_bits(interpret, monkeypatch):
             assert_same_bits([want, got])
             if score_dtype == "float32":  # indices only: the values live in the workspace
                 assert torch.equal(hytopk_triton(q, k, w, [hi], topk, spec, config=after), want[1]), budget
-    # several batches over the budget: the fused sort instead (same answer)
+    # several batches over the budget: the fused sort instead (same answer; 5 rows, so that
+    # row chunks of several batches, which are not contiguous, would be needed otherwise)
     monkeypatch.setattr(triton_hytopk, "_AFTER_BUDGET", topk * 4)
-    q2, k2, w2 = int_operands(g, 2, 2, T, H, 1, D, torch.float32, lo=-2, hi=3, w_hi=2)
-    hi2 = torch.tensor([[301, 650], [700, 20]])
+    q2, k2, w2 = int_operands(g, 2, 5, T, H, 1, D, torch.float32, lo=-2, hi=3, w_hi=2)
+    hi2 = torch.tensor([[301, 650, 3, 700, 5], [700, 20, 699, 1, 400]])
     want = hytopk_triton(q2, k2, w2, [hi2], topk, DSA, return_values=True, config=cfg)
     got = hytopk_triton(q2, k2, w2, [hi2], topk, DSA, config=after)
     assert torch.equal(got, want[1])

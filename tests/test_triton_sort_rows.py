@@ -30,6 +30,7 @@ def _check(idx, vals, idx0, vals0):
     nan = torch.isnan(want_v)
     assert torch.equal(torch.isnan(vals), nan)
     assert torch.equal(vals[~nan], want_v[~nan])  # (-0.0 == +0.0)
+    assert not torch.signbit(vals[vals == 0]).any(), "-0.0 written back (the fused kernel writes +0.0)"
 
 
 def test_reference_order():
