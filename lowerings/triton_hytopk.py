@@ -7,6 +7,7 @@ tensors under ``TRITON_INTERPRET=1`` (tests). Algorithm: docs/kernel-design.md.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Optional, Sequence, Union
 
@@ -282,32 +283,31 @@ def hytopk_triton(
         raise SpecError(f"block_m must be a power of two and block_n a power of two >= 16, got {cfg}")
     if not interpret and block_m * gp < 16:
         raise SpecError(f"block_m * heads per kv head = {block_m * gp} < 16 (tl.dot minimum), got {cfg}")
-    # default: the rank sort under the interpreter; on a GPU the separate sort kernel
-    # ("after") for k > 1024 where its values fit at most two launches (B == 1) or one,
-    # else bitonic (DSA, k = 2048: 32K 22.8 -> 20.6 ms, 128K 283.7 -> 276.9 in two
-    # launches; QSA's k = 512: no gain; more launches not measured: kernel-design v17)
-    values_are_output = return_values and score_dtype == torch.float32
-    one_launch = values_are_output or B * S * topk * 4 <= _AFTER_BUDGET
-    default_sort = "rank" if interpret else (
-        "after" if _next_pow2(topk) >= 2048 and (one_launch or (B == 1 and S * topk * 4 <= 2 * _AFTER_BUDGET))
-        else "bitonic")
-    sort = cfg.sort or default_sort
+    # "after": the fused kernel writes rows unsorted, with fp32 values, and triton_sort_rows
+    # sorts them. after_rows: the rows of one launch, so that the values fit _AFTER_BUDGET
+    # (all rows when they fit, or when the caller's fp32 values are the workspace; else
+    # chunks of whole row blocks, B == 1 only: row slices of several batches are not
+    # contiguous; 0: no chunking possible, the fused sort instead).
+    if (return_values and score_dtype == torch.float32) or B * S * topk * 4 <= _AFTER_BUDGET:
+        after_rows = S
+    elif B == 1:
+        after_rows = max(block_m, _AFTER_BUDGET // (topk * 4) // block_m * block_m)
+    else:
+        after_rows = 0
+    # default: the rank sort under the interpreter; on a GPU "after" for k > 1024 where it
+    # takes at most two launches, else bitonic (DSA, k = 2048: 32K 22.8 -> 20.6 ms, 128K
+    # 283.7 -> 276.9 in two launches; QSA's k = 512: no gain; more launches not measured:
+    # kernel-design v17)
+    after_ok = after_rows > 0 and triton_cdiv(S, after_rows) <= 2 and _next_pow2(topk) >= 2048
+    sort = cfg.sort or ("rank" if interpret else "after" if after_ok else "bitonic")
     if sort not in ("rank", "bitonic", "score32", "none", "after"):
         raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank', 'bitonic', 'score32', 'none' or 'after'")
     if not sorted:
         sort = "none"  # any order will do: skip the sort
-    # "after": the fused kernel writes rows unsorted, with fp32 values, and _sort_rows sorts
-    # them; rows go in chunks whose values fit _AFTER_BUDGET (one chunk when the caller's
-    # fp32 values are the workspace). Chunks are row slices of one batch (B == 1) or the
-    # whole call; a call that would need more falls back to the fused bitonic sort.
-    after_rows = S
-    if sort == "after":
-        if not one_launch:
-            after_rows = _AFTER_BUDGET // (topk * 4) if B == 1 else 0
-        if after_rows <= 0:  # several batches over the budget: the fused sort
-            sort = "rank" if interpret else "bitonic"
-        elif cfg.score_only or cfg.profile:  # (benchmarks: the fused kernel alone)
-            sort = "none"
+    if sort == "after" and after_rows == 0:  # several batches over the budget: the fused sort
+        sort = "rank" if interpret else "bitonic"
+    elif sort == "after" and (cfg.score_only or cfg.profile):  # (benchmarks: the fused kernel alone)
+        sort = "none"
     block_d = max(16, _next_pow2(D))
     topk_p2 = _next_pow2(topk)
     # (the rows are sorted together inside the fused kernel only by the bitonic sort)
@@ -391,8 +391,6 @@ def hytopk_triton(
         raise SpecError("config.profile reads the GPU's cycle counter: it needs a CUDA device")
     prof = torch.zeros((nprog, 16) if cfg.profile else (1,), dtype=torch.int64, device=device)
     write_vals = return_values or sort == "after"
-    if sort == "after" and after_rows < S:  # chunks (B == 1) of whole row blocks
-        after_rows = max(block_m, after_rows // block_m * block_m)
     if cfg.score_only:
         vals32 = torch.empty(nprog * block_m, dtype=torch.float32, device=device)
     elif return_values and score_dtype == torch.float32:
@@ -440,7 +438,7 @@ def hytopk_triton(
         # launch would be
         return _launcher(kern, args_for(0, step, idx_out[:, :step], vals32 if sort != "after" else vals32[:, :step]),
                          dict(launch, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    guard = torch.cuda.device(device) if device.type == "cuda" else _nullcontext()
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with guard:
         for r0 in range(0, S, step):
             r1 = min(S, r0 + step)
@@ -539,10 +537,3 @@ def _key_descriptor(k: torch.Tensor, B: int, T: int, block_n: int, block_d: int)
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

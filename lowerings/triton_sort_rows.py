@@ -11,38 +11,28 @@ program at the occupancy its own registers allow (docs/kernel-design.md, v17).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
-EMPTY = tl.constexpr(-9223372036854775807)
+from .triton_keys import EMPTY, _pack, _sort_desc, _unpack_index, _unpack_value
 
 
 @triton.jit
 def _sort_rows_kernel(IDX, VAL, K: tl.constexpr, K_P2: tl.constexpr, R: tl.constexpr, WRITE_VALUES: tl.constexpr):
-    # One row of K (index, value) pairs, packed as HyTopK packs them (triton_codegen._pack:
-    # order-kept fp32 bits above, 2^32 - 1 - index below), so that one descending int64
-    # sort gives (value desc, index asc), NaN above +inf.
+    # One row of K (index, value) pairs as the fused kernel's keys (triton_keys), sorted
+    # descending: (value desc, index asc), NaN above +inf, -0.0 tied with +0.0.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, K_P2)
     ok = offs < K
     idx = tl.load(IDX + row * K + offs, mask=ok, other=0)
     y = tl.load(VAL + row * K + offs, mask=ok, other=0.0)
-    y = tl.where(y == 0.0, 0.0, y)           # -0.0 ties +0.0
-    y = tl.where(y != y, float("nan"), y)    # one NaN
-    b = y.to(tl.int32, bitcast=True)
-    b = b ^ ((b >> 31) & 0x7FFFFFFF)
-    keys = (b.to(tl.int64) << 32) | (4294967295 - idx.to(tl.int64))
-    keys = tl.where(ok, keys, EMPTY)
-    if R > 1:
-        # the network's low index bits in registers (as triton_codegen._sort_desc): the
-        # keys are a set, so their order going in is free
-        keys = tl.reshape(tl.trans(tl.reshape(keys, [R, K_P2 // R])), [K_P2])
-    keys = tl.sort(keys, descending=True)
-    tl.store(IDX + row * K + offs, (4294967295 - (keys & 4294967295)).to(IDX.dtype.element_ty), mask=ok)
+    keys = _sort_desc(tl.where(ok, _pack(y, idx), EMPTY), K_P2, R)
+    tl.store(IDX + row * K + offs, _unpack_index(keys).to(IDX.dtype.element_ty), mask=ok)
     if WRITE_VALUES:
-        hi = (keys >> 32).to(tl.int32)
-        tl.store(VAL + row * K + offs, (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True), mask=ok)
+        tl.store(VAL + row * K + offs, _unpack_value(keys), mask=ok)
 
 
 def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True) -> None:
@@ -67,11 +57,7 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True)
     num_warps = 1 if interpret or k_p2 < 256 else 2
     R = max(1, k_p2 // (128 * num_warps))
     launch = {} if interpret else dict(num_warps=num_warps)
-    guard = torch.cuda.device(idx.device) if idx.device.type == "cuda" else None
-    if guard is not None:
-        with guard:
-            _sort_rows_kernel[(rows,)](idx, vals, k, k_p2, R, write_values, **launch)
-    else:
+    with torch.cuda.device(idx.device) if idx.device.type == "cuda" else contextlib.nullcontext():
         _sort_rows_kernel[(rows,)](idx, vals, k, k_p2, R, write_values, **launch)
 
 
