@@ -457,7 +457,7 @@ import triton.language as tl
 # Ordered int64 keys (score bits above, 0xFFFFFFFF - key index below): one descending
 # sort gives (value desc, index asc). Shared with the rows' sort kernel.
 from hyscale_compile.lowerings.triton_keys import (  # noqa: F401
-    EMPTY, FULL, NEG_INF_HI, _pack, _sort_desc, _unpack_index, _unpack_value)
+    EMPTY, FULL, NEG_INF_HI, _pack, _score_bits, _sort_desc, _unpack_index, _unpack_value)
 
 
 @triton.jit
@@ -721,13 +721,6 @@ def _kth_largest(keys, u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
             kth = tl.max(tl.where(eq & (low == lp), keys, EMPTY), axis=0)
         n_ge = TOPK
     return kth, n_ge
-
-
-@triton.jit
-def _score_bits(keys):
-    # The high words (scores) of packed keys as uint32, order kept: larger score, larger u.
-    # Every real key's u is > 0.
-    return ((keys >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)
 
 
 @triton.jit

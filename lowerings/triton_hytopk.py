@@ -53,6 +53,10 @@ class HyTopKConfig:
     # else bitonic; v17). None: rank when interpreting; on a GPU "after" for k > 1024 where
     # it takes at most two launches, else bitonic.
     sort: Optional[str] = None
+    # sort="after" only: the rows' sort kernel's network, "int64" (the packed keys) or
+    # "trunc32" (32-bit keys and a repair: triton_sort_rows._sort_trunc32, v18); None: the
+    # default. Same result either way.
+    sort_network: Optional[str] = None
     # Benchmarks only: score every tile but select nothing (outputs are garbage). Shows
     # what the selection costs on top of the scoring.
     score_only: bool = False
@@ -455,7 +459,7 @@ def hytopk_triton(
             else:
                 _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
             if sort == "after":
-                sort_rows_(idx_t, vals_t, write_values=return_values)
+                sort_rows_(idx_t, vals_t, write_values=return_values, network=cfg.sort_network)
                 if return_values and vals32 is not val_out:
                     val_out[:, r0:r1].copy_(vals_t)
     if sort == "after":

@@ -36,6 +36,13 @@ def _unpack_index(p):
 
 
 @triton.jit
+def _score_bits(keys):
+    # The high words (scores) of packed keys as uint32, order kept: larger score, larger u.
+    # Every real key's u is > 0; EMPTY's is 0.
+    return ((keys >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
 def _sort_desc(keys, N: tl.constexpr, R: tl.constexpr):
     # keys [N] in descending order by tl.sort's bitonic network, its low index bits moved into
     # registers first. The network compares elements whose flat indices differ in one bit,

@@ -503,6 +503,10 @@ def test_sort_after_same_bits(interpret, monkeypatch):
             assert_same_bits([want, got])
             if score_dtype == "float32":  # indices only: the values live in the workspace
                 assert torch.equal(hytopk_triton(q, k, w, [hi], topk, spec, config=after), want[1]), budget
+                # the sort kernel's 32-bit network (v18), on rows with ties (its int64 fallback)
+                after32 = dataclasses.replace(after, sort_network="trunc32")
+                assert_same_bits([want, hytopk_triton(q, k, w, [hi], topk, spec, return_values=True,
+                                                      config=after32)])
     # several batches over the budget: the fused sort instead (same answer; 5 rows, so that
     # row chunks of several batches, which are not contiguous, would be needed otherwise)
     monkeypatch.setattr(triton_hytopk, "_AFTER_BUDGET", topk * 4)
@@ -931,7 +935,8 @@ def test_gpu_dsa_shape_bf16(cuda):
     # (the default sorts in a kernel of its own, "after"; the fused sort is one of the extras)
     for extra in (dict(sort="bitonic"), dict(sort="bitonic", sort_rows=2), dict(sort="bitonic", sort_rows=4),
                   dict(tma=False, num_stages=3, reread_weights=True),
-                  dict(l2_prefetch=4), dict(tma=False, l2_prefetch=2), dict(sort="score32"), dict(sort="after")):
+                  dict(l2_prefetch=4), dict(tma=False, l2_prefetch=2), dict(sort="score32"), dict(sort="after"),
+                  dict(sort="after", sort_network="trunc32"), dict(sort="after", sort_network="int64")):
         cfg = dataclasses.replace(default, **extra)
         v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
         assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra
