@@ -16,12 +16,15 @@ builds them ((order-kept fp32 score bits) << 32 | (2^32 - 1 - index)); per confi
            the sorted indices written over the unsorted ones
 * copy     the packed form's traffic without the sort (the memory floor of a second pass)
 * packed, n rows/program  (``--rows-per-program 2,4``) one ``tl.sort`` over [n, k]
-* lib int64 / lib trunc32  the library's kernel (``lowerings/triton_sort_rows``), split form,
-           its two networks: the int64 keys, or 32-bit keys with a repair (v18)
+* lib      the library's kernel (``lowerings/triton_sort_rows``), split form
+* 32-bit network + gather only  the network on 32-bit keys ((shifted score) << log2(k) |
+           position) and one gather by position: not exact (keys whose shifted scores are
+           equal stay in position order), a bound on what a 32-bit network could save;
+           docs/kernel-design.md v18 has the two exact versions measured (commits 1d679a0,
+           fca8564)
 
 Two kinds of rows (``--data``): "tail" (|N(0,1)| + 1.5: distinct positive scores over two
-binades, like a row's top-k of real scores) and "relu" (N(0,1) ReLU'd: half the row tied at
-0, the worst case for trunc32, which then sorts again on int64 keys).
+binades, like a row's top-k of real scores) and "relu" (N(0,1) ReLU'd: half the row tied at 0).
 
 plus ``torch.sort`` of the packed keys for context. Every sorted row is checked against
 ``torch.sort``. Prints a table last.
@@ -42,6 +45,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_hytopk as bh  # noqa: E402
 
 from hyscale_compile.lowerings import triton_sort_rows as lib  # noqa: E402
+from hyscale_compile.lowerings.triton_keys import _pack, _score_bits, _sort_desc  # noqa: E402
 
 EMPTY = tl.constexpr(-9223372036854775807)
 
@@ -85,21 +89,21 @@ def _sort_kernel(KEYS, IDX, VAL, OUT_IDX, TOPK: tl.constexpr, TOPK_P2: tl.conste
 @triton.jit
 def _trunc32_bare_kernel(IDX, VAL, OUT_IDX, K: tl.constexpr, K_P2: tl.constexpr, R: tl.constexpr,
                          LOG_P2: tl.constexpr):
-    # the library's 32-bit network (MODE 1) without the pairs' repair and the flag: its
-    # network and gathers alone, a bound (its order is wrong wherever a pair is)
+    # a 32-bit network and the gather by position, nothing else: a bound (its order is
+    # wrong wherever two keys share a shifted score)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, K_P2)
     ok = offs < K
     idx = tl.load(IDX + row * K + offs, mask=ok, other=0)
     y = tl.load(VAL + row * K + offs, mask=ok, other=0.0)
-    u = lib._score_bits(lib._pack(y, idx))
+    u = _score_bits(_pack(y, idx))
     umin = tl.min(tl.where(ok, u, 4294967295), axis=0)
     span = tl.max(u, axis=0) - umin
     s = tl.zeros([], dtype=tl.uint32)
     for _ in tl.static_range(1 + LOG_P2):
         s = tl.where((span >> (31 - LOG_P2 + s)) != 0, s + 1, s)
     grp = tl.where(ok, ((u - umin) >> s) + 1, 0)
-    k32 = lib._sort_desc((grp << LOG_P2) | offs.to(tl.uint32), K_P2, R)
+    k32 = _sort_desc((grp << LOG_P2) | offs.to(tl.uint32), K_P2, R)
     src = (k32 & (K_P2 - 1)).to(tl.int32)
     out = tl.load(IDX + row * K + src, mask=ok)
     tl.store(OUT_IDX + row * K + offs, out, mask=ok)
@@ -123,8 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", default="1,2,4,8")
     ap.add_argument("--rows-per-program", default="1", help="also sort 2, 4, ... rows per program (packed form)")
     ap.add_argument("--data", default="tail,relu")
-    ap.add_argument("--maxnreg", default="0", help="register caps for the lib forms (0: none)")
-    ap.add_argument("--modes", default="packed,split,copy,lib", help="which forms to time (lib: both networks)")
+    ap.add_argument("--modes", default="packed,split,copy,lib", help="which forms to time")
     args = ap.parse_args(argv)
     modes = set(args.modes.split(","))
     if not torch.cuda.is_available():
@@ -160,39 +163,22 @@ def main(argv=None) -> int:
                     table.append((rows, data, mname, nw, R, ms, ok))
                     bh.log(rows, data, mname, nw, R, ms, ok)
         if "lib" in modes:
-            for network, nw, maxnreg in [(n, int(w), int(m)) for n in ("int64", "trunc32")
-                                         for w in args.warps.split(",") for m in args.maxnreg.split(",")]:
-                R = max(1, k_p2 // (128 * nw))
-                src = idx.clone()
-                vw = val.clone()
-
-                def fn_lib():
-                    src.copy_(idx)  # in place: the timing includes these copies (split's: the first)
-                    vw.copy_(val)   # (the 32-bit network writes the values)
-                    lib.sort_rows_(src, vw, write_values=False, network=network, num_warps=nw, maxnreg=maxnreg)
-                    return src
-                name = f"lib {network}" + (f", maxnreg {maxnreg}" if maxnreg else "")
-                try:
-                    ms, _, res, _ = bh.measure(fn_lib)
-                except Exception as e:  # noqa: BLE001
-                    table.append((rows, data, name, nw, R, None, f"failed: {type(e).__name__}: {str(e)[:80]}"))
-                    continue
-                ok = "yes" if torch.equal(res, want) else "NO"
-                if network == "trunc32" and not maxnreg:  # the rows its first pass leaves to the int64 network
-                    flag = torch.zeros(rows, dtype=torch.int32, device="cuda")
-                    src.copy_(idx)
-                    vw = val.clone()  # (the 32-bit pass writes the values)
-                    lib._sort_rows_kernel[(rows,)](src, vw, flag, k, k_p2, R, False, 1, k_p2.bit_length() - 1,
-                                                   num_warps=nw)
-                    ok += f" ({int(flag.sum())} rows flagged)"
-                table.append((rows, data, name, nw, R, ms, ok))
-                bh.log(rows, data, name, nw, R, ms, ok)
             for nw in [int(x) for x in args.warps.split(",")]:
                 R = max(1, k_p2 // (128 * nw))
+                src = idx.clone()
+
+                def fn_lib():
+                    src.copy_(idx)  # in place: the timing includes this copy, as split's
+                    lib.sort_rows_(src, val, write_values=False, num_warps=nw)
+                    return src
+                ms, _, res, _ = bh.measure(fn_lib)
+                ok = "yes" if torch.equal(res, want) else "NO"
+                table.append((rows, data, "lib (triton_sort_rows)", nw, R, ms, ok))
+                bh.log(rows, data, "lib", nw, R, ms, ok)
                 out = torch.empty_like(idx)
                 ms, _, _, _ = bh.measure(lambda: _trunc32_bare_kernel[(rows,)](
                     idx, val, out, k, k_p2, R, k_p2.bit_length() - 1, num_warps=nw))
-                table.append((rows, data, "trunc32 network + gather only (a bound, not exact)", nw, R, ms, "-"))
+                table.append((rows, data, "32-bit network + gather only (a bound, not exact)", nw, R, ms, "-"))
         for rpp in [int(x) for x in args.rows_per_program.split(",") if x and int(x) > 1]:
             for nw in [int(x) for x in args.warps.split(",")]:
                 out = torch.empty(rows, k, dtype=torch.int32, device="cuda")
@@ -210,8 +196,7 @@ def main(argv=None) -> int:
                 bh.log(rows, rpp, nw, ms, ok)
         cp = torch.empty_like(idx)
         ms_copy, _, _, _ = bh.measure(lambda: cp.copy_(idx))
-        table.append((rows, data, "(idx copy alone, in split's time; lib's has two such copies)", "-", "-",
-                      ms_copy, "-"))
+        table.append((rows, data, "(idx copy alone, in split's and lib's time)", "-", "-", ms_copy, "-"))
         ms, _, _, _ = bh.measure(lambda: torch.sort(keys, dim=-1, descending=True))
         table.append((rows, data, "torch.sort (int64 keys)", "-", "-", ms, "-"))
         del keys, idx, val, want

@@ -14,7 +14,7 @@ for step in "$@"; do
   t0=$(date +%s)
   case $step in
     tests)
-      timeout 240 python3 -m pytest -q -m gpu tests/ > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?: $(tail -1 "$OUT/gpu_tests.log")"
+      timeout 420 python3 -m pytest -q -m gpu tests/ > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?: $(tail -1 "$OUT/gpu_tests.log")"
       timeout 200 python3 -m pytest -q -m "not inductor and not gpu" tests/test_sparse_backward.py tests/test_partition.py \
         tests/test_registry.py tests/test_variants.py > "$OUT/cpu_side.log" 2>&1 || true
       echo "joint-graph tests on this torch: $(tail -1 "$OUT/cpu_side.log")" ;;

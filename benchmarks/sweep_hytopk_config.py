@@ -47,7 +47,7 @@ def default_fields(seq: int) -> dict:
 
 
 def parse_fields(text: str) -> dict:
-    """'num_stages=2,l2_prefetch=4,sort=score32' -> {'num_stages': 2, 'l2_prefetch': 4, 'sort': 'score32'} (ints, then floats, where they parse)."""
+    """'num_stages=2,l2_prefetch=4,sort=after' -> {'num_stages': 2, 'l2_prefetch': 4, 'sort': 'after'} (ints, then floats, where they parse)."""
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, _, val = item.partition("=")

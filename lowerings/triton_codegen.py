@@ -814,33 +814,6 @@ def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
 
 
 @triton.jit
-def _rank_by_score(keys, su_ptr, N: tl.constexpr, LOG_N: tl.constexpr):
-    # The position of each key in descending order of score: #{sorted scores above its
-    # score}, by a binary search in su_ptr[0:N] (the keys' score bits, sorted descending).
-    # It is the key's rank when no other key has its score (_scores_tied). Padding keys
-    # (EMPTY, score bits 0) sort last.
-    u = _score_bits(keys)
-    lo = tl.zeros([N], dtype=tl.int32)
-    hi = tl.zeros([N], dtype=tl.int32) + N
-    for _ in tl.static_range(LOG_N + 1):
-        mid = (lo + hi) // 2
-        open_ = lo < hi
-        above = tl.load(su_ptr + mid, mask=open_, other=0) > u
-        lo = tl.where(open_ & above, mid + 1, lo)
-        hi = tl.where(open_ & (~above), mid, hi)
-    return lo
-
-
-@triton.jit
-def _scores_tied(su, su_ptr, N: tl.constexpr):
-    # Whether two real keys share a score: two equal neighbours in the sorted scores su
-    # (also in su_ptr[0:N]), padding (0) aside
-    offs = tl.arange(0, N)
-    nxt = tl.load(su_ptr + offs + 1, mask=offs + 1 < N, other=0)
-    return tl.max(((su != 0) & (nxt == su)).to(tl.int32), axis=0) > 0
-
-
-@triton.jit
 def _write_keys(OUT_IDX, OUT_VAL, out, keys, keep, RETURN_VALUES: tl.constexpr):
     # packed keys -> their indices (and fp32 values) at output offsets out, where keep
     tl.store(OUT_IDX + out, _unpack_index(keys).to(OUT_IDX.dtype.element_ty), mask=keep)
@@ -848,23 +821,10 @@ def _write_keys(OUT_IDX, OUT_VAL, out, keys, keep, RETURN_VALUES: tl.constexpr):
         tl.store(OUT_VAL + out, _unpack_value(keys), mask=keep)
 
 
-@triton.jit(noinline=True)
-def _emit_sorted_keys(row_ptr, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                      RETURN_VALUES: tl.constexpr, SORT_R: tl.constexpr):
-    # score32's fallback (a kept score shared by two keys): the int64 sort of the row's TOPK
-    # keys at row_ptr[0:TOPK], written out. Not inlined, so that its network's registers are
-    # not the kernel's (inlined, the tile loop grew 416 -> 426 instructions, 4 -> 7 spill
-    # instructions; v14). Takes scalars only, as noinline functions must.
-    offs = tl.arange(0, TOPK_P2)
-    keys = tl.load(row_ptr + offs, mask=offs < TOPK, other=EMPTY)
-    best = _sort_desc(keys, TOPK_P2, SORT_R)
-    _write_keys(OUT_IDX, OUT_VAL, out_off + offs, best, offs < TOPK, RETURN_VALUES)
-
-
 @triton.jit
 def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
               CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr, SORT_R: tl.constexpr,
-              SCORE32: tl.constexpr, LOG_P2: tl.constexpr, UNSORTED: tl.constexpr):
+              UNSORTED: tl.constexpr):
     # Write the TOPK best of the n (>= TOPK) keys in row_ptr[0:n], in (value desc, index
     # asc) order: compact to TOPK keys, then sort only those. UNSORTED (topk's
     # sorted=False): in the buffer's order instead, which the compactions fix (the same
@@ -880,21 +840,6 @@ def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2
     elif RANK_SORT:
         pos = _rank_desc(keys)
         best = keys
-    elif SCORE32:
-        # v14: sort the 32-bit score bits, then place each key by a search among them; a row
-        # with a score shared by two kept keys takes the int64 sort (the tie rule needs the
-        # index). The sorted scores go to the row's scratch after its TOPK_P2 keys.
-        su_ptr = (row_ptr + TOPK_P2).to(tl.pointer_type(tl.uint32), bitcast=True)
-        su = tl.sort(_score_bits(keys), descending=True)
-        tl.store(su_ptr + offs, su)
-        tl.debug_barrier()
-        if _scores_tied(su, su_ptr, TOPK_P2):
-            _emit_sorted_keys(row_ptr, OUT_IDX, OUT_VAL, out_off, TOPK, TOPK_P2, RETURN_VALUES, SORT_R)
-            pos = tl.zeros([TOPK_P2], dtype=tl.int32) + TOPK  # (written: nothing left to store)
-        else:
-            pos = _rank_by_score(keys, su_ptr, TOPK_P2, LOG_P2)
-        best = keys
-        # (the next write to this scratch comes after the next row block's first barrier)
     else:
         best = _sort_desc(keys, TOPK_P2, SORT_R)  # bitonic
         pos = tl.arange(0, TOPK_P2)
@@ -917,7 +862,7 @@ def {{KERNEL_NAME}}(
     UPCAST: tl.constexpr, TF32: tl.constexpr, RETURN_VALUES: tl.constexpr,
     RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, SYNC_WATER: tl.constexpr,
     SLACK: tl.constexpr,
-    IDX32: tl.constexpr, SORT_ROWS: tl.constexpr, SORT_R: tl.constexpr, SCORE32: tl.constexpr, LOG_P2: tl.constexpr,
+    IDX32: tl.constexpr, SORT_ROWS: tl.constexpr, SORT_R: tl.constexpr,
     UNSORTED: tl.constexpr,
     W_AT: tl.constexpr, PROFILE: tl.constexpr, USE_TMA: tl.constexpr, L2_PREFETCH: tl.constexpr,
     PF_LINES: tl.constexpr,
@@ -1120,7 +1065,7 @@ def {{KERNEL_NAME}}(
                     if s < S:
                         c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
                         _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
-                                  TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, SORT_R, SCORE32, LOG_P2, UNSORTED)
+                                  TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, SORT_R, UNSORTED)
             else:
                 for r in range(BLOCK_M):
                     c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)

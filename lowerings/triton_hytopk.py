@@ -41,10 +41,8 @@ class HyTopKConfig:
     num_warps: int = 4
     num_stages: int = 1
     num_programs: Optional[int] = None  # persistent programs; None: 2 per SM (or 64)
-    # How a row's final TOPK keys are ordered: "bitonic" (tl.sort of the int64 keys, the GPU
-    # path); "score32" (tl.sort of their 32-bit score bits, each key placed by a binary
-    # search among them; rows where two kept keys share a score take "bitonic"; needs
-    # cap >= 1.5 x next_pow2(k), else "bitonic"; v14); or "rank" (count the keys above each
+    # How a row's final TOPK keys are ordered: "bitonic" (tl.sort of the int64 keys inside
+    # the fused kernel); or "rank" (count the keys above each
     # key: O(k^2), but vectorized, which the interpreter runs far faster than a bitonic
     # network); "none" (the buffer's order, no sort: what topk's sorted=False allows, and
     # what the launch uses when called with sorted=False); or "after" (the rows written
@@ -53,10 +51,6 @@ class HyTopKConfig:
     # else bitonic; v17). None: rank when interpreting; on a GPU "after" for k > 1024 where
     # it takes at most two launches, else bitonic.
     sort: Optional[str] = None
-    # sort="after" only: the rows' sort kernel's network, "int64" (the packed keys) or
-    # "trunc32" (32-bit keys and a repair: triton_sort_rows._sort_trunc32, v18); None: the
-    # default. Same result either way.
-    sort_network: Optional[str] = None
     # Benchmarks only: score every tile but select nothing (outputs are garbage). Shows
     # what the selection costs on top of the scoring.
     score_only: bool = False
@@ -304,8 +298,8 @@ def hytopk_triton(
     # kernel-design v17)
     after_ok = after_rows > 0 and triton_cdiv(S, after_rows) <= 2 and _next_pow2(topk) >= 2048
     sort = cfg.sort or ("rank" if interpret else "after" if after_ok else "bitonic")
-    if sort not in ("rank", "bitonic", "score32", "none", "after"):
-        raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank', 'bitonic', 'score32', 'none' or 'after'")
+    if sort not in ("rank", "bitonic", "none", "after"):
+        raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank', 'bitonic', 'none' or 'after'")
     if not sorted:
         sort = "none"  # any order will do: skip the sort
     if sort == "after" and after_rows == 0:  # several batches over the budget: the fused sort
@@ -417,9 +411,6 @@ def hytopk_triton(
         # 4 consecutive per thread (the 32-bit output stores' vectors) over 32 * num_warps
         # threads, so SORT_R = TOPK_P2 / (4 * threads) is the number of register repeats
         SORT_R=max(1, topk_p2 // (128 * (1 if interpret else cfg.num_warps))),
-        # the score-bit sort keeps its sorted scores after the row's keys: room for them
-        SCORE32=sort == "score32" and sort_rows == 1 and cap >= topk_p2 + topk_p2 // 2,
-        LOG_P2=topk_p2.bit_length() - 1,
         UNSORTED=sort in ("none", "after"),
     )
     if not interpret:
@@ -459,7 +450,7 @@ def hytopk_triton(
             else:
                 _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
             if sort == "after":
-                sort_rows_(idx_t, vals_t, write_values=return_values, network=cfg.sort_network)
+                sort_rows_(idx_t, vals_t, write_values=return_values)
                 if return_values and vals32 is not val_out:
                     val_out[:, r0:r1].copy_(vals_t)
     if sort == "after":

@@ -38,11 +38,11 @@ def test_dsa_kernel_compiles_for_sm90(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     dump = tmp_path / "dump"
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "inspect_hytopk.py"), "--configs",
-                          "default;score_only=1;profile=1;tma=0,num_stages=3,reread_weights=1;l2_prefetch=4;sort=score32",
+                          "default;score_only=1;profile=1;tma=0,num_stages=3,reread_weights=1;l2_prefetch=4;sort=bitonic",
                           "--dump", str(dump)], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     names = ("default", "score_only=1", "profile=1", "tma=0,num_stages=3,reread_weights=1", "l2_prefetch=4",
-             "sort=score32")
+             "sort=bitonic")
     rows = {ln.split()[0]: ln for ln in out.stdout.splitlines() if ln.split()[:1] and ln.split()[0] in names}
     assert set(rows) == set(names), out.stdout
     for name, row in rows.items():
@@ -70,10 +70,9 @@ def test_dsa_kernel_compiles_for_sm90(tmp_path):
         elif name == "l2_prefetch=4":
             # the L2 hints (v13, an option): a few address instructions per tile, no barrier
             assert loop_bar <= 3 and loop_atom == 0 and loop_spill <= 8 and loop < 480, row
-        elif name == "sort=score32":
-            # the 32-bit score sort with the int64 one as its (not inlined) fallback (v14, an
-            # option): the tile loop as the default's (418 / 4 when written; 426 / 7 with the
-            # fallback inlined)
+        elif name == "sort=bitonic":
+            # the final sort inside the fused kernel (the default before v17; kept for more
+            # than two "after" launches): the tile loop as the default's (416 / 4 in v17)
             assert loop_bar <= 3 and loop_atom == 0 and loop_spill <= 8 and loop < 470, row
         elif name.startswith("tma=0"):
             # the pointer-load path (keys TMA cannot address): v8's loop, 743 / 3

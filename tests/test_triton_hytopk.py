@@ -503,10 +503,6 @@ def test_sort_after_same_bits(interpret, monkeypatch):
             assert_same_bits([want, got])
             if score_dtype == "float32":  # indices only: the values live in the workspace
                 assert torch.equal(hytopk_triton(q, k, w, [hi], topk, spec, config=after), want[1]), budget
-                # the sort kernel's 32-bit network (v18), on rows with ties (its int64 fallback)
-                after32 = dataclasses.replace(after, sort_network="trunc32")
-                assert_same_bits([want, hytopk_triton(q, k, w, [hi], topk, spec, return_values=True,
-                                                      config=after32)])
     # several batches over the budget: the fused sort instead (same answer; 5 rows, so that
     # row chunks of several batches, which are not contiguous, would be needed otherwise)
     monkeypatch.setattr(triton_hytopk, "_AFTER_BUDGET", topk * 4)
@@ -515,40 +511,6 @@ def test_sort_after_same_bits(interpret, monkeypatch):
     want = hytopk_triton(q2, k2, w2, [hi2], topk, DSA, return_values=True, config=cfg)
     got = hytopk_triton(q2, k2, w2, [hi2], topk, DSA, config=after)
     assert torch.equal(got, want[1])
-
-
-@pytest.mark.interpret
-def test_score32_sort_same_order(interpret):
-    # sort="score32" (v14): the score bits sorted, each key placed by a binary search among
-    # them; rows where two kept keys share a score take the int64 sort. Against the rank
-    # sort, bit for bit: (1) distinct scores (the search path), k = 300 (padding to 512) and
-    # k = 64; (2) small integers with many ties (the fallback path); (3) causal rows with
-    # fewer than k visible keys (-inf fillers tie: fallback) next to rows that have enough.
-    g = _gen(191)
-    S, T, D = 4, 700, 16
-    q = torch.zeros(1, S, 1, D)
-    q[..., 0] = 1.0
-    k = torch.zeros(1, T, 1, D)
-    k[0, :, 0, 0] = torch.randperm(T, generator=g).float() - 350.0  # distinct integer scores
-    spec = ScoreSpec(reduce="none")
-    for topk in (300, 64):
-        outs = [run_exact(q, k, None, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=32, sort=sort))
-                for sort in ("rank", "score32")]
-        assert_same_bits(outs)
-    q2, k2, w2 = int_operands(g, 1, 3, T, 2, 1, D, torch.float32, lo=-2, hi=3, w_hi=2)
-    tied = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum")
-    outs = [run_exact(q2, k2, w2, [], 300, tied, config=HyTopKConfig(block_m=4, block_n=32, sort=sort))
-            for sort in ("rank", "score32")]
-    assert_same_bits(outs)
-    assert (outs[0][0][0, :, 1:] == outs[0][0][0, :, :-1]).any(), "the case should have ties"
-    hi = (torch.arange(8) * 90 + 1).view(1, 8)  # row s sees keys [0, 90 s + 1): rows 0-3 need fillers
-    causal = ScoreSpec(reduce="none", post=(("mask", 0),), masks=(MaskTerm(kind="range", hi=0),))
-    q3 = torch.zeros(1, 8, 1, D)
-    q3[..., 0] = 1.0
-    outs = [run_exact(q3, k, None, [hi], 300, causal, config=HyTopKConfig(block_m=4, block_n=32, sort=sort))
-            for sort in ("rank", "score32")]
-    assert_same_bits(outs)
-    assert torch.isneginf(outs[0][0][0, 0]).any() and not torch.isneginf(outs[0][0][0, 7]).any()
 
 
 def _compaction_case(seed):
@@ -935,8 +897,7 @@ def test_gpu_dsa_shape_bf16(cuda):
     # (the default sorts in a kernel of its own, "after"; the fused sort is one of the extras)
     for extra in (dict(sort="bitonic"), dict(sort="bitonic", sort_rows=2), dict(sort="bitonic", sort_rows=4),
                   dict(tma=False, num_stages=3, reread_weights=True),
-                  dict(l2_prefetch=4), dict(tma=False, l2_prefetch=2), dict(sort="score32"), dict(sort="after"),
-                  dict(sort="after", sort_network="trunc32"), dict(sort="after", sort_network="int64")):
+                  dict(l2_prefetch=4), dict(tma=False, l2_prefetch=2), dict(sort="after")):
         cfg = dataclasses.replace(default, **extra)
         v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
         assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra
