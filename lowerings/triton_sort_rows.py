@@ -59,6 +59,8 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     # against 11.4 with 4 warps and 10.7 with 1 (H200; benchmarks/calibrate_sort.py)
     if num_warps is None:
         num_warps = 1 if interpret or k_p2 < 256 else 2
+    elif not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):
+        raise ValueError(f"sort_rows_: num_warps={num_warps!r}; expected a power of two >= 1")
     R = max(1, k_p2 // (128 * num_warps))
     launch = {} if interpret else dict(num_warps=num_warps)
     with torch.cuda.device(idx.device) if idx.device.type == "cuda" else contextlib.nullcontext():

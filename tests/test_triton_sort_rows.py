@@ -67,6 +67,8 @@ def test_sort_rows_bad_input():
         sort_rows_(idx.float(), vals)
     with pytest.raises(ValueError, match="contiguous"):
         sort_rows_(torch.zeros(4, 2, dtype=torch.int32).t(), torch.zeros(4, 2).t())
+    with pytest.raises(ValueError, match="num_warps=3"):
+        sort_rows_(idx, vals, num_warps=3)
 
 
 @pytest.mark.gpu
