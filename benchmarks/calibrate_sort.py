@@ -45,9 +45,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_hytopk as bh  # noqa: E402
 
 from hyscale_compile.lowerings import triton_sort_rows as lib  # noqa: E402
-from hyscale_compile.lowerings.triton_keys import _pack, _score_bits, _sort_desc  # noqa: E402
-
-EMPTY = tl.constexpr(-9223372036854775807)
+from hyscale_compile.lowerings.triton_keys import (  # noqa: E402
+    EMPTY, _pack, _score_bits, _sort_desc, _unpack_index)
 
 
 @triton.jit
@@ -59,7 +58,7 @@ def _sort_rows_kernel(KEYS, OUT_IDX, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, 
     ok = (offs < TOPK)[None, :]
     keys = tl.load(KEYS + r[:, None] * TOPK + offs[None, :], mask=ok, other=EMPTY)
     keys = tl.sort(keys, dim=1, descending=True)
-    tl.store(OUT_IDX + r[:, None] * TOPK + offs[None, :], (4294967295 - (keys & 4294967295)).to(tl.int32), mask=ok)
+    tl.store(OUT_IDX + r[:, None] * TOPK + offs[None, :], _unpack_index(keys).to(tl.int32), mask=ok)
 
 
 @triton.jit
@@ -79,11 +78,8 @@ def _sort_kernel(KEYS, IDX, VAL, OUT_IDX, TOPK: tl.constexpr, TOPK_P2: tl.conste
     else:
         keys = tl.load(KEYS + row * TOPK + offs, mask=ok, other=EMPTY)
     if MODE != 2:
-        if R > 1:  # the low network bits in registers, as HyTopK's _sort_desc
-            keys = tl.reshape(tl.trans(tl.reshape(keys, [R, TOPK_P2 // R])), [TOPK_P2])
-        keys = tl.sort(keys, descending=True)
-    out = (4294967295 - (keys & 4294967295)).to(tl.int32)
-    tl.store(OUT_IDX + row * TOPK + offs, out, mask=ok)
+        keys = _sort_desc(keys, TOPK_P2, R)  # (the low network bits in registers)
+    tl.store(OUT_IDX + row * TOPK + offs, _unpack_index(keys).to(tl.int32), mask=ok)
 
 
 @triton.jit

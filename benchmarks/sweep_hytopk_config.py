@@ -110,7 +110,6 @@ def main(argv=None) -> int:
             same = "yes" if torch.equal(idx, ref_idx) else "NO"
             if same == "NO" and cfg.sort == "none":  # unsorted rows: the same sets?
                 same = "as sets" if torch.equal(idx.sort(-1).values, ref_idx.sort(-1).values) else "NO (sets)"
-
         ms_so = float("nan")
         if not args.no_score_only:
             so = th.HyTopKConfig(**kw, score_only=True)

@@ -416,6 +416,14 @@ def hytopk_triton(
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
+    def outputs_for(r0, r1):
+        # where a launch over query rows [r0, r1) writes: its slice of the indices, and the
+        # values (all rows; under "after" the caller's fp32 values' slice, or the chunk's
+        # workspace)
+        if sort != "after":
+            return idx_out[:, r0:r1], vals32
+        return idx_out[:, r0:r1], (vals32[:, r0:r1] if vals32 is val_out else vals32[:, :r1 - r0])
+
     def args_for(r0, r1, idx_t, vals_t):
         # the kernel's arguments for query rows [r0, r1) (whole row blocks), written to
         # idx_t / vals_t ([B, r1 - r0, topk], contiguous)
@@ -431,7 +439,7 @@ def hytopk_triton(
     if _launcher is not None:
         # offline inspection (benchmarks/inspect_hytopk.py): hand over what the (first)
         # launch would be
-        return _launcher(kern, args_for(0, step, idx_out[:, :step], vals32 if sort != "after" else vals32[:, :step]),
+        return _launcher(kern, args_for(0, step, *outputs_for(0, step)),
                          dict(launch, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with guard:
@@ -439,11 +447,7 @@ def hytopk_triton(
             r1 = min(S, r0 + step)
             if r0:
                 counter[0] = 0  # the next launch's block counter
-            idx_t = idx_out[:, r0:r1]
-            if sort != "after":
-                vals_t = vals32
-            else:  # the caller's fp32 values, or the chunk's workspace
-                vals_t = vals32[:, r0:r1] if vals32 is val_out else vals32[:, :r1 - r0]
+            idx_t, vals_t = outputs_for(r0, r1)
             args = args_for(r0, r1, idx_t, vals_t)
             if interpret or not defaulted:
                 kern[(nprog,)](*args, **launch)
