@@ -46,6 +46,14 @@ def profile(S: int, inputs: str, config: str):
     return prof.sum(0).tolist(), th._block_m(cfg, bh.H, False), cfg.block_n
 
 
+def _compaction(slots):
+    """kcycles per compaction (count, load, of it keys in, search, store) and passes per search,
+    from _compact_row's / _compact_lanes' eight profile slots"""
+    n = max(slots[6], 1)
+    load, search, store, keys_in, passes, lanes = slots[:6]
+    return [lanes / n / 1e3, load / n / 1e3, keys_in / n / 1e3, search / n / 1e3, store / n / 1e3, passes / n]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="32768")
@@ -64,22 +72,28 @@ def main(argv=None) -> int:
                 blocks = -(-S // block_m)
                 tiles = sum(-(-(min(S, r0 + block_m)) // block_n) for r0 in range(0, S, block_m))  # causal
                 shares = [100.0 * x / block for x in tot[:5]] + [100.0 * rest / block]
-                # one compaction (per row), in kcycles: load / search / cumsum + store
-                inl = [x / max(tot[6], 1) / 1e3 for x in tot[8:11]]
-                fin = [x / S / 1e3 for x in tot[11:14]]
+                # one compaction (per row), in kcycles: the key count (lanes), the load (until
+                # the row's max is known; of it, until the last key is in), the search, the
+                # cumsum + store; and the search's one-bit passes
+                inl, fin = (_compaction(tot[b:b + 8]) for b in (16, 24))
                 rows.append((S, inputs, config, shares, tot[6] / S, tot[7] / blocks, block / blocks, tot[0] / tiles,
                              inl, fin))
                 bh.log(S, inputs, config, tot)
     print(f"\nHyTopK sections ({torch.cuda.get_device_name()}, torch {torch.__version__}): % of row-block cycles")
     print("| S | inputs | config | " + " | ".join(SECTIONS) + " | rest | compactions / row | inner loops / block "
-          "| kcycles / block | loop cycles / tile | in-loop compaction kcycles: load / search / store "
-          "| final compaction kcycles: load / search / store |")
+          "| kcycles / block | loop cycles / tile | in-loop compaction kcycles: count / load (keys in) / search / store, "
+          "passes | final compaction, the same |")
     print("|---" * (len(SECTIONS) + 11) + "|")
     for S, inputs, config, shares, comp, loops, cyc, per_tile, inl, fin in rows:
         print(f"| {S} | {inputs} | {config} | " + " | ".join(f"{x:.1f}" for x in shares)
               + f" | {comp:.2f} | {loops:.1f} | {cyc / 1e3:.0f} | {per_tile:.0f} | "
-              + " / ".join(f"{x:.1f}" for x in inl) + " | " + " / ".join(f"{x:.1f}" for x in fin) + " |")
+              + " | ".join(_fmt(c) for c in (inl, fin)) + " |")
     return 0
+
+
+def _fmt(c):
+    lanes, load, keys_in, search, store, passes = c
+    return f"{lanes:.1f} / {load:.1f} ({keys_in:.1f}) / {search:.1f} / {store:.1f}, {passes:.1f}"
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ class HyTopKConfig:
     # block_m; the "rank" sort always goes row by row). None: 1.
     sort_rows: Optional[int] = None
     # Benchmarks only (GPU): time the kernel's sections with the SM cycle counter; the call
-    # returns a [programs, 16] int64 tensor instead of its outputs (slots: _prof_add in the
+    # returns a [programs, 32] int64 tensor instead of its outputs (slots: _prof_add in the
     # generated kernel). benchmarks/profile_sections.py prints it.
     profile: bool = False
     # Key tiles by TMA (a host tensor descriptor over K as [batches x T, D]: one bulk copy per
@@ -96,6 +96,12 @@ class HyTopKConfig:
     # dim, and a power-of-two number of lines per tile; elsewhere off. A hint: never changes
     # the result, never faults.
     l2_prefetch: Optional[int] = None
+    # How a compaction finds its threshold (the k-th largest key, or a lower bound within
+    # the in-loop slack): "bits" (one bit of the score per counting pass, from the highest
+    # bit where the row's scores differ) or "bracket" (each pass counts the keys above a
+    # guess interpolated in value space, with a bisection guard; fewer passes on real score
+    # distributions, v19). None: the measured default. Never changes the selected set.
+    search: Optional[str] = None
 
 
 def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True, D: int = 128,
@@ -298,6 +304,9 @@ def hytopk_triton(
     # kernel-design v17)
     after_ok = after_rows > 0 and triton_cdiv(S, after_rows) <= 2 and _next_pow2(topk) >= 2048
     sort = cfg.sort or ("rank" if interpret else "after" if after_ok else "bitonic")
+    search = cfg.search or "bits"
+    if search not in ("bits", "bracket"):
+        raise SpecError(f"config.search={cfg.search!r}; expected 'bits' or 'bracket'")
     if sort not in ("rank", "bitonic", "none", "after"):
         raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank', 'bitonic', 'none' or 'after'")
     if not sorted:
@@ -387,7 +396,7 @@ def hytopk_triton(
     counter = torch.zeros(1 + nprog * block_m * cfg.block_n, dtype=torch.int32, device=device)
     if cfg.profile and interpret:
         raise SpecError("config.profile reads the GPU's cycle counter: it needs a CUDA device")
-    prof = torch.zeros((nprog, 16) if cfg.profile else (1,), dtype=torch.int64, device=device)
+    prof = torch.zeros((nprog, 32) if cfg.profile else (1,), dtype=torch.int64, device=device)
     write_vals = return_values or sort == "after"
     if cfg.score_only:
         vals32 = torch.empty(nprog * block_m, dtype=torch.float32, device=device)
@@ -412,6 +421,7 @@ def hytopk_triton(
         # threads, so SORT_R = TOPK_P2 / (4 * threads) is the number of register repeats
         SORT_R=max(1, topk_p2 // (128 * (1 if interpret else cfg.num_warps))),
         UNSORTED=sort in ("none", "after"),
+        BRACKET=search == "bracket",
     )
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)

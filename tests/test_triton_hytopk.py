@@ -525,12 +525,13 @@ def _compaction_case(seed):
 
 
 @pytest.mark.interpret
-def test_compaction_with_boundary_ties(interpret):
+@pytest.mark.parametrize("search", ["bits", "bracket"])
+def test_compaction_with_boundary_ties(interpret, search):
     # Buffers much smaller than T (k=20, 16-key tiles: CAP=64), so rows are compacted many
     # times inside the scored-tile loop; exact-zero ReLU ties at the k-th score make the
     # threshold search resolve the boundary on the index bits too.
     q, k, w, topk, spec = _compaction_case(141)
-    vals, _ = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16))
+    vals, _ = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, search=search))
     assert (vals == 0).any(), "the case should have zero ties inside the selection"
 
 
@@ -549,7 +550,9 @@ def test_buffer_policy_does_not_change_bits(interpret):
     # block) changes registers, never arithmetic.
     for extra in (dict(low_water=1), dict(low_water=2), dict(cap=128, low_water=1), dict(cap=128, low_water=6),
                   dict(cap=128, low_water=1, sync_water=5), dict(reread_weights=False),
-                  dict(reread_weights="loop", low_water=1)):
+                  dict(reread_weights="loop", low_water=1),
+                  # the bracketing threshold search: other in-loop thresholds, the same keys
+                  dict(search="bracket"), dict(search="bracket", cap=128, low_water=1)):
         v, i = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, **extra))
         outs.append((v, i))
     assert_same_bits(outs)
@@ -642,10 +645,11 @@ def test_large_buffer_threshold_counts(interpret):
     spec = ScoreSpec(reduce="none", post=(("mask", 0),), masks=(MaskTerm(kind="add", operand=0),))
     table = (torch.arange(T, dtype=torch.float32) / 65536).view(1, 1, T)
     q, k = torch.zeros(1, 1, 1, 16), torch.zeros(1, T, 1, 16)
-    v, i = hytopk_triton(q, k, None, [table], topk, spec, return_values=True,
-                         config=HyTopKConfig(block_m=1, block_n=32, cap=32768))
-    assert i[0, 0].tolist() == list(range(T - 1, T - 1 - topk, -1))
-    assert torch.equal(v[0, 0], table[0, 0, T - topk:].flip(0))
+    for search in ("bits", "bracket"):
+        v, i = hytopk_triton(q, k, None, [table], topk, spec, return_values=True,
+                             config=HyTopKConfig(block_m=1, block_n=32, cap=32768, search=search))
+        assert i[0, 0].tolist() == list(range(T - 1, T - 1 - topk, -1))
+        assert torch.equal(v[0, 0], table[0, 0, T - topk:].flip(0))
 
 
 @pytest.mark.interpret
@@ -719,8 +723,8 @@ def _score_table_rows(g, T):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("cap", [64, 128])
-def test_threshold_search_on_special_scores(interpret, cap):
+@pytest.mark.parametrize("cap,search", [(64, "bits"), (128, "bits"), (64, "bracket"), (128, "bracket")])
+def test_threshold_search_on_special_scores(interpret, cap, search):
     # The scores are an additive table (one zero head), so each row's values are chosen
     # directly; k=20 over 300 keys in 16-key tiles compacts each row many times inside the
     # loop, exactly (cap=64: no room for slack) or with an early-exit lower bound (cap=128:
@@ -731,7 +735,7 @@ def test_threshold_search_on_special_scores(interpret, cap):
     S = table.shape[1]
     spec = ScoreSpec(reduce="none", post=(("mask", 0),), masks=(MaskTerm(kind="add", operand=0),))
     q, k = torch.zeros(1, S, 1, 16), torch.zeros(1, T, 1, 16)
-    run_exact(q, k, None, [table], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, cap=cap))
+    run_exact(q, k, None, [table], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, cap=cap, search=search))
 
 
 @pytest.mark.interpret
@@ -747,6 +751,8 @@ def test_buffer_config_errors(interpret):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(l2_prefetch=-1))
     with pytest.raises(SpecError, match="l2_prefetch=2.5"):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(l2_prefetch=2.5))
+    with pytest.raises(SpecError, match="search='radix'"):
+        hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(search="radix"))
 
 
 @pytest.mark.interpret
