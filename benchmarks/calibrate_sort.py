@@ -1,6 +1,7 @@
 """What sorting each row's k selected keys costs in a kernel of its own (one GPU).
 
     python benchmarks/calibrate_sort.py [--rows 32768,131072] [--k 2048]
+    python benchmarks/calibrate_sort.py --modes lib --warps 1,2,4   # tl.sort vs minmax network
 
 HyTopK sorts each row's k keys at the end of its row block, inside the fused kernel, where
 two programs of 255 registers share an SM and the sort's shuffles and barriers wait with
@@ -16,7 +17,10 @@ builds them ((order-kept fp32 score bits) << 32 | (2^32 - 1 - index)); per confi
            the sorted indices written over the unsorted ones
 * copy     the packed form's traffic without the sort (the memory floor of a second pass)
 * packed, n rows/program  (``--rows-per-program 2,4``) one ``tl.sort`` over [n, k]
-* lib      the library's kernel (``lowerings/triton_sort_rows``), split form
+* lib      the library's kernel (``lowerings/triton_sort_rows``), split form, once per
+           network in ``--networks`` (default both: "tl.sort", the default, and "minmax",
+           triton_keys._sort_desc_minmax), on the same rows: the A/B of the two networks
+           (``--modes lib`` times only these)
 * 32-bit network + gather only  the network on 32-bit keys ((shifted score) << log2(k) |
            position) and one gather by position: not exact (keys whose shifted scores are
            equal stay in position order), a bound on what a 32-bit network could save;
@@ -124,6 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows-per-program", default="1", help="also sort 2, 4, ... rows per program (packed form)")
     ap.add_argument("--data", default="tail,relu")
     ap.add_argument("--modes", default="packed,split,copy,lib", help="which forms to time")
+    ap.add_argument("--networks", default="tl.sort,minmax", help="lib: sort_rows_'s networks to time")
     args = ap.parse_args(argv)
     modes = set(args.modes.split(","))
     if not torch.cuda.is_available():
@@ -162,15 +167,15 @@ def main(argv=None) -> int:
             for nw in [int(x) for x in args.warps.split(",")]:
                 R = max(1, k_p2 // (128 * nw))
                 src = idx.clone()
-
-                def fn_lib():
-                    src.copy_(idx)  # in place: the timing includes this copy, as split's
-                    lib.sort_rows_(src, val, write_values=False, num_warps=nw)
-                    return src
-                ms, _, res, _ = bh.measure(fn_lib)
-                ok = "yes" if torch.equal(res, want) else "NO"
-                table.append((rows, data, "lib (triton_sort_rows)", nw, R, ms, ok))
-                bh.log(rows, data, "lib", nw, R, ms, ok)
+                for network in args.networks.split(","):
+                    def fn_lib():
+                        src.copy_(idx)  # in place: the timing includes this copy, as split's
+                        lib.sort_rows_(src, val, write_values=False, num_warps=nw, network=network)
+                        return src
+                    ms, _, res, _ = bh.measure(fn_lib)
+                    ok = "yes" if torch.equal(res, want) else "NO"
+                    table.append((rows, data, f"lib (triton_sort_rows, network={network})", nw, R, ms, ok))
+                    bh.log(rows, data, "lib", network, nw, R, ms, ok)
                 out = torch.empty_like(idx)
                 ms, _, _, _ = bh.measure(lambda: _trunc32_bare_kernel[(rows,)](
                     idx, val, out, k, k_p2, R, k_p2.bit_length() - 1, num_warps=nw))

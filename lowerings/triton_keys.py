@@ -57,3 +57,77 @@ def _sort_desc(keys, N: tl.constexpr, R: tl.constexpr):
     if R > 1:
         keys = tl.reshape(tl.trans(tl.reshape(keys, [R, N // R])), [N])
     return tl.sort(keys, descending=True)
+
+
+@triton.constexpr_function
+def _log2c(n):
+    return int(n).bit_length() - 1
+
+
+@triton.jit
+def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, REG_BITS: tl.constexpr):
+    # One compare-exchange step of the bitonic network (stage s, flat index bit j < s) done
+    # once per pair: the halves a (bit j = 0) and b (bit j = 1) split apart (register-only
+    # where bit j is a register bit), one 64-bit compare, the larger key to a and the
+    # smaller to b, or the reverse where bit s of the flat index is set (the stage's
+    # ascending blocks; in the last stage, s = log2(N), every block descends).
+    A: tl.constexpr = N >> (j + 1)
+    B: tl.constexpr = 1 << j
+    a, b = tl.split(tl.permute(tl.reshape(x, [A, 2, B]), [0, 2, 1]))
+    if s < _log2c(N):
+        up = ((tl.arange(0, A) >> (s - j - 1)) & 1)[:, None] != 0
+        c = (a > b) != up
+    else:
+        c = a > b
+    hi = tl.where(c, a, b)
+    if s < REG_BITS or s == _log2c(N):
+        # the direction known at compile time: LLVM would make the two selects max.s64 and
+        # min.s64, which ptxas compares twice; the xor keeps the one compare
+        lo = a ^ b ^ hi
+    else:
+        # the direction a lane/warp bit: ptxas folds it into the compare (ISETP.XOR), and
+        # the second select needs fewer registers than the xor (1 warp: 165 against 255)
+        lo = tl.where(c, b, a)
+    return tl.reshape(tl.permute(tl.join(hi, lo), [0, 2, 1]), [N])
+
+
+@triton.jit
+def _cx_xor(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr):
+    # The same step per element, as triton's _compare_and_swap: each element's partner
+    # (flat index xor 2^j) is the pair's xor-sum (shuffles where bit j is a lane bit,
+    # shared memory where it is a warp bit), and each element keeps the larger or the
+    # smaller of the two.
+    A: tl.constexpr = N >> (j + 1)
+    B: tl.constexpr = 1 << j
+    h = tl.reshape(x, [A, 2, B])
+    y = h ^ tl.xor_sum(h, 1, keep_dims=True)
+    right = (tl.arange(0, 2) != 0)[None, :, None]
+    if s < _log2c(N):
+        up = ((tl.arange(0, A) >> (s - j - 1)) & 1)[:, None, None] != 0
+        take = (h > y) == (up != right)
+    else:
+        take = (h > y) == right
+    return tl.reshape(tl.where(take, y, h), [N])
+
+
+@triton.jit
+def _sort_desc_minmax(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.constexpr, SKIP: tl.constexpr = -1):
+    # keys [N] (N = 2^n) in descending order by the same bitonic network as tl.sort (stage s
+    # = 1..n merges blocks of 2^s, one step per flat bit j = s-1..0, each block of the stage
+    # descending where bit s of the flat index is 0; the last stage all descending), after
+    # _sort_desc's relabelling (R) that makes the low flat bits register bits. Steps on the
+    # low REG_BITS bits are done once per pair (_cx_reg: one 64-bit compare, the pair's max
+    # and min); steps on higher bits, whose pairs lie in two lanes or warps, per element
+    # (_cx_xor). REG_BITS changes the cost, never the order. SKIP (tests only): the index of
+    # one step left out, to show that the tests notice a missing step.
+    if R > 1:
+        keys = tl.reshape(tl.trans(tl.reshape(keys, [R, N // R])), [N])
+    LOG_N: tl.constexpr = _log2c(N)
+    for s in tl.static_range(1, LOG_N + 1):
+        for i in tl.static_range(s):
+            if (s * (s - 1)) // 2 + i != SKIP:
+                if s - 1 - i < REG_BITS:
+                    keys = _cx_reg(keys, N, s - 1 - i, s, REG_BITS)
+                else:
+                    keys = _cx_xor(keys, N, s - 1 - i, s)
+    return keys
