@@ -18,8 +18,8 @@ builds them ((order-kept fp32 score bits) << 32 | (2^32 - 1 - index)); per confi
 * copy     the packed form's traffic without the sort (the memory floor of a second pass)
 * packed, n rows/program  (``--rows-per-program 2,4``) one ``tl.sort`` over [n, k]
 * lib      the library's kernel (``lowerings/triton_sort_rows``), split form, once per
-           network in ``--networks`` (default both: "tl.sort", the default, and "minmax",
-           triton_keys._sort_desc_minmax), on the same rows: the A/B of the two networks
+           network in ``--networks`` (default both: "tl.sort" and "minmax", the library's
+           default, triton_keys._sort_desc_minmax), on the same rows: the A/B of the two networks
            (``--modes lib`` times only these)
 * 32-bit network + gather only  the network on 32-bit keys ((shifted score) << log2(k) |
            position) and one gather by position: not exact (keys whose shifted scores are

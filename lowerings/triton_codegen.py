@@ -468,7 +468,7 @@ import triton.language as tl
 # Ordered int64 keys (score bits above, 0xFFFFFFFF - key index below): one descending
 # sort gives (value desc, index asc). Shared with the rows' sort kernel.
 from hyscale_compile.lowerings.triton_keys import (  # noqa: F401
-    EMPTY, FULL, NEG_INF_HI, _pack, _score_bits, _sort_desc, _unpack_index, _unpack_value)
+    EMPTY, FULL, NEG_INF_HI, _pack, _score_bits, _sort_desc_by, _unpack_index, _unpack_value)
 
 
 @triton.jit
@@ -681,65 +681,7 @@ def _highest_bit(x):
 
 
 @triton.jit
-def _u_value(u):
-    # score bits (uint32 scalar, _score_bits' order) -> the fp32 score they encode
-    hi = (u ^ 2147483648).to(tl.int32, bitcast=True)
-    return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _value_u(y):
-    # fp32 scalar -> its score bits as int64 (the inverse of _u_value; -0.0 stays below +0.0,
-    # which only a guess ever sees)
-    b = y.to(tl.int32, bitcast=True)
-    b = b ^ ((b >> 31) & 0x7FFFFFFF)
-    return (b ^ -2147483648).to(tl.uint32, bitcast=True).to(tl.int64)
-
-
-@triton.jit
-def _bracket_search(u, umin, umax, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
-    # The largest-count-first search of _kth_largest by bracketing instead of by bits:
-    # [lo, hi) holds the answer, #{u >= lo} = n_lo >= TOPK > n_hi = #{u >= hi}. Each pass
-    # counts the keys above a guess c in (lo, hi): the score value that a line through
-    # (value(lo), n_lo) and (value(hi - 1), n_hi) puts at the middle of the wanted counts
-    # [TOPK, TOPK + SLACK] (regula falsi in value space, Illinois-weighted: a side that
-    # stays put twice has its count's weight halved), or the midpoint of [lo, hi) in bits
-    # after two passes that did not halve the bracket, so it ends within 2 x 33 passes
-    # whatever the scores. On iid DSA scores (a CPU simulation of the buffer) ~3.8 passes
-    # per compaction inside the loop instead of ~10, ~9 for the exact final one instead of
-    # ~17 (docs/kernel-design.md, v19). Returns (lo, n_lo, passes).
-    lo = umin.to(tl.int64)
-    hi = umax.to(tl.int64) + 1
-    n_lo = n
-    t = TOPK + SLACK * 0.5 + 0.5                         # the counts aimed at
-    f_lo = n_lo.to(tl.float32) - t                       # > 0
-    f_hi = tl.zeros([], dtype=tl.float32) - t            # n_hi = 0: < 0
-    side = tl.zeros([], dtype=tl.int32)                  # 1: lo moved last, 2: hi did
-    slow = tl.zeros([], dtype=tl.int32)                  # passes in a row that did not halve [lo, hi)
-    passes = tl.zeros([], dtype=tl.int32)
-    while (n_lo > TOPK + SLACK) & (hi - lo > 1):
-        passes += 1
-        w = hi - lo
-        v_lo = _u_value(lo.to(tl.uint32))
-        v_hi = _u_value((hi - 1).to(tl.uint32))
-        v = v_lo + (f_lo / (f_lo - f_hi)) * (v_hi - v_lo)
-        c = tl.where((slow >= 2) | (v != v) | (tl.abs(v) == float("inf")), lo + w // 2, _value_u(v))
-        c = tl.minimum(tl.maximum(c, lo + 1), hi - 1)
-        n_c = tl.sum((u >= c.to(tl.uint32)).to(tl.int32), axis=0)  # c >= 1: invalid keys (u = 0) never count
-        up = n_c >= TOPK
-        f_c = n_c.to(tl.float32) - t
-        f_hi = tl.where(up & (side == 1), f_hi * 0.5, tl.where(up, f_hi, f_c))
-        f_lo = tl.where(up, f_c, tl.where(side == 2, f_lo * 0.5, f_lo))
-        lo = tl.where(up, c, lo)
-        n_lo = tl.where(up, n_c, n_lo)
-        hi = tl.where(up, hi, c)
-        side = tl.where(up, 1, 2)
-        slow = tl.where((hi - lo) * 2 > w, slow + 1, 0)
-    return lo.to(tl.uint32), n_lo, passes
-
-
-@triton.jit
-def _kth_largest(keys, u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr, BRACKET: tl.constexpr = False):
+def _kth_largest(keys, u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
     # A key kth with TOPK <= #{valid keys >= kth} <= TOPK + SLACK (the valid keys are
     # distinct; n > TOPK of them; u: their score bits, _score_bits, 0 where not valid).
     # Returns (kth, that count, the number of one-bit passes: profiling).
@@ -755,33 +697,28 @@ def _kth_largest(keys, u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr, BRA
     # the bits above (the sign, most of the exponent) are common to every key. One bit per
     # pass, one compare and one count per key: v7's two bits per pass took three compares
     # and two counts, from bit 31; v8's first try, 4-bit histograms packed into eight sums,
-    # spilled and measured slower (docs/kernel-design.md, v8). BRACKET: _bracket_search's
-    # guesses instead of bits (v19); the same answer when SLACK = 0, and within the same
-    # bounds when SLACK > 0.
+    # spilled and measured slower (docs/kernel-design.md, v8). (v19's bracketing search,
+    # value-space regula falsi, took 2.4x fewer passes but was no faster timed: kernel-design.)
     umin, umax = _min_max(tl.where(valid, u, tl.full([], 4294967295, tl.uint32)), u)
-    if BRACKET:
-        prefix, n_ge, passes = _bracket_search(u, umin, umax, n, TOPK, SLACK)
-    else:
-        # bit: the highest bit where umin and umax differ (0 when every key has the same score)
-        hbu = _highest_bit(umin ^ umax).to(tl.uint32)
-        bit = tl.where(umin == umax, 0, tl.full([], 1, tl.uint32) << hbu)
-        # the bits above it, common to every key; every valid key is >= this prefix
-        prefix = tl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
-        n_ge = n                                              # #{u >= prefix}
-        passes = tl.zeros([], dtype=tl.int32)
-        while (bit > 0) & (n_ge > TOPK + SLACK):
-            passes += 1
-            c = prefix | bit
-            n_c = tl.sum((u >= c).to(tl.int32), axis=0)      # c >= 1: invalid keys (u = 0) never count
-            prefix = tl.where(n_c >= TOPK, c, prefix)
-            n_ge = tl.where(n_c >= TOPK, n_c, n_ge)
-            bit = bit >> 1
+    # bit: the highest bit where umin and umax differ (0 when every key has the same score)
+    hbu = _highest_bit(umin ^ umax).to(tl.uint32)
+    bit = tl.where(umin == umax, 0, tl.full([], 1, tl.uint32) << hbu)
+    # the bits above it, common to every key; every valid key is >= this prefix
+    prefix = tl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
+    n_ge = n                                              # #{u >= prefix}
+    passes = tl.zeros([], dtype=tl.int32)
+    while (bit > 0) & (n_ge > TOPK + SLACK):
+        passes += 1
+        c = prefix | bit
+        n_c = tl.sum((u >= c).to(tl.int32), axis=0)      # c >= 1: invalid keys (u = 0) never count
+        prefix = tl.where(n_c >= TOPK, c, prefix)
+        n_ge = tl.where(n_c >= TOPK, n_c, n_ge)
+        bit = bit >> 1
     # the smallest key whose score bits are >= prefix (keeps exactly those n_ge keys): the
     # answer when SLACK allows it
     kth = (prefix ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64) << 32
     if n_ge > TOPK + SLACK:
-        # the boundary score is resolved (one score: all bits, or hi = lo + 1) and more
-        # keys share it than may be kept
+        # all 32 bits resolved and more keys share the boundary score than may be kept
         eq = valid & (u == prefix)
         n_eq = tl.sum(tl.where(eq, 1, 0), axis=0)
         need = TOPK - (n_ge - n_eq)                      # 1 <= need <= n_eq
@@ -802,7 +739,7 @@ def _kth_largest(keys, u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr, BRA
 
 @triton.jit
 def _compact_row(row_ptr, valid, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.constexpr,
-                 BRACKET: tl.constexpr, prof_ptr=None, PROFILE: tl.constexpr = False):
+                 prof_ptr=None, PROFILE: tl.constexpr = False):
     # The best m of the n valid keys among row_ptr[0:CAP], moved to row_ptr[0:m] in no
     # particular order: m = n when n <= TOPK, else TOPK <= m <= TOPK + SLACK (m = TOPK when
     # SLACK = 0). Returns (m, the smallest key kept, or EMPTY when n <= TOPK). No sort: a
@@ -822,7 +759,7 @@ def _compact_row(row_ptr, valid, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK
         c1 = _clock_after(tl.max(keys, axis=0))
     if n > TOPK:
         u = tl.where(valid, _score_bits(keys), 0)
-        kth, m, passes = _kth_largest(keys, u, valid, n, TOPK, SLACK, BRACKET)
+        kth, m, passes = _kth_largest(keys, u, valid, n, TOPK, SLACK)
     if PROFILE:
         c2 = _clock_after(kth)
     keep = valid & (keys >= kth)                    # real keys are > EMPTY
@@ -847,7 +784,7 @@ def _compact_row(row_ptr, valid, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK
 
 @triton.jit
 def _compact_lanes(row_ptr, lane_cnt_ptr, TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SLACK: tl.constexpr, BRACKET: tl.constexpr, prof_ptr, PROFILE: tl.constexpr):
+                   SLACK: tl.constexpr, prof_ptr, PROFILE: tl.constexpr):
     # _compact_row over a row held as lane sub-buffers. (PROFILE: prof_ptr[5] += cycles until
     # the row's key count is known)
     if PROFILE:
@@ -856,8 +793,7 @@ def _compact_lanes(row_ptr, lane_cnt_ptr, TOPK: tl.constexpr, CAP: tl.constexpr,
     if PROFILE:
         c1 = _clock_after(n.to(tl.int64))
         tl.store(prof_ptr + 5, tl.load(prof_ptr + 5) + (c1 - c0))
-    return _compact_row(row_ptr, _lane_valid(lane_cnt_ptr, CAP, BLOCK_N), n, TOPK, CAP, SLACK, BRACKET, prof_ptr,
-                        PROFILE)
+    return _compact_row(row_ptr, _lane_valid(lane_cnt_ptr, CAP, BLOCK_N), n, TOPK, CAP, SLACK, prof_ptr, PROFILE)
 
 
 @triton.jit
@@ -877,7 +813,7 @@ def _lane_counts(n, offs_n, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
-                 TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr, BRACKET: tl.constexpr):
+                 TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr):
     # p [BLOCK_N, BLOCK_M]: packed keys of one tile. Keys above a row's threshold are
     # appended, compacted, to that row's candidate buffer; a row whose buffer could
     # overflow is first compacted to its TOPK best (raising its threshold).
@@ -889,7 +825,7 @@ def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
             c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
             nr = tl.sum(tl.where(offs_m == r, n_take, 0), axis=0)
             if c + nr > CAP:
-                _, kth = _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, c, TOPK, CAP, 0, BRACKET)
+                _, kth = _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, c, TOPK, CAP, 0)
                 cnt = tl.where(offs_m == r, TOPK, cnt)
                 thr = tl.where(offs_m == r, kth, thr)
         tl.debug_barrier()
@@ -915,13 +851,13 @@ def _write_keys(OUT_IDX, OUT_VAL, out, keys, keep, RETURN_VALUES: tl.constexpr):
 @triton.jit
 def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
               CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr, SORT_R: tl.constexpr,
-              UNSORTED: tl.constexpr, BRACKET: tl.constexpr):
+              UNSORTED: tl.constexpr, SORT_NET: tl.constexpr):
     # Write the TOPK best of the n (>= TOPK) keys in row_ptr[0:n], in (value desc, index
     # asc) order: compact to TOPK keys, then sort only those. UNSORTED (topk's
     # sorted=False): in the buffer's order instead, which the compactions fix (the same
     # for every run of the same launch), without the sort.
     if n > TOPK:
-        _compact_row(row_ptr, tl.arange(0, CAP) < n, n, TOPK, CAP, 0, BRACKET)
+        _compact_row(row_ptr, tl.arange(0, CAP) < n, n, TOPK, CAP, 0)
         tl.debug_barrier()
     offs = tl.arange(0, TOPK_P2)
     keys = tl.load(row_ptr + offs, mask=offs < TOPK, other=EMPTY)
@@ -932,7 +868,7 @@ def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2
         pos = _rank_desc(keys)
         best = keys
     else:
-        best = _sort_desc(keys, TOPK_P2, SORT_R)  # bitonic
+        best = _sort_desc_by(keys, TOPK_P2, SORT_R, SORT_NET)  # bitonic
         pos = tl.arange(0, TOPK_P2)
     _write_keys(OUT_IDX, OUT_VAL, out_off + pos, best, pos < TOPK, RETURN_VALUES)
 
@@ -956,7 +892,7 @@ def {{KERNEL_NAME}}(
     IDX32: tl.constexpr, SORT_ROWS: tl.constexpr, SORT_R: tl.constexpr,
     UNSORTED: tl.constexpr,
     W_AT: tl.constexpr, PROFILE: tl.constexpr, USE_TMA: tl.constexpr, L2_PREFETCH: tl.constexpr,
-    PF_LINES: tl.constexpr, BRACKET: tl.constexpr,
+    PF_LINES: tl.constexpr, SORT_NET: tl.constexpr,
 ):
     # Persistent programs take row blocks from an atomic counter, heaviest first (the last
     # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
@@ -1107,7 +1043,7 @@ def {{KERNEL_NAME}}(
                             # (with n <= TOPK keys this only repacks the row; LOW_WATER <=
                             # SUBCAP - ceil((TOPK + SLACK) / BLOCK_N) leaves room after it)
                             nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, SLACK,
-                                                     BRACKET, PROF + pid * 32 + 16, PROFILE)
+                                                     PROF + pid * 32 + 16, PROFILE)
                             kept = tl.where(offs_m == r, nk, kept)
                             thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
                             if PROFILE:
@@ -1126,7 +1062,7 @@ def {{KERNEL_NAME}}(
             cnt1 = tl.zeros([BLOCK_M], dtype=tl.int32)
             for r in range(BLOCK_M):
                 nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, 0,
-                                         BRACKET, PROF + pid * 32 + 24, PROFILE)
+                                         PROF + pid * 32 + 24, PROFILE)
                 cnt1 = tl.where(offs_m == r, nk, cnt1)
                 thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
             tl.debug_barrier()
@@ -1144,7 +1080,7 @@ def {{KERNEL_NAME}}(
                     key_ok = keys64 < t_end
                     p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) - float("inf"), keys64[:, None])
                     cnt1, thr = _select_tile(p, key_ok, row_ok, cnt1, thr, scr, scr_cols, offs_m, TOPK, CAP,
-                                             BLOCK_M, BRACKET)
+                                             BLOCK_M)
             # 3. per row: compact to the TOPK best, sort those, write them
             tl.debug_barrier()
             if PROFILE:
@@ -1156,12 +1092,12 @@ def {{KERNEL_NAME}}(
                     if s < S:
                         c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
                         _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
-                                  TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, SORT_R, UNSORTED, BRACKET)
+                                  TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, SORT_R, UNSORTED, SORT_NET)
             else:
                 for r in range(BLOCK_M):
                     c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
                     if c > TOPK:  # fillers were appended
-                        _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, c, TOPK, CAP, 0, BRACKET)
+                        _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, c, TOPK, CAP, 0)
                 tl.debug_barrier()
                 # SORT_ROWS rows per bitonic sort: the same network steps, with more
                 # independent work per step and fewer barriers per row

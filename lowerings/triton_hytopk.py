@@ -16,7 +16,7 @@ import torch
 from .reference import check_operands, index_dtype
 from .spec import ScoreSpec, SpecError, dtype_of
 from .triton_codegen import _interpreting, check_interpreter_mode, load_kernel, weight_scale
-from .triton_sort_rows import sort_rows_
+from .triton_sort_rows import NETWORKS as SORT_NETWORKS, sort_rows_
 
 # sort="after": at most this many bytes of fp32 values held for the sort kernel at a time
 # (the issue's workspace bound is 1 GiB beside the outputs)
@@ -96,12 +96,11 @@ class HyTopKConfig:
     # dim, and a power-of-two number of lines per tile; elsewhere off. A hint: never changes
     # the result, never faults.
     l2_prefetch: Optional[int] = None
-    # How a compaction finds its threshold (the k-th largest key, or a lower bound within
-    # the in-loop slack): "bits" (one bit of the score per counting pass, from the highest
-    # bit where the row's scores differ) or "bracket" (each pass counts the keys above a
-    # guess interpolated in value space, with a bisection guard; fewer passes on real score
-    # distributions, v19). None: the measured default. Never changes the selected set.
-    search: Optional[str] = None
+    # The bitonic network of the final sort (inside the fused kernel, or triton_sort_rows'
+    # for "after"): "minmax" (its in-register steps once per pair: 8.84 -> 6.82 ms for the
+    # rows' sort at 128K, v20) or "tl.sort" (Triton's, per element at every step). The
+    # same order either way. None: "minmax".
+    sort_network: Optional[str] = None
 
 
 def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True, D: int = 128,
@@ -304,9 +303,9 @@ def hytopk_triton(
     # kernel-design v17)
     after_ok = after_rows > 0 and triton_cdiv(S, after_rows) <= 2 and _next_pow2(topk) >= 2048
     sort = cfg.sort or ("rank" if interpret else "after" if after_ok else "bitonic")
-    search = cfg.search or "bits"
-    if search not in ("bits", "bracket"):
-        raise SpecError(f"config.search={cfg.search!r}; expected 'bits' or 'bracket'")
+    sort_network = cfg.sort_network or "minmax"
+    if sort_network not in SORT_NETWORKS:
+        raise SpecError(f"config.sort_network={cfg.sort_network!r}; expected one of {list(SORT_NETWORKS)}")
     if sort not in ("rank", "bitonic", "none", "after"):
         raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank', 'bitonic', 'none' or 'after'")
     if not sorted:
@@ -421,7 +420,7 @@ def hytopk_triton(
         # threads, so SORT_R = TOPK_P2 / (4 * threads) is the number of register repeats
         SORT_R=max(1, topk_p2 // (128 * (1 if interpret else cfg.num_warps))),
         UNSORTED=sort in ("none", "after"),
-        BRACKET=search == "bracket",
+        SORT_NET=SORT_NETWORKS[sort_network],
     )
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -464,7 +463,7 @@ def hytopk_triton(
             else:
                 _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
             if sort == "after":
-                sort_rows_(idx_t, vals_t, write_values=return_values)
+                sort_rows_(idx_t, vals_t, write_values=return_values, network=sort_network)
                 if return_values and vals32 is not val_out:
                     val_out[:, r0:r1].copy_(vals_t)
     if sort == "after":

@@ -131,3 +131,21 @@ def _sort_desc_minmax(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.const
                 else:
                     keys = _cx_xor(keys, N, s - 1 - i, s)
     return keys
+
+
+@triton.constexpr_function
+def _reg_bits(n, r):
+    # the low flat-index bits that are register bits after _sort_desc's relabelling: keys
+    # arrive 4 per vector (the 32-bit stores' layout), R repeats per thread (fewer when the
+    # row is short)
+    return min(int(n), 4 * int(r)).bit_length() - 1
+
+
+@triton.jit
+def _sort_desc_by(keys, N: tl.constexpr, R: tl.constexpr, NETWORK: tl.constexpr):
+    # keys [N] descending by NETWORK: 0 tl.sort's bitonic network (_sort_desc), 1 the same
+    # network with its in-register steps once per pair (_sort_desc_minmax). Same order.
+    if NETWORK == 1:
+        return _sort_desc_minmax(keys, N, R, _reg_bits(N, R))
+    else:
+        return _sort_desc(keys, N, R)

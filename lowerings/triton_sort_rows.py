@@ -18,12 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_keys import EMPTY, _pack, _sort_desc, _sort_desc_minmax, _unpack_index, _unpack_value
+from .triton_keys import EMPTY, _pack, _sort_desc_by, _unpack_index, _unpack_value
 
 
 @triton.jit
 def _sort_rows_kernel(IDX, VAL, K: tl.constexpr, K_P2: tl.constexpr, R: tl.constexpr, WRITE_VALUES: tl.constexpr,
-                      NETWORK: tl.constexpr = 0, REG_BITS: tl.constexpr = 0):
+                      NETWORK: tl.constexpr):
     # One row of K (index, value) pairs as the fused kernel's keys (triton_keys), sorted
     # descending: (value desc, index asc), NaN above +inf, -0.0 tied with +0.0.
     row = tl.program_id(0).to(tl.int64)
@@ -32,10 +32,7 @@ def _sort_rows_kernel(IDX, VAL, K: tl.constexpr, K_P2: tl.constexpr, R: tl.const
     idx = tl.load(IDX + row * K + offs, mask=ok, other=0)
     y = tl.load(VAL + row * K + offs, mask=ok, other=0.0)
     keys = tl.where(ok, _pack(y, idx), EMPTY)
-    if NETWORK == 1:
-        keys = _sort_desc_minmax(keys, K_P2, R, REG_BITS)
-    else:
-        keys = _sort_desc(keys, K_P2, R)
+    keys = _sort_desc_by(keys, K_P2, R, NETWORK)
     tl.store(IDX + row * K + offs, _unpack_index(keys).to(IDX.dtype.element_ty), mask=ok)
     if WRITE_VALUES:
         tl.store(VAL + row * K + offs, _unpack_value(keys), mask=ok)
@@ -45,7 +42,7 @@ NETWORKS = {"tl.sort": 0, "minmax": 1}
 
 
 def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True, *,
-               num_warps: Optional[int] = None, network: str = "tl.sort") -> None:
+               num_warps: Optional[int] = None, network: str = "minmax") -> None:
     """Sort each row (last dim) of ``idx`` (int32/int64, entries in [0, 2^32)) and its fp32
     ``vals`` in place by (value desc, index asc); -0.0 ties +0.0 and NaN sorts first.
     ``write_values=False`` leaves ``vals`` unsorted (a workspace). Both contiguous, one
@@ -76,12 +73,9 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     elif not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"sort_rows_: num_warps={num_warps!r}; expected a power of two >= 1")
     R = max(1, k_p2 // (128 * num_warps))
-    # keys per thread: 4 per vector times R repeats (fewer when the row is short), the
-    # network's low flat bits after _sort_desc's relabelling
-    reg_bits = min(k_p2, 4 * R).bit_length() - 1
     launch = {} if interpret else dict(num_warps=num_warps)
     with torch.cuda.device(idx.device) if idx.device.type == "cuda" else contextlib.nullcontext():
-        _sort_rows_kernel[(rows,)](idx, vals, k, k_p2, R, write_values, NETWORKS[network], reg_bits, **launch)
+        _sort_rows_kernel[(rows,)](idx, vals, k, k_p2, R, write_values, NETWORKS[network], **launch)
 
 
 def sort_rows_reference(idx: torch.Tensor, vals: torch.Tensor):

@@ -448,8 +448,11 @@ def test_bitonic_sort_with_register_bits_low(interpret):
     g = _gen(181)
     B, S, T, H, D, topk = 1, 3, 700, 2, 16, 300
     q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32, lo=-2, hi=3, w_hi=2)
+    # both networks of the bitonic sort (sort_network: "minmax", the default, pairs its
+    # in-register steps; "tl.sort" is Triton's)
     outs = [run_exact(q, k, w, [], topk, ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum"),
-                      config=HyTopKConfig(block_m=4, block_n=32, sort=sort)) for sort in ("rank", "bitonic")]
+                      config=HyTopKConfig(block_m=4, block_n=32, sort=sort, sort_network=net))
+            for sort, net in (("rank", None), ("bitonic", None), ("bitonic", "tl.sort"))]
     assert_same_bits(outs)
     assert (outs[0][0][0, :, 1:] == outs[0][0][0, :, :-1]).any(), "the case should have ties"
 
@@ -501,6 +504,9 @@ def test_sort_after_same_bits(interpret, monkeypatch):
             monkeypatch.setattr(triton_hytopk, "_AFTER_BUDGET", budget)
             got = hytopk_triton(q, k, w, [hi], topk, spec, return_values=True, config=after)
             assert_same_bits([want, got])
+            got = hytopk_triton(q, k, w, [hi], topk, spec, return_values=True,
+                                config=dataclasses.replace(after, sort_network="tl.sort"))
+            assert_same_bits([want, got])
             if score_dtype == "float32":  # indices only: the values live in the workspace
                 assert torch.equal(hytopk_triton(q, k, w, [hi], topk, spec, config=after), want[1]), budget
     # several batches over the budget: the fused sort instead (same answer; 5 rows, so that
@@ -525,13 +531,12 @@ def _compaction_case(seed):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("search", ["bits", "bracket"])
-def test_compaction_with_boundary_ties(interpret, search):
+def test_compaction_with_boundary_ties(interpret):
     # Buffers much smaller than T (k=20, 16-key tiles: CAP=64), so rows are compacted many
     # times inside the scored-tile loop; exact-zero ReLU ties at the k-th score make the
     # threshold search resolve the boundary on the index bits too.
     q, k, w, topk, spec = _compaction_case(141)
-    vals, _ = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, search=search))
+    vals, _ = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16))
     assert (vals == 0).any(), "the case should have zero ties inside the selection"
 
 
@@ -550,9 +555,7 @@ def test_buffer_policy_does_not_change_bits(interpret):
     # block) changes registers, never arithmetic.
     for extra in (dict(low_water=1), dict(low_water=2), dict(cap=128, low_water=1), dict(cap=128, low_water=6),
                   dict(cap=128, low_water=1, sync_water=5), dict(reread_weights=False),
-                  dict(reread_weights="loop", low_water=1),
-                  # the bracketing threshold search: other in-loop thresholds, the same keys
-                  dict(search="bracket"), dict(search="bracket", cap=128, low_water=1)):
+                  dict(reread_weights="loop", low_water=1)):
         v, i = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, **extra))
         outs.append((v, i))
     assert_same_bits(outs)
@@ -645,11 +648,10 @@ def test_large_buffer_threshold_counts(interpret):
     spec = ScoreSpec(reduce="none", post=(("mask", 0),), masks=(MaskTerm(kind="add", operand=0),))
     table = (torch.arange(T, dtype=torch.float32) / 65536).view(1, 1, T)
     q, k = torch.zeros(1, 1, 1, 16), torch.zeros(1, T, 1, 16)
-    for search in ("bits", "bracket"):
-        v, i = hytopk_triton(q, k, None, [table], topk, spec, return_values=True,
-                             config=HyTopKConfig(block_m=1, block_n=32, cap=32768, search=search))
-        assert i[0, 0].tolist() == list(range(T - 1, T - 1 - topk, -1))
-        assert torch.equal(v[0, 0], table[0, 0, T - topk:].flip(0))
+    v, i = hytopk_triton(q, k, None, [table], topk, spec, return_values=True,
+                         config=HyTopKConfig(block_m=1, block_n=32, cap=32768))
+    assert i[0, 0].tolist() == list(range(T - 1, T - 1 - topk, -1))
+    assert torch.equal(v[0, 0], table[0, 0, T - topk:].flip(0))
 
 
 @pytest.mark.interpret
@@ -723,8 +725,8 @@ def _score_table_rows(g, T):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("cap,search", [(64, "bits"), (128, "bits"), (64, "bracket"), (128, "bracket")])
-def test_threshold_search_on_special_scores(interpret, cap, search):
+@pytest.mark.parametrize("cap", [64, 128])
+def test_threshold_search_on_special_scores(interpret, cap):
     # The scores are an additive table (one zero head), so each row's values are chosen
     # directly; k=20 over 300 keys in 16-key tiles compacts each row many times inside the
     # loop, exactly (cap=64: no room for slack) or with an early-exit lower bound (cap=128:
@@ -735,7 +737,7 @@ def test_threshold_search_on_special_scores(interpret, cap, search):
     S = table.shape[1]
     spec = ScoreSpec(reduce="none", post=(("mask", 0),), masks=(MaskTerm(kind="add", operand=0),))
     q, k = torch.zeros(1, S, 1, 16), torch.zeros(1, T, 1, 16)
-    run_exact(q, k, None, [table], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, cap=cap, search=search))
+    run_exact(q, k, None, [table], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, cap=cap))
 
 
 @pytest.mark.interpret
@@ -751,8 +753,8 @@ def test_buffer_config_errors(interpret):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(l2_prefetch=-1))
     with pytest.raises(SpecError, match="l2_prefetch=2.5"):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(l2_prefetch=2.5))
-    with pytest.raises(SpecError, match="search='radix'"):
-        hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(search="radix"))
+    with pytest.raises(SpecError, match="sort_network='odd-even'"):
+        hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(sort_network="odd-even"))
 
 
 @pytest.mark.interpret
