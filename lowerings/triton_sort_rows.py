@@ -66,8 +66,9 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
         return
     k_p2 = triton.next_power_of_2(k)
     interpret = idx.device.type != "cuda"
-    # 2 warps, the network's low 3 bits in registers: 8.5 ms for 131,072 rows of 2,048
-    # against 11.4 with 4 warps and 10.7 with 1 (H200; benchmarks/calibrate_sort.py)
+    # 2 warps (the network's low 5 bits in registers): 6.82 ms for 131,072 rows of 2,048
+    # with the minmax network against 9.83 with 4 warps and 7.93 with 1 (H200;
+    # benchmarks/calibrate_sort.py --modes lib)
     if num_warps is None:
         num_warps = 1 if interpret or k_p2 < 256 else 2
     elif not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):
