@@ -18,7 +18,12 @@ one exchange across the 4 warps.
 Both kernels compact ``rows-per-program`` buffers per program, in place, one after the
 other (no scoring around them), with 264 programs (two per SM, as the fused kernel) and
 132 (one per SM). The Triton kernel calls the fused kernel's own ``_compact_row`` (the
-generated module's). Rows: distinct scores (a kept top-k tail: |N(0,1)| + 1.5) with random
+generated module's). Also (``--rows-together``) the same algorithm over R rows at once, so
+that each search pass counts R rows in one reduction (``2r``: only the score bits live
+through the search, each row's keys read again for its store, which avoids spills).
+Caveats: at the default 16 rows per program the buffers (138 MB at 264 programs) exceed
+the L2, so part of each load comes from HBM, unlike the fused kernel's 35 MB of scratch;
+at 4 rows per program (35 MB) one launch's fixed cost dominates the 4 compactions. Rows: distinct scores (a kept top-k tail: |N(0,1)| + 1.5) with random
 key indices. Each compacted row is checked: the kept count m in [k, k + slack], and the
 front m keys are the row's m best. Prints a table last: ms per call, kcycles per
 compaction per program (time x 1,980 MHz / compactions per program).
@@ -61,6 +66,74 @@ def _triton_harness(WORK, M, n, NB: tl.constexpr, TOPK_: tl.constexpr, CAP_: tl.
         row = WORK + (pid * NB + i).to(tl.int64) * CAP_
         m, _ = compact_row(row, tl.arange(0, CAP_) < n, n, TOPK_, CAP_, SLACK_)
         tl.store(M + pid * NB + i, m)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _mm_combine(lo0, hi0, lo1, hi1):
+    return tl.minimum(lo0, lo1), tl.maximum(hi0, hi1)
+
+
+@triton.jit
+def _compact_rows(rows_ptr, n, R: tl.constexpr, TOPK_: tl.constexpr, CAP_: tl.constexpr, SLACK_: tl.constexpr,
+                  RELOAD: tl.constexpr):
+    # _compact_row's algorithm for R rows at once ([R, CAP]): each pass counts every row's
+    # keys above its own candidate in one reduction, so R rows share each pass's latency
+    # (distinct scores assumed: no tie tail). Returns the kept counts [R].
+    offs = tl.arange(0, CAP_)
+    rr = tl.arange(0, R)
+    valid = (offs < n)[None, :] & (rr >= 0)[:, None]
+    ptrs = rows_ptr + rr.to(tl.int64)[:, None] * CAP_ + offs[None, :]
+    keys = tl.load(ptrs, mask=valid, other=EMPTY)
+    u = tl.where(valid, ((keys >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True), 0)
+    umin, umax = tl.reduce((tl.where(valid, u, 4294967295), u), 1, _mm_combine)
+    x = umin ^ umax
+    hb = tl.zeros([R], dtype=tl.int32)
+    for i in tl.static_range(5):
+        big = x >= (1 << (16 >> i))
+        x = tl.where(big, x >> (16 >> i), x)
+        hb += tl.where(big, 16 >> i, 0)
+    hbu = hb.to(tl.uint32)
+    bit = tl.where(umin == umax, 0, tl.full([R], 1, tl.uint32) << hbu)
+    prefix = tl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
+    n_ge = tl.zeros([R], dtype=tl.int32) + n
+    active = (bit > 0) & (n_ge > TOPK_ + SLACK_)
+    while tl.max(active.to(tl.int32), axis=0) > 0:
+        c = prefix | bit
+        n_c = tl.sum((u >= c[:, None]).to(tl.int32), axis=1)
+        up = active & (n_c >= TOPK_)
+        prefix = tl.where(up, c, prefix)
+        n_ge = tl.where(up, n_c, n_ge)
+        bit = tl.where(active, bit >> 1, bit)
+        active = (bit > 0) & (n_ge > TOPK_ + SLACK_)
+    kth = (prefix ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64) << 32
+    if RELOAD:
+        # only the score bits live through the search; each row's keys are read again for
+        # its store, one row at a time (volatile: not merged with the first load)
+        tl.debug_barrier()
+        for r in tl.static_range(R):
+            kr = tl.load(rows_ptr + r * CAP_ + offs, mask=offs < n, other=EMPTY, volatile=True)
+            keep1 = (offs < n) & (kr >= tl.sum(tl.where(rr == r, kth, 0), axis=0))
+            k1 = keep1.to(tl.int32)
+            pos1 = tl.cumsum(k1, axis=0) - k1
+            tl.debug_barrier()
+            tl.store(rows_ptr + r * CAP_ + pos1, kr, mask=keep1)
+    else:
+        keep = valid & (keys >= kth[:, None])
+        k32 = keep.to(tl.int32)
+        pos = tl.cumsum(k32, axis=1) - k32
+        tl.debug_barrier()
+        tl.store(rows_ptr + rr.to(tl.int64)[:, None] * CAP_ + pos, keys, mask=keep)
+    return n_ge
+
+
+@triton.jit
+def _triton_rows_harness(WORK, M, n, NB: tl.constexpr, R: tl.constexpr, TOPK_: tl.constexpr, CAP_: tl.constexpr,
+                         SLACK_: tl.constexpr, RELOAD: tl.constexpr):
+    pid = tl.program_id(0)
+    for i in range(0, NB, R):
+        m = _compact_rows(WORK + (pid * NB + i).to(tl.int64) * CAP_, n, R, TOPK_, CAP_, SLACK_, RELOAD)
+        tl.store(M + pid * NB + i + tl.arange(0, R), m)
         tl.debug_barrier()
 
 
@@ -168,10 +241,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rows-per-program", type=int, default=16)
     ap.add_argument("--valid", type=int, default=3900, help="valid keys per buffer (the fused kernel compacts at ~3,900)")
     ap.add_argument("--per-thread", default="32,2", help="Gluon layouts: consecutive keys per thread")
+    ap.add_argument("--rows-together", default="1,2r,4r",
+                    help="Triton: rows compacted together (one reduction per pass); 'r': keys read again for the store")
     ap.add_argument("--compile-only", action="store_true", help="sm_90 builds without a GPU: registers and SASS")
     args = ap.parse_args(argv)
     compact_row = _compact_row_fn()
-    per_thread = [int(x) for x in args.per_thread.split(",")]
+    per_thread = [int(x) for x in args.per_thread.split(",") if x]
+    # "2" or "2r" (r: the keys read again for the store, only score bits live in the search)
+    together = [(int(x.rstrip("r")), x.endswith("r")) for x in args.rows_together.split(",") if x]
+    if any(r < 1 or r & (r - 1) or args.rows_per_program % r for r, _ in together):
+        ap.error(f"--rows-together {args.rows_together}: powers of two dividing --rows-per-program")
     if args.compile_only:
         import inspect_hytopk as ih
         from triton.runtime import driver
@@ -181,6 +260,9 @@ def main(argv=None) -> int:
         m = torch.empty(1, dtype=torch.int32)
         builds = [("triton _compact_row", _triton_harness.warmup(w, m, args.valid, 4, TOPK, CAP, SLACK, compact_row,
                                                                  grid=(1,), num_warps=WARPS))]
+        for r, reload in together:
+            builds.append((f"triton, {r} rows together{', reload' if reload else ''}", _triton_rows_harness.warmup(
+                w, m, args.valid, 4, r, TOPK, CAP, SLACK, reload, grid=(1,), num_warps=WARPS)))
         for pt in per_thread:
             builds.append((f"gluon, {pt} keys per thread", _gluon_harness.warmup(
                 w, m, args.valid, 4, TOPK, CAP, SLACK, pt, grid=(1,), num_warps=WARPS)))
@@ -203,6 +285,11 @@ def main(argv=None) -> int:
         variants = [("triton (the fused kernel's _compact_row)",
                      lambda: _triton_harness[(nprog,)](work, m, args.valid, args.rows_per_program, TOPK, CAP, SLACK,
                                                       compact_row, num_warps=WARPS))]
+        for r, reload in together:
+            variants.append((f"triton, {r} rows compacted together{', keys reloaded' if reload else ''}",
+                             lambda r=r, reload=reload: _triton_rows_harness[(nprog,)](
+                                 work, m, args.valid, args.rows_per_program, r, TOPK, CAP, SLACK, reload,
+                                 num_warps=WARPS)))
         for pt in per_thread:
             variants.append((f"gluon, {pt} consecutive keys per thread",
                              lambda pt=pt: _gluon_harness[(nprog,)](work, m, args.valid, args.rows_per_program,
