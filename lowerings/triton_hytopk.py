@@ -96,10 +96,11 @@ class HyTopKConfig:
     # dim, and a power-of-two number of lines per tile; elsewhere off. A hint: never changes
     # the result, never faults.
     l2_prefetch: Optional[int] = None
-    # The bitonic network of the final sort (inside the fused kernel, or triton_sort_rows'
-    # for "after"): "minmax" (its in-register steps once per pair: 8.84 -> 6.82 ms for the
-    # rows' sort at 128K, v20) or "tl.sort" (Triton's, per element at every step). The
-    # same order either way. None: "minmax".
+    # The bitonic network of the final sort (inside the fused kernel one row at a time, or
+    # triton_sort_rows' for "after"; sort_rows > 1 always uses tl.sort over [rows, k]):
+    # "minmax" (its in-register steps once per pair: 8.84 -> 6.82 ms for the rows' sort at
+    # 128K, v20) or "tl.sort" (Triton's, per element at every step). The same order
+    # either way. None: "minmax".
     sort_network: Optional[str] = None
 
 
