@@ -269,13 +269,8 @@ def _clock():
 
 @triton.jit
 def _clock_after(x):
-    # the cycle counter, read once the int64 scalar x is known (an unused asm operand)
-    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [x], dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit
-def _clock_each(x):
-    # per element of the int64 tensor x: the cycle counter once that element is known
+    # the cycle counter, read once x (int64) is known (an unused asm operand); per element
+    # for a tensor x
     return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [x], dtype=tl.int64, is_pure=False, pack=1)"""
 
 _CLOCK_INTERP = """@triton.jit
@@ -285,11 +280,6 @@ def _clock():
 
 @triton.jit
 def _clock_after(x):
-    return tl.zeros([], dtype=tl.int64)
-
-
-@triton.jit
-def _clock_each(x):
     return tl.zeros_like(x)"""
 
 _PREFETCH_L2_PTX = """@triton.jit
@@ -755,7 +745,7 @@ def _compact_row(row_ptr, valid, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK
     m = n
     passes = tl.zeros([], dtype=tl.int32)
     if PROFILE:
-        c_in = tl.max(_clock_each(keys), axis=0)  # each thread's clock once its keys are in
+        c_in = tl.max(_clock_after(keys), axis=0)  # each thread's clock once its keys are in
         c1 = _clock_after(tl.max(keys, axis=0))
     if n > TOPK:
         u = tl.where(valid, _score_bits(keys), 0)

@@ -43,10 +43,10 @@ def _score_bits(keys):
 
 
 @triton.jit
-def _sort_desc(keys, N: tl.constexpr, R: tl.constexpr):
-    # keys [N] in descending order by tl.sort's bitonic network, its low index bits moved into
-    # registers first. The network compares elements whose flat indices differ in one bit,
-    # and the low bits take the most steps. The keys arrive in the layout of the 32-bit
+def _low_bits_in_registers(keys, N: tl.constexpr, R: tl.constexpr):
+    # keys [N] relabelled so that the bitonic network's low flat index bits are register
+    # bits. The network compares elements whose flat indices differ in one bit, and the low
+    # bits take the most steps. The keys arrive in the layout of the 32-bit
     # output stores: flat bits 0-1 in registers (4 per vector), then lanes, then warps, then
     # the register repeats at the top (log2(R) bits; the launcher's SORT_R = N / (4 *
     # threads)). The keys are a set, so their order going in is free: viewed as [R, N / R]
@@ -56,7 +56,14 @@ def _sort_desc(keys, N: tl.constexpr, R: tl.constexpr):
     # 27.4 ms at 32K (docs/kernel-design.md, v9).
     if R > 1:
         keys = tl.reshape(tl.trans(tl.reshape(keys, [R, N // R])), [N])
-    return tl.sort(keys, descending=True)
+    return keys
+
+
+@triton.jit
+def _sort_desc(keys, N: tl.constexpr, R: tl.constexpr):
+    # keys [N] in descending order by tl.sort's bitonic network, its low index bits moved into
+    # registers first (_low_bits_in_registers)
+    return tl.sort(_low_bits_in_registers(keys, N, R), descending=True)
 
 
 @triton.constexpr_function
@@ -115,13 +122,12 @@ def _sort_desc_minmax(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.const
     # keys [N] (N = 2^n) in descending order by the same bitonic network as tl.sort (stage s
     # = 1..n merges blocks of 2^s, one step per flat bit j = s-1..0, each block of the stage
     # descending where bit s of the flat index is 0; the last stage all descending), after
-    # _sort_desc's relabelling (R) that makes the low flat bits register bits. Steps on the
+    # _low_bits_in_registers (R) makes the low flat bits register bits. Steps on the
     # low REG_BITS bits are done once per pair (_cx_reg: one 64-bit compare, the pair's max
     # and min); steps on higher bits, whose pairs lie in two lanes or warps, per element
     # (_cx_xor). REG_BITS changes the cost, never the order. SKIP (tests only): the index of
     # one step left out, to show that the tests notice a missing step.
-    if R > 1:
-        keys = tl.reshape(tl.trans(tl.reshape(keys, [R, N // R])), [N])
+    keys = _low_bits_in_registers(keys, N, R)
     LOG_N: tl.constexpr = _log2c(N)
     for s in tl.static_range(1, LOG_N + 1):
         for i in tl.static_range(s):
@@ -135,7 +141,7 @@ def _sort_desc_minmax(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.const
 
 @triton.constexpr_function
 def _reg_bits(n, r):
-    # the low flat-index bits that are register bits after _sort_desc's relabelling: keys
+    # the low flat-index bits that are register bits after _low_bits_in_registers: keys
     # arrive 4 per vector (the 32-bit stores' layout), R repeats per thread (fewer when the
     # row is short)
     return min(int(n), 4 * int(r)).bit_length() - 1

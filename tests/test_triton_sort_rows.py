@@ -16,7 +16,7 @@ from hyscale_compile.lowerings import triton_codegen as cg
 from hyscale_compile.lowerings.triton_keys import EMPTY, _sort_desc_minmax
 from hyscale_compile.lowerings.triton_sort_rows import sort_rows_, sort_rows_reference
 
-EMPTY_KEY = -9223372036854775807
+EMPTY_KEY = EMPTY.value
 
 
 def _interpreting():
