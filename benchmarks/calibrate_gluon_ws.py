@@ -1,0 +1,589 @@
+"""Does selection overlapped with scoring pay? A warp-specialized HyTopK at the DSA shape
+(Gluon, one Hopper GPU; ``--compile-only`` anywhere).
+
+    python benchmarks/calibrate_gluon_ws.py [--seq 32768] [--inputs iid,struct] [--check 32]
+    python benchmarks/calibrate_gluon_ws.py --compile-only     # sm_90 build: registers, spills
+
+The structural step of docs/kernel-design.md ("Where things stand after session 11"): in the
+generated Triton kernel each program scores, then stops scoring to compact its candidate
+buffers, so ~1/3 of the compactions' cycles show in the time. Here one program per SM has
+two warp groups with different jobs (``gl.warp_specialize``):
+
+* the scorer (4 warps, the default partition): TMA key tiles in a 3-stage ring, one wgmma
+  per tile (64 keys x 256 columns = 4 query rows x 64 heads, in the Triton kernel's column
+  order so that the head sum stays inside each thread), ReLU, weights, head sum, causal mask,
+  packed int64 keys, and the threshold filter; a taken key is appended to its (row, lane)
+  slot of the current *half* of the row's buffer (64 lanes x SUBH slots, in global scratch).
+  When a lane could overflow (or the block ends) it hands the half over (an mbarrier) and
+  goes on with the other half;
+* the selector (4 warps, a worker partition): for each half handed over, each row's kept keys
+  (<= k + slack) and the half's keys are one 4,096-slot window; a count search (the Triton
+  kernel's ``_kth_largest``) finds a threshold that keeps k .. k + slack of them (exactly k
+  for the block's last half), the kept keys go back to the kept area (or, at the end, are
+  written out as indices and fp32 values), and the new thresholds are published for the
+  scorer with the half's release.
+
+The scorer reads a threshold only after an mbarrier wait that orders it (the release of the
+half it is about to fill), so it filters with a threshold at most one handoff old; a stale
+threshold only takes more keys. Exactness is the Triton kernel's argument unchanged: a key
+is dropped only when k kept keys beat it.
+
+Output: indices (int32) and values unsorted, then the library's ``sort_rows_``. Checked with
+bench_hytopk's float64 threshold check on sampled rows, and against the library op's
+selection (same sets except where fp32 reassociation moves a near tie). Prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                warpgroup_mma_wait)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+C = gl.constexpr
+H, D, BM, BN = C(64), C(128), C(4), C(64)
+NC = C(BM * H)                   # dot columns: 4 query rows x 64 heads
+TOPK, SLACK = C(2048), C(128)
+KBASE = C(TOPK + SLACK)          # kept slots per row
+WIN = C(4096)                    # a compaction's window: the kept slots + one half
+KROWS = C(KBASE // BN)           # slot rows of the kept area (34)
+SUBH = C((WIN - KBASE) // BN)    # slots per lane in a half (30)
+ROWSTRIDE = C(8192)              # per row: [kept KBASE][half 0][half 1]
+STAGES = C(3)
+EMPTY = C(-9223372036854775807)
+# registers per thread at launch (one program per SM): 8 warps x 32 x 256 with one selector,
+# 12 x 32 x 168 with two; then setmaxnreg moves them between the partitions
+MAXNREG = {1: 256, 2: 168}
+SEL_REGS = {1: 248, 2: 144}      # per selector thread (the scorer gets the rest)
+
+
+# ------------------------------------------------------------------------------------------
+# keys (triton_keys' functions; Gluon cannot call triton.jit functions)
+# ------------------------------------------------------------------------------------------
+@gluon.jit
+def _pack(y, keys):
+    y = gl.where(y == 0.0, 0.0, y)
+    y = gl.where(y != y, float("nan"), y)
+    b = y.to(gl.int32, bitcast=True)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return (b.to(gl.int64) << 32) | (4294967295 - keys.to(gl.int64))
+
+
+@gluon.jit
+def _unpack_value(p):
+    hi = (p >> 32).to(gl.int32)
+    b = hi ^ ((hi >> 31) & 0x7FFFFFFF)
+    return b.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _clock():
+    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prof_add(PROF, slot: gl.constexpr, delta, PROFILE: gl.constexpr):
+    # PROFILE: per-program counters (one thread's load and store: the value is uniform)
+    if PROFILE:
+        p = PROF + gl.program_id(0) * 16 + slot
+        gl.store(p, gl.load(p) + delta)
+
+
+@gluon.jit
+def _min_max(lo0, hi0, lo1, hi1):
+    return gl.minimum(lo0, lo1), gl.maximum(hi0, hi1)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _sum2(x):
+    return gl.sum(gl.sum(x, axis=1), axis=0)
+
+
+@gluon.jit
+def _kth_largest(SCR, addr, hi, n, KEEP: gl.constexpr, SLK: gl.constexpr):
+    # triton_codegen._kth_largest over a [rows, lanes] window: a key kth with
+    # KEEP <= #{valid keys >= kth} <= KEEP + SLK (exactly KEEP when SLK = 0), n > KEEP
+    # distinct valid keys; returns (kth, count). The search counts on the keys' high words
+    # (hi, signed int32: the same order as the unsigned score bits u = hi ^ 0x80000000),
+    # so only the high words are held (the selector's registers are few); empty slots
+    # (hi = INT32_MIN) never count. The whole keys (SCR[addr]) are read only for a tie.
+    valid = hi != -2147483648  # (no real key has this high word: it would be a negative NaN)
+    smin = gl.min(gl.min(gl.where(valid, hi, 2147483647), axis=1), axis=0)
+    smax = gl.max(gl.max(hi, axis=1), axis=0)
+    umin = (smin ^ -2147483648).to(gl.uint32, bitcast=True)
+    umax = (smax ^ -2147483648).to(gl.uint32, bitcast=True)
+    x = umin ^ umax
+    hb = gl.zeros([], dtype=gl.int32)
+    for i in gl.static_range(5):
+        sh = 16 >> i
+        big = x >= (1 << sh)
+        x = gl.where(big, x >> sh, x)
+        hb += gl.where(big, sh, 0)
+    hbu = hb.to(gl.uint32)
+    bit = gl.where(umin == umax, 0, gl.full([], 1, gl.uint32) << hbu)
+    prefix = gl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
+    n_ge = n
+    while (bit > 0) & (n_ge > KEEP + SLK):
+        cs = ((prefix | bit) ^ 2147483648).to(gl.int32, bitcast=True)
+        n_c = _sum2((hi >= cs).to(gl.int32))
+        prefix = gl.where(n_c >= KEEP, prefix | bit, prefix)
+        n_ge = gl.where(n_c >= KEEP, n_c, n_ge)
+        bit = bit >> 1
+    ps = (prefix ^ 2147483648).to(gl.int32, bitcast=True)
+    kth = ps.to(gl.int64) << 32
+    if n_ge > KEEP + SLK:
+        # the boundary score is shared by more keys than may be kept: by index (low words)
+        eq = valid & (hi == ps)
+        keys = gl.load(SCR + addr, mask=eq, other=EMPTY)
+        n_eq = _sum2(gl.where(eq, 1, 0))
+        need = KEEP - (n_ge - n_eq)
+        kth = gl.min(gl.min(gl.where(eq, keys, 9223372036854775807), axis=1), axis=0)
+        if n_eq > need:
+            low = keys & 4294967295
+            lp = gl.zeros([], dtype=gl.int64)
+            lstep = gl.zeros([], dtype=gl.int64) + 2147483648
+            for _ in range(32):
+                cand = lp + lstep
+                cc = _sum2(gl.where(eq & (low >= cand), 1, 0))
+                lp = gl.where(cc >= need, cand, lp)
+                lstep = lstep // 2
+            kth = gl.max(gl.max(gl.where(eq & (low == lp), keys, EMPTY), axis=1), axis=0)
+        n_ge = gl.zeros([], dtype=gl.int32) + KEEP
+    return kth, n_ge
+
+
+@gluon.jit
+def _window(srow, lane, m_r, lc, h, base):
+    # which slots of slot rows srow hold keys, and where they are (see _selector)
+    offs2 = srow[:, None] * BN + lane[None, :]
+    is_kept = (srow < KROWS)[:, None]
+    valid = gl.where(is_kept, offs2 < m_r, (srow[:, None] - KROWS) < lc[None, :])
+    return valid, base + offs2 + gl.where(is_kept, 0, h * (SUBH * BN))
+
+
+@gluon.jit
+def _positions(keep):
+    # distinct dense output positions of the kept keys of a [rows, lanes] window: the rows'
+    # exclusive prefix (across warps) plus the exclusive prefix within each row (in a warp)
+    k32 = keep.to(gl.int32)
+    in_row = gl.associative_scan(k32, 1, _add)
+    row_tot = gl.sum(k32, axis=1)
+    # (a scan needs a blocked layout: the [rows] totals go through one, one per thread)
+    flat = gl.convert_layout(row_tot, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    row_start = gl.convert_layout(gl.associative_scan(flat, 0, _add) - flat, row_tot.type.layout)
+    return row_start[:, None] + in_row - k32, gl.sum(flat, axis=0)
+
+
+# ------------------------------------------------------------------------------------------
+# the selector: compacts the halves the scorer hands over
+# ------------------------------------------------------------------------------------------
+@gluon.jit
+def _selector(SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, empty_bar, num_blocks, R0: gl.constexpr,
+              NR: gl.constexpr, PROFILE: gl.constexpr):
+    # Rows R0 .. R0 + NR - 1 of each block (with two selectors side by side, one per row pair).
+    # PROF slots (+8 for R0 = 2): 2 cycles waiting for a half, 3 cycles compacting, 4 halves,
+    # 5 searches.
+    # A row's window is [WIN // BN slot rows, BN lanes]: slot rows < KROWS are the kept area
+    # (slot s * BN + lane), the others the half's lanes (the scorer's layout).
+    L2: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
+    R_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    pid = gl.program_id(0)
+    srow = gl.arange(0, WIN // BN, layout=gl.SliceLayout(1, L2))
+    lane = gl.arange(0, BN, layout=gl.SliceLayout(0, L2))
+    srow_c = gl.arange(0, WIN // BN // 2, layout=gl.SliceLayout(1, L2))
+    rr = gl.arange(0, BM, layout=R_L)
+    mvec = gl.zeros([BM], gl.int32, R_L)             # kept keys per row
+    tvec = gl.full([BM], EMPTY, gl.int64, R_L)       # the rows' thresholds (published)
+    n = 0
+    go = True
+    while go:
+        h = n % 2
+        if PROFILE:
+            c0 = _clock()
+        mbarrier.wait(full_bar.index(h), (n // 2) & 1)
+        if PROFILE:
+            c1 = _clock()
+            _prof_add(PROF, 2 + 4 * R0, c1 - c0, PROFILE)
+        j = gl.load(META + (pid * 2 + h) * 2)
+        fin = gl.load(META + (pid * 2 + h) * 2 + 1)
+        if j >= 0:
+            mb = num_blocks - 1 - j
+            for r in gl.static_range(R0, R0 + NR):
+                base = (pid * BM + r) * ROWSTRIDE
+                m_r = gl.sum(gl.where(rr == r, mvec, 0), axis=0)
+                lc = gl.load(LC + ((pid * 2 + h) * BM + r) * BN + lane)
+                ntot = m_r + gl.sum(lc, axis=0)
+                valid, addr = _window(srow, lane, m_r, lc, h, base)
+                # the search holds the high words only (SCR32: the scratch as int32,
+                # little-endian; empty slots INT32_MIN); the whole keys are read again for the
+                # stores, half a window at a time (the selectors' registers are few)
+                hi = gl.load(SCR32 + addr * 2 + 1, mask=valid, other=-2147483648)
+                kth = gl.zeros([], dtype=gl.int64) + EMPTY
+                if fin != 0:
+                    if ntot > TOPK:
+                        kth, _ = _kth_largest(SCR, addr, hi, ntot, TOPK, 0)
+                elif ntot > KBASE:
+                    kth, _ = _kth_largest(SCR, addr, hi, ntot, TOPK, SLACK)
+                    _prof_add(PROF, 5 + 4 * R0, 1, PROFILE)
+                row = (mb * BM + r).to(gl.int64) * TOPK
+                done = gl.zeros([], dtype=gl.int32)
+                for c in gl.static_range(2):
+                    # slot rows [c * 32, c * 32 + 32): the kept keys of the first half go to
+                    # slots < 2,048, i.e. rows it has read itself; the second half's to
+                    # slots it read or the first half already consumed
+                    v_c, a_c = _window(srow_c + c * (WIN // BN // 2), lane, m_r, lc, h, base)
+                    keys = gl.load(SCR + a_c, mask=v_c, other=EMPTY)
+                    keep = v_c & (keys >= kth)
+                    pos, n_c = _positions(keep)
+                    pos = pos + done
+                    done = done + n_c
+                    if fin != 0:
+                        gl.store(OUT_I + row + pos, (4294967295 - (keys & 4294967295)).to(gl.int32), mask=keep)
+                        gl.store(OUT_V + row + pos, _unpack_value(keys), mask=keep)
+                    else:
+                        gl.thread_barrier()  # the slots this half overwrites are read
+                        gl.store(SCR + base + pos, keys, mask=keep)
+                if fin != 0:
+                    mvec = gl.where(rr == r, 0, mvec)
+                    tvec = gl.where(rr == r, EMPTY, tvec)
+                else:
+                    mvec = gl.where(rr == r, done, mvec)
+                    tvec = gl.where(rr == r, gl.maximum(tvec, kth), tvec)
+            gl.store(THR + (pid * 2 + h) * BM + rr, tvec, mask=(rr >= R0) & (rr < R0 + NR))
+            gl.store(THRJ + pid * 2 + h, j)
+            gl.thread_barrier()  # the kept areas and thresholds written before the half is released
+            mbarrier.arrive(empty_bar.index(h), count=1)
+            if PROFILE:
+                _prof_add(PROF, 3 + 4 * R0, _clock() - c1, PROFILE)
+                _prof_add(PROF, 4 + 4 * R0, 1, PROFILE)
+        go = j >= 0
+        n += 1
+
+
+# ------------------------------------------------------------------------------------------
+# the scorer
+# ------------------------------------------------------------------------------------------
+@gluon.jit
+def _issue_tile(k_desc, k_smem, ready, g, t, pred):
+    s = g % STAGES
+    mbarrier.expect(ready.index(s), k_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [t * BN, 0], ready.index(s), k_smem.index(s), pred=pred)
+
+
+@gluon.jit
+def _reduced(v, acc_l: gl.constexpr):
+    # [BN, NC] -> [BN, BM]: the head sum's reduction (columns (row m, head i) at
+    # ((i // 2) * BM + m) * 2 + i % 2), used for the scores and, with max, for their offsets
+    return gl.sum(gl.sum(gl.reshape(v, [BN, NC // (2 * BM), BM, 2]), axis=1), axis=2)
+
+
+@gluon.jit
+def _reduced_max(v):
+    return gl.max(gl.max(gl.reshape(v, [BN, NC // (2 * BM), BM, 2]), axis=1), axis=2)
+
+
+@gluon.jit
+def _handoff(LC, META, THR, THRJ, PROF, full_bar, empty_bar, pid, cnt, lc_off, n_hand, j, fin, thr_off,
+             PROFILE: gl.constexpr):
+    # hand the current half over; wait until the other half is free; its release's thresholds
+    h = n_hand % 2
+    gl.store(LC + (pid * 2 + h) * (BM * BN) + lc_off, cnt)
+    gl.store(META + (pid * 2 + h) * 2, j)
+    gl.store(META + (pid * 2 + h) * 2 + 1, fin)
+    gl.thread_barrier()
+    mbarrier.arrive(full_bar.index(h), count=1)
+    n_hand += 1
+    h2 = n_hand % 2
+    if PROFILE:
+        c0 = _clock()
+    mbarrier.wait(empty_bar.index(h2), ((n_hand // 2) & 1) ^ 1)
+    if PROFILE:
+        _prof_add(PROF, 0, _clock() - c0, PROFILE)
+    rj = gl.load(THRJ + pid * 2 + h2)
+    t64 = gl.load(THR + (pid * 2 + h2) * BM + thr_off)
+    return n_hand, rj, t64
+
+
+@gluon.jit
+def _scorer(Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_smem, ready, full_bar, empty_bar,
+            num_blocks, PROFILE: gl.constexpr):
+    # PROF slots: 0 cycles waiting for a free half, 1 cycles in all, 6 tiles
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NC, 16])
+    col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+    key_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+    ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    pid = gl.program_id(0)
+    cols = gl.arange(0, NC, layout=col_l)
+    col_m = (cols // 2) % BM
+    col_i = (cols // (2 * BM)) * 2 + cols % 2
+    qc = gl.arange(0, NC, layout=gl.SliceLayout(1, ql))
+    qd = gl.arange(0, D, layout=gl.SliceLayout(0, ql))
+    q_m = (qc // 2) % BM
+    q_i = (qc // (2 * BM)) * 2 + qc % 2
+    zero = gl.zeros([BN, NC], gl.float32, acc_l)
+    izero = gl.zeros([BN, NC], gl.int32, acc_l)
+    # the (key offset, row) of each element of a reduced [BN, BM] tile, in its own layout
+    key_off = _reduced_max(izero + gl.arange(0, BN, layout=key_l)[:, None])
+    row_off = _reduced_max(izero + col_m[None, :])
+    lc_off = row_off * BN + key_off
+    slot_base = row_off * ROWSTRIDE + KBASE + key_off + pid * (BM * ROWSTRIDE)
+    g = 0
+    n_hand = 0
+    if PROFILE:
+        c_all = _clock()
+    j = gl.atomic_add(COUNTER, 1)
+    while j < num_blocks:
+        mb = num_blocks - 1 - j
+        row0 = mb * BM
+        n_tiles = gl.cdiv(gl.maximum(row0 + BM, TOPK), BN)
+        for i in gl.static_range(STAGES):
+            _issue_tile(k_desc, k_smem, ready, g + i, i, i < n_tiles)
+        qv = gl.load(Q + ((row0 + q_m)[:, None] * H + q_i[:, None]).to(gl.int64) * D + qd[None, :])
+        q_smem.store(qv)
+        gl.thread_barrier()
+        fence_async_shared()
+        wv = gl.load(W + (row0 + col_m).to(gl.int64) * H + col_i)
+        last = row0 + row_off                                  # causal: key t <= row
+        cnt = gl.zeros_like(key_off)
+        thr_v = gl.full(key_off.shape, float("nan"), gl.float32, key_off.type.layout)
+        t = 0
+        while t < n_tiles:
+            space = SUBH - gl.max(gl.max(cnt, axis=1), axis=0)
+            if space == 0:
+                n_hand, rj, t64 = _handoff(LC, META, THR, THRJ, PROF, full_bar, empty_bar, pid, cnt, lc_off,
+                                           n_hand, j, 0, row_off, PROFILE)
+                cnt = gl.zeros_like(key_off)
+                thr_v = gl.where((rj == j) & (t64 != EMPTY), _unpack_value(t64), thr_v)
+                space = SUBH
+            t_stop = gl.minimum(n_tiles, t + space)
+            half_off = (n_hand % 2) * (SUBH * BN)
+            for tt in range(t, t_stop):
+                s = (g + tt) % STAGES
+                mbarrier.wait(ready.index(s), ((g + tt) // STAGES) & 1)
+                acc = warpgroup_mma(k_smem.index(s), q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                _issue_tile(k_desc, k_smem, ready, g + tt + STAGES, tt + STAGES, tt + STAGES < n_tiles)
+                y = _reduced(gl.maximum(acc, 0.0) * wv[None, :], acc_l)
+                keys = tt * BN + key_off
+                y = gl.where(keys <= last, y, float("-inf"))
+                take = ~(y <= thr_v)
+                gl.store(SCR + (slot_base + half_off + cnt * BN), _pack(y, keys), mask=take)
+                cnt += take.to(gl.int32)
+            t = t_stop
+        n_hand, rj, t64 = _handoff(LC, META, THR, THRJ, PROF, full_bar, empty_bar, pid, cnt, lc_off, n_hand, j, 1,
+                                   row_off, PROFILE)
+        g += n_tiles
+        _prof_add(PROF, 6, n_tiles, PROFILE)
+        j = gl.atomic_add(COUNTER, 1)
+    # tell the selector to stop (the half is free: _handoff waited for it)
+    h = n_hand % 2
+    gl.store(META + (pid * 2 + h) * 2, -1)
+    gl.thread_barrier()
+    mbarrier.arrive(full_bar.index(h), count=1)
+    if PROFILE:
+        _prof_add(PROF, 1, _clock() - c_all, PROFILE)
+
+
+@gluon.jit
+def _ws_kernel(Q, W, k_desc, SCR, SCR32, LC, META, THR, THRJ, COUNTER, OUT_I, OUT_V, PROF, num_blocks,
+               SEL_REGS: gl.constexpr, NSEL: gl.constexpr, PROFILE: gl.constexpr):
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NC, D], gl.bfloat16)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [NC, D], q_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    full_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(full_bar.index(i), count=1)
+        mbarrier.init(empty_bar.index(i), count=NSEL)  # every selector releases
+    if NSEL == 1:
+        gl.warp_specialize([
+            (_scorer, (Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_smem, ready, full_bar,
+                       empty_bar, num_blocks, PROFILE)),
+            (_selector, (SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, empty_bar, num_blocks, 0, BM,
+                         PROFILE)),
+        ], [4], [SEL_REGS])
+    else:
+        gl.warp_specialize([
+            (_scorer, (Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_smem, ready, full_bar,
+                       empty_bar, num_blocks, PROFILE)),
+            (_selector, (SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, empty_bar, num_blocks, 0, 2,
+                         PROFILE)),
+            (_selector, (SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, empty_bar, num_blocks, 2, 2,
+                         PROFILE)),
+        ], [4, 4], [SEL_REGS, SEL_REGS])
+
+
+# ------------------------------------------------------------------------------------------
+# host side
+# ------------------------------------------------------------------------------------------
+def _k_descriptor(k2):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    shape = [int(BN), int(D)]
+    layout = gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
+    return TensorDescriptor.from_tensor(k2, shape, layout)
+
+
+class Workspace:
+    def __init__(self, nprog: int, device):
+        self.nprog = nprog
+        self.scr = torch.empty(nprog * int(BM * ROWSTRIDE), dtype=torch.int64, device=device)
+        self.lc = torch.zeros(nprog * 2 * int(BM * BN), dtype=torch.int32, device=device)
+        self.meta = torch.zeros(nprog * 2 * 2, dtype=torch.int32, device=device)
+        self.thr = torch.zeros(nprog * 2 * int(BM), dtype=torch.int64, device=device)
+        self.thrj = torch.full((nprog * 2,), -1, dtype=torch.int32, device=device)
+        self.counter = torch.zeros(1, dtype=torch.int32, device=device)
+        self.prof = torch.zeros(nprog * 16, dtype=torch.int64, device=device)
+
+
+def ws_topk(q2, k2, w2, out_i, out_v, ws: Workspace, nsel: int = 1, profile: bool = False):
+    """q2 [S, H, D] bf16, k2 [S, D] bf16, w2 [S, H] fp32 (scale folded in): the causal top-k
+    indices and values of every row, unsorted, into out_i / out_v [S, TOPK]."""
+    S = q2.shape[0]
+    assert S % int(BM) == 0 and S >= int(TOPK) and tuple(q2.shape[1:]) == (int(H), int(D)) and tuple(k2.shape) == (S, int(D))
+    ws.counter.zero_()
+    ws.thrj.fill_(-1)
+    if profile:
+        ws.prof.zero_()
+    return _ws_kernel[(ws.nprog,)](q2, w2, _k_descriptor(k2), ws.scr, ws.scr.view(torch.int32), ws.lc, ws.meta, ws.thr, ws.thrj, ws.counter,
+                                   out_i, out_v, ws.prof, S // int(BM), SEL_REGS[nsel], nsel, profile,
+                                   num_warps=4, maxnreg=MAXNREG[nsel])
+
+
+def compile_only(nsel) -> int:
+    from triton.runtime import driver
+
+    from inspect_hytopk import _Sm90, ptxas_report, sass_counts
+
+    S = 4096
+    driver.set_active(_Sm90())
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    q2 = torch.empty(S, int(H), int(D), dtype=torch.bfloat16)
+    k2 = torch.empty(S, int(D), dtype=torch.bfloat16)
+    w2 = torch.empty(S, int(H))
+    ws = Workspace(1, "cpu")
+    oi = torch.empty(S, int(TOPK), dtype=torch.int32)
+    ov = torch.empty(S, int(TOPK))
+    ck = _ws_kernel.warmup(q2, w2, _k_descriptor(k2), ws.scr, ws.scr.view(torch.int32), ws.lc, ws.meta, ws.thr, ws.thrj, ws.counter, oi, ov,
+                           ws.prof, S // int(BM), SEL_REGS[nsel], nsel, bool(os.environ.get("WS_PROFILE")),
+                           num_warps=4, maxnreg=MAXNREG[nsel], grid=(1,))
+    rep = ptxas_report(ck.asm["ptx"], bindir)
+    sass = sass_counts(ck.asm["cubin"], bindir)[0]
+    print(f"ws kernel, {nsel} selector(s): {rep}, sass {sass}, shared {ck.metadata.shared} B")
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "ws_kernel.ptx"), "w") as f:
+        f.write(ck.asm["ptx"])
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", default="32768")
+    ap.add_argument("--inputs", default="iid,struct")
+    ap.add_argument("--selectors", default="1", help="selector partitions: 1 (4 rows each), 2 (2 rows each), or 1,2")
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--no-library", action="store_true", help="skip the library rows (their numbers are known)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "calib_out"))
+    args = ap.parse_args(argv)
+    if args.compile_only:
+        return max(compile_only(int(n)) for n in args.selectors.split(","))
+    nsels = [int(n) for n in args.selectors.split(",")]
+    if any(n not in (1, 2) for n in nsels):
+        ap.error("--selectors: 1, 2 or 1,2")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        sys.exit("calibrate_gluon_ws.py needs a Hopper GPU (sm_90); use --compile-only elsewhere")
+    import bench_hytopk as bh
+    import hyscale_compile  # noqa: F401
+    from hyscale_compile.lowerings.triton_sort_rows import sort_rows_
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    ws = Workspace(sms, dev)
+    rate = bh.matmul_rate()
+    spec_json = bh.dsa_spec().to_json()
+    os.makedirs(args.out, exist_ok=True)
+    lines = [f"# calibrate_gluon_ws: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+             f"{triton.__version__}, bf16 matmul {rate / 1e12:.0f} TFLOP/s",
+             "| S | inputs | row | ms | x floor | exact (sampled rows) | same sets as the library |",
+             "|---|---|---|---|---|---|---|"]
+    prof_lines = []
+    for S in [int(s) for s in args.seq.split(",")]:
+        floor = int(H * D) * 2 * S * (S + 1) / 2 / rate * 1e3
+        for inp in args.inputs.split(","):
+            q, k, w = bh.make_inputs(S, inp, seed=11)
+            hi = torch.arange(1, S + 1, device=dev).view(1, S)
+            q2, k2 = q[0].contiguous(), k[0].contiguous()
+            w2 = (w[0].float() * bh.SCALE).contiguous()
+            oi = torch.empty(S, int(TOPK), dtype=torch.int32, device=dev)
+            ov = torch.empty(S, int(TOPK), dtype=torch.float32, device=dev)
+
+            def ws_unsorted(nsel):
+                ws_topk(q2, k2, w2, oi, ov, ws, nsel)
+                return oi
+
+            def ws_sorted(nsel):
+                ws_topk(q2, k2, w2, oi, ov, ws, nsel)
+                sort_rows_(oi, ov, write_values=False)
+                return oi
+
+            rows = bh.sample_rows(S)
+            ref = bh.hytopk_op(q, k, w, hi, spec_json, True)
+            variants = []
+            for n in nsels:
+                variants += [(f"ws, {n} selector(s), unsorted", lambda n=n: ws_unsorted(n)),
+                             (f"ws, {n} selector(s), + sort_rows_", lambda n=n: ws_sorted(n))]
+            if not args.no_library:
+                variants = [("library hytopk", lambda: bh.hytopk_op(q, k, w, hi, spec_json, True)),
+                            ("library hytopk:unsorted", lambda: bh.hytopk_op(q, k, w, hi, spec_json, False))] + variants
+            for name, fn in variants:
+                try:
+                    ms, _, out, _ = bh.measure(fn, 5)
+                    out = out.view(1, S, int(TOPK))
+                    exact = bh.check_rows(out, q, k, w, rows)
+                    a = out[0].long().sort(dim=1).values
+                    b = ref[0].long().sort(dim=1).values
+                    same = (a == b).all(dim=1).float().mean().item()
+                    lines.append(f"| {S} | {inp} | {name} | {ms:.2f} | {ms / floor:.2f} | {exact} | {same:.4f} |")
+                except Exception as e:  # report and go on
+                    lines.append(f"| {S} | {inp} | {name} | failed: {type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:120]} | | | |")
+                print(lines[-1], file=sys.stderr, flush=True)
+            for n in nsels:
+                ws_topk(q2, k2, w2, oi, ov, ws, n, profile=True)
+                torch.cuda.synchronize()
+                pr = ws.prof.view(-1, 16).double().sum(0).tolist()
+                busy = max(pr[3], pr[11])  # the busier selector
+                prof_lines.append(f"| {S} | {inp} | {n} | {100 * pr[0] / pr[1]:.1f}% | {100 * busy / pr[1]:.1f}% | "
+                                  f"{pr[4] / (S // 4):.2f} | {(pr[5] + pr[13]) / S:.2f} | "
+                                  f"{busy / max(pr[4], 1) / 1e3:.1f} | {pr[1] / max(pr[6], 1):.0f} |")
+                print(prof_lines[-1], file=sys.stderr, flush=True)
+    lines += ["", "Profile (PROFILE build, one call; cycles summed over programs): scorer waiting for a free half, "
+              "the busier selector's busy cycles (both as % of the scorer's cycles), halves per row block, "
+              "searching compactions per row, that selector's kcycles per half, scorer cycles per tile",
+              "| S | inputs | selectors | scorer waits | selector busy | halves / block | searches / row | "
+              "kcycles / half | cycles / tile |", "|---|---|---|---|---|---|---|---|---|"] + prof_lines
+    table = "\n".join(lines)
+    with open(os.path.join(args.out, "calibrate_gluon_ws.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
