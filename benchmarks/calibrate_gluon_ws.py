@@ -91,6 +91,13 @@ def _clock():
 
 
 @gluon.jit
+def _opaque_zero():
+    # 0, unknown to the compiler: offsets derived from it are computed where they are used
+    # instead of being hoisted out of the selector's loop (32 registers each per thread)
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _prof_add(PROF, slot: gl.constexpr, delta, PROFILE: gl.constexpr):
     # PROFILE: per-program counters (one thread's load and store: the value is uniform)
     if PROFILE:
@@ -114,40 +121,97 @@ def _sum2(x):
 
 
 @gluon.jit
-def _kth_largest(SCR, addr, hi, n, KEEP: gl.constexpr, SLK: gl.constexpr):
+def _u_value(u):
+    # score bits (uint32 scalar, u = hi ^ 0x80000000) -> the fp32 score they encode
+    h = (u ^ 2147483648).to(gl.int32, bitcast=True)
+    return (h ^ ((h >> 31) & 0x7FFFFFFF)).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _value_u(y):
+    # fp32 scalar -> its score bits as int64 (_u_value's inverse)
+    b = y.to(gl.int32, bitcast=True)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return (b ^ -2147483648).to(gl.uint32, bitcast=True).to(gl.int64)
+
+
+@gluon.jit
+def _bracket_search(hi, umin, umax, n, KEEP: gl.constexpr, SLK: gl.constexpr):
+    # v19's search (docs/kernel-design.md; triton_codegen at commit 0569e64): [lo, hi_u)
+    # holds the answer, #{u >= lo} = n_lo >= KEEP > #{u >= hi_u}; each pass counts above the
+    # score value that a line through the bracket's ends puts in the middle of the wanted
+    # counts (regula falsi in value space, Illinois-weighted), or the bracket's midpoint in
+    # bits after two passes that did not halve it. Returns (lo as uint32, n_lo).
+    lo = umin.to(gl.int64)
+    hu = umax.to(gl.int64) + 1
+    n_lo = n
+    t = KEEP + SLK * 0.5 + 0.5
+    f_lo = n_lo.to(gl.float32) - t
+    f_hi = gl.zeros([], dtype=gl.float32) - t
+    side = gl.zeros([], dtype=gl.int32)
+    slow = gl.zeros([], dtype=gl.int32)
+    while (n_lo > KEEP + SLK) & (hu - lo > 1):
+        w = hu - lo
+        v_lo = _u_value(lo.to(gl.uint32))
+        v_hi = _u_value((hu - 1).to(gl.uint32))
+        v = v_lo + (f_lo / (f_lo - f_hi)) * (v_hi - v_lo)
+        c = gl.where((slow >= 2) | (v != v) | (gl.abs(v) == float("inf")), lo + w // 2, _value_u(v))
+        c = gl.minimum(gl.maximum(c, lo + 1), hu - 1)
+        cs = (c.to(gl.uint32) ^ 2147483648).to(gl.int32, bitcast=True)
+        n_c = _sum2((hi >= cs).to(gl.int32))
+        up = n_c >= KEEP
+        f_c = n_c.to(gl.float32) - t
+        f_hi = gl.where(up & (side == 1), f_hi * 0.5, gl.where(up, f_hi, f_c))
+        f_lo = gl.where(up, f_c, gl.where(side == 2, f_lo * 0.5, f_lo))
+        lo = gl.where(up, c, lo)
+        n_lo = gl.where(up, n_c, n_lo)
+        hu = gl.where(up, hu, c)
+        side = gl.where(up, 1, 2)
+        slow = gl.where((hu - lo) * 2 > w, slow + 1, 0)
+    return lo.to(gl.uint32), n_lo
+
+
+@gluon.jit
+def _kth_largest(SCR, win, hi, n, KEEP: gl.constexpr, SLK: gl.constexpr, BRACKET: gl.constexpr):
     # triton_codegen._kth_largest over a [rows, lanes] window: a key kth with
     # KEEP <= #{valid keys >= kth} <= KEEP + SLK (exactly KEEP when SLK = 0), n > KEEP
     # distinct valid keys; returns (kth, count). The search counts on the keys' high words
     # (hi, signed int32: the same order as the unsigned score bits u = hi ^ 0x80000000),
     # so only the high words are held (the selector's registers are few); empty slots
-    # (hi = INT32_MIN) never count. The whole keys (SCR[addr]) are read only for a tie.
+    # (hi = INT32_MIN) never count. The whole keys are read only for a tie (win: the
+    # window's description, _window's arguments, so that no addresses stay live).
     valid = hi != -2147483648  # (no real key has this high word: it would be a negative NaN)
     smin = gl.min(gl.min(gl.where(valid, hi, 2147483647), axis=1), axis=0)
     smax = gl.max(gl.max(hi, axis=1), axis=0)
     umin = (smin ^ -2147483648).to(gl.uint32, bitcast=True)
     umax = (smax ^ -2147483648).to(gl.uint32, bitcast=True)
-    x = umin ^ umax
-    hb = gl.zeros([], dtype=gl.int32)
-    for i in gl.static_range(5):
-        sh = 16 >> i
-        big = x >= (1 << sh)
-        x = gl.where(big, x >> sh, x)
-        hb += gl.where(big, sh, 0)
-    hbu = hb.to(gl.uint32)
-    bit = gl.where(umin == umax, 0, gl.full([], 1, gl.uint32) << hbu)
-    prefix = gl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
-    n_ge = n
-    while (bit > 0) & (n_ge > KEEP + SLK):
-        cs = ((prefix | bit) ^ 2147483648).to(gl.int32, bitcast=True)
-        n_c = _sum2((hi >= cs).to(gl.int32))
-        prefix = gl.where(n_c >= KEEP, prefix | bit, prefix)
-        n_ge = gl.where(n_c >= KEEP, n_c, n_ge)
-        bit = bit >> 1
+    if BRACKET:
+        prefix, n_ge = _bracket_search(hi, umin, umax, n, KEEP, SLK)
+    else:
+        x = umin ^ umax
+        hb = gl.zeros([], dtype=gl.int32)
+        for i in gl.static_range(5):
+            sh = 16 >> i
+            big = x >= (1 << sh)
+            x = gl.where(big, x >> sh, x)
+            hb += gl.where(big, sh, 0)
+        hbu = hb.to(gl.uint32)
+        bit = gl.where(umin == umax, 0, gl.full([], 1, gl.uint32) << hbu)
+        prefix = gl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
+        n_ge = n
+        while (bit > 0) & (n_ge > KEEP + SLK):
+            cs = ((prefix | bit) ^ 2147483648).to(gl.int32, bitcast=True)
+            n_c = _sum2((hi >= cs).to(gl.int32))
+            prefix = gl.where(n_c >= KEEP, prefix | bit, prefix)
+            n_ge = gl.where(n_c >= KEEP, n_c, n_ge)
+            bit = bit >> 1
     ps = (prefix ^ 2147483648).to(gl.int32, bitcast=True)
     kth = ps.to(gl.int64) << 32
     if n_ge > KEEP + SLK:
         # the boundary score is shared by more keys than may be kept: by index (low words)
         eq = valid & (hi == ps)
+        srow, lane, m_r, lc, h, base = win
+        eq_unused, addr = _window(srow, lane, m_r, lc, h, base)
         keys = gl.load(SCR + addr, mask=eq, other=EMPTY)
         n_eq = _sum2(gl.where(eq, 1, 0))
         need = KEEP - (n_ge - n_eq)
@@ -176,6 +240,17 @@ def _window(srow, lane, m_r, lc, h, base):
 
 
 @gluon.jit
+def _emit(keys, keep, pos, fin, SCR, base, OUT_I, OUT_V, row):
+    # kept keys to their positions: the output row (the block's last half) or the kept area
+    if fin != 0:
+        gl.store(OUT_I + row + pos, (4294967295 - (keys & 4294967295)).to(gl.int32), mask=keep)
+        gl.store(OUT_V + row + pos, _unpack_value(keys), mask=keep)
+    else:
+        gl.thread_barrier()  # the slots overwritten here are read (by every thread)
+        gl.store(SCR + base + pos, keys, mask=keep)
+
+
+@gluon.jit
 def _positions(keep):
     # distinct dense output positions of the kept keys of a [rows, lanes] window: the rows'
     # exclusive prefix (across warps) plus the exclusive prefix within each row (in a warp)
@@ -193,7 +268,7 @@ def _positions(keep):
 # ------------------------------------------------------------------------------------------
 @gluon.jit
 def _selector(SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, empty_bar, num_blocks, R0: gl.constexpr,
-              NR: gl.constexpr, PROFILE: gl.constexpr):
+              NR: gl.constexpr, RELOAD: gl.constexpr, BRACKET: gl.constexpr, PROFILE: gl.constexpr):
     # Rows R0 .. R0 + NR - 1 of each block (with two selectors side by side, one per row pair).
     # PROF slots (+8 for R0 = 2): 2 cycles waiting for a half, 3 cycles compacting, 4 halves,
     # 5 searches.
@@ -223,40 +298,44 @@ def _selector(SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, emp
         if j >= 0:
             mb = num_blocks - 1 - j
             for r in gl.static_range(R0, R0 + NR):
-                base = (pid * BM + r) * ROWSTRIDE
+                base = (pid * BM + r) * ROWSTRIDE + _opaque_zero()
                 m_r = gl.sum(gl.where(rr == r, mvec, 0), axis=0)
                 lc = gl.load(LC + ((pid * 2 + h) * BM + r) * BN + lane)
                 ntot = m_r + gl.sum(lc, axis=0)
                 valid, addr = _window(srow, lane, m_r, lc, h, base)
-                # the search holds the high words only (SCR32: the scratch as int32,
-                # little-endian; empty slots INT32_MIN); the whole keys are read again for the
-                # stores, half a window at a time (the selectors' registers are few)
-                hi = gl.load(SCR32 + addr * 2 + 1, mask=valid, other=-2147483648)
+                if RELOAD:
+                    # the search holds the high words only (SCR32: the scratch as int32,
+                    # little-endian; empty slots INT32_MIN); the whole keys are read again for
+                    # the stores, half a window at a time (two selectors' registers are few)
+                    hi = gl.load(SCR32 + addr * 2 + 1, mask=valid, other=-2147483648)
+                else:
+                    keys = gl.load(SCR + addr, mask=valid, other=EMPTY)
+                    hi = (keys >> 32).to(gl.int32)
+                win = (srow, lane, m_r, lc, h, base)
                 kth = gl.zeros([], dtype=gl.int64) + EMPTY
                 if fin != 0:
                     if ntot > TOPK:
-                        kth, _ = _kth_largest(SCR, addr, hi, ntot, TOPK, 0)
+                        kth, _ = _kth_largest(SCR, win, hi, ntot, TOPK, 0, BRACKET)
                 elif ntot > KBASE:
-                    kth, _ = _kth_largest(SCR, addr, hi, ntot, TOPK, SLACK)
+                    kth, _ = _kth_largest(SCR, win, hi, ntot, TOPK, SLACK, BRACKET)
                     _prof_add(PROF, 5 + 4 * R0, 1, PROFILE)
                 row = (mb * BM + r).to(gl.int64) * TOPK
-                done = gl.zeros([], dtype=gl.int32)
-                for c in gl.static_range(2):
-                    # slot rows [c * 32, c * 32 + 32): the kept keys of the first half go to
-                    # slots < 2,048, i.e. rows it has read itself; the second half's to
-                    # slots it read or the first half already consumed
-                    v_c, a_c = _window(srow_c + c * (WIN // BN // 2), lane, m_r, lc, h, base)
-                    keys = gl.load(SCR + a_c, mask=v_c, other=EMPTY)
-                    keep = v_c & (keys >= kth)
-                    pos, n_c = _positions(keep)
-                    pos = pos + done
-                    done = done + n_c
-                    if fin != 0:
-                        gl.store(OUT_I + row + pos, (4294967295 - (keys & 4294967295)).to(gl.int32), mask=keep)
-                        gl.store(OUT_V + row + pos, _unpack_value(keys), mask=keep)
-                    else:
-                        gl.thread_barrier()  # the slots this half overwrites are read
-                        gl.store(SCR + base + pos, keys, mask=keep)
+                if RELOAD:
+                    done = gl.zeros([], dtype=gl.int32)
+                    for c in gl.static_range(2):
+                        # slot rows [c * 32, c * 32 + 32): the kept keys of the first half go
+                        # to slots < 2,048, i.e. rows it has read itself; the second half's to
+                        # slots it read or the first half already consumed
+                        v_c, a_c = _window(srow_c + c * (WIN // BN // 2), lane, m_r, lc, h, base)
+                        keys = gl.load(SCR + a_c, mask=v_c, other=EMPTY)
+                        keep = v_c & (keys >= kth)
+                        pos, n_c = _positions(keep)
+                        _emit(keys, keep, pos + done, fin, SCR, base, OUT_I, OUT_V, row)
+                        done = done + n_c
+                else:
+                    keep = valid & (keys >= kth)
+                    pos, done = _positions(keep)
+                    _emit(keys, keep, pos, fin, SCR, base, OUT_I, OUT_V, row)
                 if fin != 0:
                     mvec = gl.where(rr == r, 0, mvec)
                     tvec = gl.where(rr == r, EMPTY, tvec)
@@ -400,7 +479,7 @@ def _scorer(Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_sme
 
 @gluon.jit
 def _ws_kernel(Q, W, k_desc, SCR, SCR32, LC, META, THR, THRJ, COUNTER, OUT_I, OUT_V, PROF, num_blocks,
-               SEL_REGS: gl.constexpr, NSEL: gl.constexpr, PROFILE: gl.constexpr):
+               SEL_REGS: gl.constexpr, NSEL: gl.constexpr, BRACKET: gl.constexpr, PROFILE: gl.constexpr):
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NC, D], gl.bfloat16)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [NC, D], q_layout)
@@ -417,16 +496,16 @@ def _ws_kernel(Q, W, k_desc, SCR, SCR32, LC, META, THR, THRJ, COUNTER, OUT_I, OU
             (_scorer, (Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_smem, ready, full_bar,
                        empty_bar, num_blocks, PROFILE)),
             (_selector, (SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, empty_bar, num_blocks, 0, BM,
-                         PROFILE)),
+                         False, BRACKET, PROFILE)),
         ], [4], [SEL_REGS])
     else:
         gl.warp_specialize([
             (_scorer, (Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_smem, ready, full_bar,
                        empty_bar, num_blocks, PROFILE)),
             (_selector, (SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, empty_bar, num_blocks, 0, 2,
-                         PROFILE)),
+                         True, BRACKET, PROFILE)),
             (_selector, (SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, empty_bar, num_blocks, 2, 2,
-                         PROFILE)),
+                         True, BRACKET, PROFILE)),
         ], [4, 4], [SEL_REGS, SEL_REGS])
 
 
@@ -453,7 +532,7 @@ class Workspace:
         self.prof = torch.zeros(nprog * 16, dtype=torch.int64, device=device)
 
 
-def ws_topk(q2, k2, w2, out_i, out_v, ws: Workspace, nsel: int = 1, profile: bool = False):
+def ws_topk(q2, k2, w2, out_i, out_v, ws: Workspace, nsel: int = 1, bracket: bool = True, profile: bool = False):
     """q2 [S, H, D] bf16, k2 [S, D] bf16, w2 [S, H] fp32 (scale folded in): the causal top-k
     indices and values of every row, unsorted, into out_i / out_v [S, TOPK]."""
     S = q2.shape[0]
@@ -463,7 +542,7 @@ def ws_topk(q2, k2, w2, out_i, out_v, ws: Workspace, nsel: int = 1, profile: boo
     if profile:
         ws.prof.zero_()
     return _ws_kernel[(ws.nprog,)](q2, w2, _k_descriptor(k2), ws.scr, ws.scr.view(torch.int32), ws.lc, ws.meta, ws.thr, ws.thrj, ws.counter,
-                                   out_i, out_v, ws.prof, S // int(BM), SEL_REGS[nsel], nsel, profile,
+                                   out_i, out_v, ws.prof, S // int(BM), SEL_REGS[nsel], nsel, bracket, profile,
                                    num_warps=4, maxnreg=MAXNREG[nsel])
 
 
@@ -482,7 +561,7 @@ def compile_only(nsel) -> int:
     oi = torch.empty(S, int(TOPK), dtype=torch.int32)
     ov = torch.empty(S, int(TOPK))
     ck = _ws_kernel.warmup(q2, w2, _k_descriptor(k2), ws.scr, ws.scr.view(torch.int32), ws.lc, ws.meta, ws.thr, ws.thrj, ws.counter, oi, ov,
-                           ws.prof, S // int(BM), SEL_REGS[nsel], nsel, bool(os.environ.get("WS_PROFILE")),
+                           ws.prof, S // int(BM), SEL_REGS[nsel], nsel, True, bool(os.environ.get("WS_PROFILE")),
                            num_warps=4, maxnreg=MAXNREG[nsel], grid=(1,))
     rep = ptxas_report(ck.asm["ptx"], bindir)
     sass = sass_counts(ck.asm["cubin"], bindir)[0]
@@ -496,16 +575,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", default="32768")
     ap.add_argument("--inputs", default="iid,struct")
-    ap.add_argument("--selectors", default="1", help="selector partitions: 1 (4 rows each), 2 (2 rows each), or 1,2")
+    ap.add_argument("--selectors", default="1",
+                    help="variants: selector partitions 1 (4 rows each) or 2 (2 rows each), ':bits' for the one-bit "
+                         "search instead of the bracketing one; e.g. 1,1:bits,2")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--no-library", action="store_true", help="skip the library rows (their numbers are known)")
     ap.add_argument("--out", default=os.environ.get("OUT", "calib_out"))
     args = ap.parse_args(argv)
     if args.compile_only:
-        return max(compile_only(int(n)) for n in args.selectors.split(","))
-    nsels = [int(n) for n in args.selectors.split(",")]
-    if any(n not in (1, 2) for n in nsels):
-        ap.error("--selectors: 1, 2 or 1,2")
+        return max(compile_only(int(n.split(":")[0])) for n in args.selectors.split(","))
+    nsels = [(int(v.split(":")[0]), not v.endswith(":bits")) for v in args.selectors.split(",")]
+    if any(n not in (1, 2) for n, _ in nsels):
+        ap.error("--selectors: 1 or 2 partitions, each optionally with :bits")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         sys.exit("calibrate_gluon_ws.py needs a Hopper GPU (sm_90); use --compile-only elsewhere")
     import bench_hytopk as bh
@@ -533,21 +614,22 @@ def main(argv=None) -> int:
             oi = torch.empty(S, int(TOPK), dtype=torch.int32, device=dev)
             ov = torch.empty(S, int(TOPK), dtype=torch.float32, device=dev)
 
-            def ws_unsorted(nsel):
-                ws_topk(q2, k2, w2, oi, ov, ws, nsel)
+            def ws_unsorted(nsel, br):
+                ws_topk(q2, k2, w2, oi, ov, ws, nsel, br)
                 return oi
 
-            def ws_sorted(nsel):
-                ws_topk(q2, k2, w2, oi, ov, ws, nsel)
+            def ws_sorted(nsel, br):
+                ws_topk(q2, k2, w2, oi, ov, ws, nsel, br)
                 sort_rows_(oi, ov, write_values=False)
                 return oi
 
             rows = bh.sample_rows(S)
             ref = bh.hytopk_op(q, k, w, hi, spec_json, True)
             variants = []
-            for n in nsels:
-                variants += [(f"ws, {n} selector(s), unsorted", lambda n=n: ws_unsorted(n)),
-                             (f"ws, {n} selector(s), + sort_rows_", lambda n=n: ws_sorted(n))]
+            for n, br in nsels:
+                tag = f"ws, {n} selector(s), {'bracket' if br else 'bits'}"
+                variants += [(f"{tag}, unsorted", lambda n=n, br=br: ws_unsorted(n, br)),
+                             (f"{tag}, + sort_rows_", lambda n=n, br=br: ws_sorted(n, br))]
             if not args.no_library:
                 variants = [("library hytopk", lambda: bh.hytopk_op(q, k, w, hi, spec_json, True)),
                             ("library hytopk:unsorted", lambda: bh.hytopk_op(q, k, w, hi, spec_json, False))] + variants
@@ -564,12 +646,12 @@ def main(argv=None) -> int:
                     lines.append(f"| {S} | {inp} | {name} | failed: {type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:120]} | | | |")
                 print(lines[-1], file=sys.stderr, flush=True)
-            for n in nsels:
-                ws_topk(q2, k2, w2, oi, ov, ws, n, profile=True)
+            for n, br in nsels:
+                ws_topk(q2, k2, w2, oi, ov, ws, n, br, profile=True)
                 torch.cuda.synchronize()
                 pr = ws.prof.view(-1, 16).double().sum(0).tolist()
                 busy = max(pr[3], pr[11])  # the busier selector
-                prof_lines.append(f"| {S} | {inp} | {n} | {100 * pr[0] / pr[1]:.1f}% | {100 * busy / pr[1]:.1f}% | "
+                prof_lines.append(f"| {S} | {inp} | {n}{'' if br else ' (bits)'} | {100 * pr[0] / pr[1]:.1f}% | {100 * busy / pr[1]:.1f}% | "
                                   f"{pr[4] / (S // 4):.2f} | {(pr[5] + pr[13]) / S:.2f} | "
                                   f"{busy / max(pr[4], 1) / 1e3:.1f} | {pr[1] / max(pr[6], 1):.0f} |")
                 print(prof_lines[-1], file=sys.stderr, flush=True)
