@@ -1,13 +1,14 @@
 """Does selection overlapped with scoring pay? A warp-specialized HyTopK at the DSA shape
-(Gluon, one Hopper GPU; ``--compile-only`` anywhere).
+(Gluon, one Hopper GPU; ``--compile-only`` builds for sm_90 anywhere).
 
-    python benchmarks/calibrate_gluon_ws.py [--seq 32768] [--inputs iid,struct] [--check 32]
-    python benchmarks/calibrate_gluon_ws.py --compile-only     # sm_90 build: registers, spills
+    python benchmarks/calibrate_gluon_ws.py [--seq 32768,131072] [--inputs iid,struct] [--selectors 1,1:bits,2]
+    python benchmarks/calibrate_gluon_ws.py --compile-only --selectors 1,2    # registers, spills, SASS
+    WS_WIN=8192 python benchmarks/calibrate_gluon_ws.py ...                  # bigger halves (see WIN)
 
 The structural step of docs/kernel-design.md ("Where things stand after session 11"): in the
 generated Triton kernel each program scores, then stops scoring to compact its candidate
-buffers, so ~1/3 of the compactions' cycles show in the time. Here one program per SM has
-two warp groups with different jobs (``gl.warp_specialize``):
+buffers. Here one program per SM has warp groups with different jobs (``gl.warp_specialize``;
+docs/kernel-design.md, v21, has the measurements):
 
 * the scorer (4 warps, the default partition): TMA key tiles in a 3-stage ring, one wgmma
   per tile (64 keys x 256 columns = 4 query rows x 64 heads, in the Triton kernel's column
@@ -16,12 +17,15 @@ two warp groups with different jobs (``gl.warp_specialize``):
   slot of the current *half* of the row's buffer (64 lanes x SUBH slots, in global scratch).
   When a lane could overflow (or the block ends) it hands the half over (an mbarrier) and
   goes on with the other half;
-* the selector (4 warps, a worker partition): for each half handed over, each row's kept keys
-  (<= k + slack) and the half's keys are one 4,096-slot window; a count search (the Triton
-  kernel's ``_kth_largest``) finds a threshold that keeps k .. k + slack of them (exactly k
-  for the block's last half), the kept keys go back to the kept area (or, at the end, are
-  written out as indices and fp32 values), and the new thresholds are published for the
-  scorer with the half's release.
+* the selector (4 warps, a worker partition; or two, one per row pair): for each half handed
+  over, each row's kept keys (<= k + slack) and the half's keys are one window of WIN slots
+  ([WIN / 64 slot rows, 64 lanes]); a count search finds a threshold that keeps k .. k +
+  slack of them (exactly k for the block's last half): one bit per pass (the Triton kernel's
+  ``_kth_largest``) or v19's bracketing (regula falsi in value space, or in score-bits space);
+  the kept keys go back to the kept area (or, at the end, are written out as indices and
+  fp32 values), and the new thresholds are published with the half's release. With two
+  selectors (144 registers each) the search holds only the keys' high words and the keys are
+  read again for the stores, a chunk at a time.
 
 The scorer reads a threshold only after an mbarrier wait that orders it (the release of the
 half it is about to fill), so it filters with a threshold at most one handoff old; a stale
@@ -30,7 +34,10 @@ is dropped only when k kept keys beat it.
 
 Output: indices (int32) and values unsorted, then the library's ``sort_rows_``. Checked with
 bench_hytopk's float64 threshold check on sampled rows, and against the library op's
-selection (same sets except where fp32 reassociation moves a near tie). Prints a table last.
+selection (the fraction of rows with the same set). Prints a table last, then a profile of a
+PROFILE build (cycles the scorer waits for a free half, the selector's busy cycles, halves per
+block, the selector's load / search / store kcycles per row compaction, passes per search).
+Batch 1, causal, S a multiple of 4 and >= k; no masks beyond causal; not a library kernel.
 """
 from __future__ import annotations
 
@@ -54,10 +61,13 @@ H, D, BM, BN = C(64), C(128), C(4), C(64)
 NC = C(BM * H)                   # dot columns: 4 query rows x 64 heads
 TOPK, SLACK = C(2048), C(128)
 KBASE = C(TOPK + SLACK)          # kept slots per row
-WIN = C(4096)                    # a compaction's window: the kept slots + one half
+# a compaction's window: the kept slots + one half (WS_WIN=8192: halves of 94 slots per
+# lane, fewer and longer compactions, the keys read again for the stores)
+WIN = C(int(os.environ.get("WS_WIN", "4096")))
 KROWS = C(KBASE // BN)           # slot rows of the kept area (34)
-SUBH = C((WIN - KBASE) // BN)    # slots per lane in a half (30)
-ROWSTRIDE = C(8192)              # per row: [kept KBASE][half 0][half 1]
+SUBH = C((WIN - KBASE) // BN)    # slots per lane in a half (30 at WIN = 4096)
+ROWSTRIDE = C(2 * WIN)           # per row: [kept KBASE][half 0][half 1]
+CH_ROWS = C(32)                  # slot rows per chunk of the stores when the keys are read again
 STAGES = C(3)
 EMPTY = C(-9223372036854775807)
 # registers per thread at launch (one program per SM): 8 warps x 32 x 256 with one selector,
@@ -95,6 +105,12 @@ def _opaque_zero():
     # 0, unknown to the compiler: offsets derived from it are computed where they are used
     # instead of being hoisted out of the selector's loop (32 registers each per thread)
     return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _clock_after(x):
+    # the cycle counter once x (int64 scalar) is known
+    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [x], dtype=gl.int64, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -136,12 +152,14 @@ def _value_u(y):
 
 
 @gluon.jit
-def _bracket_search(hi, umin, umax, n, KEEP: gl.constexpr, SLK: gl.constexpr):
+def _bracket_search(hi, umin, umax, n, KEEP: gl.constexpr, SLK: gl.constexpr, USPACE: gl.constexpr):
     # v19's search (docs/kernel-design.md; triton_codegen at commit 0569e64): [lo, hi_u)
     # holds the answer, #{u >= lo} = n_lo >= KEEP > #{u >= hi_u}; each pass counts above the
     # score value that a line through the bracket's ends puts in the middle of the wanted
     # counts (regula falsi in value space, Illinois-weighted), or the bracket's midpoint in
-    # bits after two passes that did not halve it. Returns (lo as uint32, n_lo).
+    # bits after two passes that did not halve it. USPACE: the line in score-bits space
+    # instead (fp32 bits are close to a log scale: robust to a long upper tail). Returns
+    # (lo as uint32, n_lo).
     lo = umin.to(gl.int64)
     hu = umax.to(gl.int64) + 1
     n_lo = n
@@ -150,12 +168,18 @@ def _bracket_search(hi, umin, umax, n, KEEP: gl.constexpr, SLK: gl.constexpr):
     f_hi = gl.zeros([], dtype=gl.float32) - t
     side = gl.zeros([], dtype=gl.int32)
     slow = gl.zeros([], dtype=gl.int32)
+    passes = gl.zeros([], dtype=gl.int32)
     while (n_lo > KEEP + SLK) & (hu - lo > 1):
+        passes += 1
         w = hu - lo
-        v_lo = _u_value(lo.to(gl.uint32))
-        v_hi = _u_value((hu - 1).to(gl.uint32))
-        v = v_lo + (f_lo / (f_lo - f_hi)) * (v_hi - v_lo)
-        c = gl.where((slow >= 2) | (v != v) | (gl.abs(v) == float("inf")), lo + w // 2, _value_u(v))
+        if USPACE:
+            c = lo + ((f_lo / (f_lo - f_hi)) * (w - 1).to(gl.float32)).to(gl.int64)
+            c = gl.where(slow >= 2, lo + w // 2, c)
+        else:
+            v_lo = _u_value(lo.to(gl.uint32))
+            v_hi = _u_value((hu - 1).to(gl.uint32))
+            v = v_lo + (f_lo / (f_lo - f_hi)) * (v_hi - v_lo)
+            c = gl.where((slow >= 2) | (v != v) | (gl.abs(v) == float("inf")), lo + w // 2, _value_u(v))
         c = gl.minimum(gl.maximum(c, lo + 1), hu - 1)
         cs = (c.to(gl.uint32) ^ 2147483648).to(gl.int32, bitcast=True)
         n_c = _sum2((hi >= cs).to(gl.int32))
@@ -168,11 +192,11 @@ def _bracket_search(hi, umin, umax, n, KEEP: gl.constexpr, SLK: gl.constexpr):
         hu = gl.where(up, hu, c)
         side = gl.where(up, 1, 2)
         slow = gl.where((hu - lo) * 2 > w, slow + 1, 0)
-    return lo.to(gl.uint32), n_lo
+    return lo.to(gl.uint32), n_lo, passes
 
 
 @gluon.jit
-def _kth_largest(SCR, win, hi, n, KEEP: gl.constexpr, SLK: gl.constexpr, BRACKET: gl.constexpr):
+def _kth_largest(SCR, win, hi, n, KEEP: gl.constexpr, SLK: gl.constexpr, SEARCH: gl.constexpr):
     # triton_codegen._kth_largest over a [rows, lanes] window: a key kth with
     # KEEP <= #{valid keys >= kth} <= KEEP + SLK (exactly KEEP when SLK = 0), n > KEEP
     # distinct valid keys; returns (kth, count). The search counts on the keys' high words
@@ -185,8 +209,8 @@ def _kth_largest(SCR, win, hi, n, KEEP: gl.constexpr, SLK: gl.constexpr, BRACKET
     smax = gl.max(gl.max(hi, axis=1), axis=0)
     umin = (smin ^ -2147483648).to(gl.uint32, bitcast=True)
     umax = (smax ^ -2147483648).to(gl.uint32, bitcast=True)
-    if BRACKET:
-        prefix, n_ge = _bracket_search(hi, umin, umax, n, KEEP, SLK)
+    if SEARCH > 0:
+        prefix, n_ge, passes = _bracket_search(hi, umin, umax, n, KEEP, SLK, SEARCH == 2)
     else:
         x = umin ^ umax
         hb = gl.zeros([], dtype=gl.int32)
@@ -199,7 +223,9 @@ def _kth_largest(SCR, win, hi, n, KEEP: gl.constexpr, SLK: gl.constexpr, BRACKET
         bit = gl.where(umin == umax, 0, gl.full([], 1, gl.uint32) << hbu)
         prefix = gl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
         n_ge = n
+        passes = gl.zeros([], dtype=gl.int32)
         while (bit > 0) & (n_ge > KEEP + SLK):
+            passes += 1
             cs = ((prefix | bit) ^ 2147483648).to(gl.int32, bitcast=True)
             n_c = _sum2((hi >= cs).to(gl.int32))
             prefix = gl.where(n_c >= KEEP, prefix | bit, prefix)
@@ -227,7 +253,7 @@ def _kth_largest(SCR, win, hi, n, KEEP: gl.constexpr, SLK: gl.constexpr, BRACKET
                 lstep = lstep // 2
             kth = gl.max(gl.max(gl.where(eq & (low == lp), keys, EMPTY), axis=1), axis=0)
         n_ge = gl.zeros([], dtype=gl.int32) + KEEP
-    return kth, n_ge
+    return kth, n_ge, passes
 
 
 @gluon.jit
@@ -268,7 +294,7 @@ def _positions(keep):
 # ------------------------------------------------------------------------------------------
 @gluon.jit
 def _selector(SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, empty_bar, num_blocks, R0: gl.constexpr,
-              NR: gl.constexpr, RELOAD: gl.constexpr, BRACKET: gl.constexpr, PROFILE: gl.constexpr):
+              NR: gl.constexpr, RELOAD: gl.constexpr, SEARCH: gl.constexpr, PROFILE: gl.constexpr):
     # Rows R0 .. R0 + NR - 1 of each block (with two selectors side by side, one per row pair).
     # PROF slots (+8 for R0 = 2): 2 cycles waiting for a half, 3 cycles compacting, 4 halves,
     # 5 searches.
@@ -277,9 +303,9 @@ def _selector(SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, emp
     L2: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
     R_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     pid = gl.program_id(0)
-    srow = gl.arange(0, WIN // BN, layout=gl.SliceLayout(1, L2))
+    srow0 = gl.arange(0, WIN // BN, layout=gl.SliceLayout(1, L2))
     lane = gl.arange(0, BN, layout=gl.SliceLayout(0, L2))
-    srow_c = gl.arange(0, WIN // BN // 2, layout=gl.SliceLayout(1, L2))
+    srow_c0 = gl.arange(0, CH_ROWS, layout=gl.SliceLayout(1, L2))
     rr = gl.arange(0, BM, layout=R_L)
     mvec = gl.zeros([BM], gl.int32, R_L)             # kept keys per row
     tvec = gl.full([BM], EMPTY, gl.int64, R_L)       # the rows' thresholds (published)
@@ -298,10 +324,17 @@ def _selector(SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, emp
         if j >= 0:
             mb = num_blocks - 1 - j
             for r in gl.static_range(R0, R0 + NR):
-                base = (pid * BM + r) * ROWSTRIDE + _opaque_zero()
+                base = (pid * BM + r) * ROWSTRIDE
+                # (the window's offsets, through an opaque zero, are computed here rather
+                # than hoisted out of the loop: 32-64 registers per thread each)
+                z = _opaque_zero()
+                srow = srow0 + z
+                srow_c = srow_c0 + z
                 m_r = gl.sum(gl.where(rr == r, mvec, 0), axis=0)
                 lc = gl.load(LC + ((pid * 2 + h) * BM + r) * BN + lane)
                 ntot = m_r + gl.sum(lc, axis=0)
+                if PROFILE:
+                    c_r0 = _clock()
                 valid, addr = _window(srow, lane, m_r, lc, h, base)
                 if RELOAD:
                     # the search holds the high words only (SCR32: the scratch as int32,
@@ -312,21 +345,26 @@ def _selector(SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, emp
                     keys = gl.load(SCR + addr, mask=valid, other=EMPTY)
                     hi = (keys >> 32).to(gl.int32)
                 win = (srow, lane, m_r, lc, h, base)
+                if PROFILE:
+                    c_r1 = _clock_after(gl.max(gl.max(hi, axis=1), axis=0).to(gl.int64))
                 kth = gl.zeros([], dtype=gl.int64) + EMPTY
+                npass = gl.zeros([], dtype=gl.int32)
                 if fin != 0:
                     if ntot > TOPK:
-                        kth, _ = _kth_largest(SCR, win, hi, ntot, TOPK, 0, BRACKET)
+                        kth, _, npass = _kth_largest(SCR, win, hi, ntot, TOPK, 0, SEARCH)
                 elif ntot > KBASE:
-                    kth, _ = _kth_largest(SCR, win, hi, ntot, TOPK, SLACK, BRACKET)
+                    kth, _, npass = _kth_largest(SCR, win, hi, ntot, TOPK, SLACK, SEARCH)
                     _prof_add(PROF, 5 + 4 * R0, 1, PROFILE)
+                if PROFILE:
+                    c_r2 = _clock_after(kth)
                 row = (mb * BM + r).to(gl.int64) * TOPK
                 if RELOAD:
                     done = gl.zeros([], dtype=gl.int32)
-                    for c in gl.static_range(2):
-                        # slot rows [c * 32, c * 32 + 32): the kept keys of the first half go
-                        # to slots < 2,048, i.e. rows it has read itself; the second half's to
-                        # slots it read or the first half already consumed
-                        v_c, a_c = _window(srow_c + c * (WIN // BN // 2), lane, m_r, lc, h, base)
+                    for c in gl.static_range(WIN // BN // CH_ROWS):
+                        # slot rows [c * 32, c * 32 + 32): a chunk's kept keys go to slots
+                        # below the end of the rows read so far (it read its own before the
+                        # barrier in _emit)
+                        v_c, a_c = _window(srow_c + c * CH_ROWS, lane, m_r, lc, h, base)
                         keys = gl.load(SCR + a_c, mask=v_c, other=EMPTY)
                         keep = v_c & (keys >= kth)
                         pos, n_c = _positions(keep)
@@ -336,6 +374,14 @@ def _selector(SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, emp
                     keep = valid & (keys >= kth)
                     pos, done = _positions(keep)
                     _emit(keys, keep, pos, fin, SCR, base, OUT_I, OUT_V, row)
+                if PROFILE and R0 == 0:
+                    gl.thread_barrier()
+                    c_r3 = _clock()
+                    _prof_add(PROF, 7, c_r1 - c_r0, PROFILE)
+                    _prof_add(PROF, 8, c_r2 - c_r1, PROFILE)
+                    _prof_add(PROF, 9, c_r3 - c_r2, PROFILE)
+                    _prof_add(PROF, 14, npass.to(gl.int64), PROFILE)
+                    _prof_add(PROF, 15, 1, PROFILE)
                 if fin != 0:
                     mvec = gl.where(rr == r, 0, mvec)
                     tvec = gl.where(rr == r, EMPTY, tvec)
@@ -479,7 +525,7 @@ def _scorer(Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_sme
 
 @gluon.jit
 def _ws_kernel(Q, W, k_desc, SCR, SCR32, LC, META, THR, THRJ, COUNTER, OUT_I, OUT_V, PROF, num_blocks,
-               SEL_REGS: gl.constexpr, NSEL: gl.constexpr, BRACKET: gl.constexpr, PROFILE: gl.constexpr):
+               SEL_REGS: gl.constexpr, NSEL: gl.constexpr, SEARCH: gl.constexpr, PROFILE: gl.constexpr):
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NC, D], gl.bfloat16)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [NC, D], q_layout)
@@ -496,16 +542,16 @@ def _ws_kernel(Q, W, k_desc, SCR, SCR32, LC, META, THR, THRJ, COUNTER, OUT_I, OU
             (_scorer, (Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_smem, ready, full_bar,
                        empty_bar, num_blocks, PROFILE)),
             (_selector, (SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, empty_bar, num_blocks, 0, BM,
-                         False, BRACKET, PROFILE)),
+                         WIN > 4096, SEARCH, PROFILE)),
         ], [4], [SEL_REGS])
     else:
         gl.warp_specialize([
             (_scorer, (Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_smem, ready, full_bar,
                        empty_bar, num_blocks, PROFILE)),
             (_selector, (SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, empty_bar, num_blocks, 0, 2,
-                         True, BRACKET, PROFILE)),
+                         True, SEARCH, PROFILE)),
             (_selector, (SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, empty_bar, num_blocks, 2, 2,
-                         True, BRACKET, PROFILE)),
+                         True, SEARCH, PROFILE)),
         ], [4, 4], [SEL_REGS, SEL_REGS])
 
 
@@ -532,7 +578,7 @@ class Workspace:
         self.prof = torch.zeros(nprog * 16, dtype=torch.int64, device=device)
 
 
-def ws_topk(q2, k2, w2, out_i, out_v, ws: Workspace, nsel: int = 1, bracket: bool = True, profile: bool = False):
+def ws_topk(q2, k2, w2, out_i, out_v, ws: Workspace, nsel: int = 1, search: int = 1, profile: bool = False):
     """q2 [S, H, D] bf16, k2 [S, D] bf16, w2 [S, H] fp32 (scale folded in): the causal top-k
     indices and values of every row, unsorted, into out_i / out_v [S, TOPK]."""
     S = q2.shape[0]
@@ -542,7 +588,7 @@ def ws_topk(q2, k2, w2, out_i, out_v, ws: Workspace, nsel: int = 1, bracket: boo
     if profile:
         ws.prof.zero_()
     return _ws_kernel[(ws.nprog,)](q2, w2, _k_descriptor(k2), ws.scr, ws.scr.view(torch.int32), ws.lc, ws.meta, ws.thr, ws.thrj, ws.counter,
-                                   out_i, out_v, ws.prof, S // int(BM), SEL_REGS[nsel], nsel, bracket, profile,
+                                   out_i, out_v, ws.prof, S // int(BM), SEL_REGS[nsel], nsel, search, profile,
                                    num_warps=4, maxnreg=MAXNREG[nsel])
 
 
@@ -561,7 +607,7 @@ def compile_only(nsel) -> int:
     oi = torch.empty(S, int(TOPK), dtype=torch.int32)
     ov = torch.empty(S, int(TOPK))
     ck = _ws_kernel.warmup(q2, w2, _k_descriptor(k2), ws.scr, ws.scr.view(torch.int32), ws.lc, ws.meta, ws.thr, ws.thrj, ws.counter, oi, ov,
-                           ws.prof, S // int(BM), SEL_REGS[nsel], nsel, True, bool(os.environ.get("WS_PROFILE")),
+                           ws.prof, S // int(BM), SEL_REGS[nsel], nsel, 1, bool(os.environ.get("WS_PROFILE")),
                            num_warps=4, maxnreg=MAXNREG[nsel], grid=(1,))
     rep = ptxas_report(ck.asm["ptx"], bindir)
     sass = sass_counts(ck.asm["cubin"], bindir)[0]
@@ -576,15 +622,17 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", default="32768")
     ap.add_argument("--inputs", default="iid,struct")
     ap.add_argument("--selectors", default="1",
-                    help="variants: selector partitions 1 (4 rows each) or 2 (2 rows each), ':bits' for the one-bit "
-                         "search instead of the bracketing one; e.g. 1,1:bits,2")
+                    help="variants: selector partitions 1 (4 rows each) or 2 (2 rows each); the threshold search "
+                         "':value' (default: bracketing, the line in value space), ':bits' (one bit per pass) or ':u' "
+                         "(bracketing, the line in score-bits space); e.g. 1,1:bits,1:u,2")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--no-library", action="store_true", help="skip the library rows (their numbers are known)")
     ap.add_argument("--out", default=os.environ.get("OUT", "calib_out"))
     args = ap.parse_args(argv)
     if args.compile_only:
         return max(compile_only(int(n.split(":")[0])) for n in args.selectors.split(","))
-    nsels = [(int(v.split(":")[0]), not v.endswith(":bits")) for v in args.selectors.split(",")]
+    modes = {"bits": 0, "value": 1, "u": 2}
+    nsels = [(int(v.split(":")[0]), modes[(v.split(":") + ["value"])[1]]) for v in args.selectors.split(",")]
     if any(n not in (1, 2) for n, _ in nsels):
         ap.error("--selectors: 1 or 2 partitions, each optionally with :bits")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
@@ -627,7 +675,7 @@ def main(argv=None) -> int:
             ref = bh.hytopk_op(q, k, w, hi, spec_json, True)
             variants = []
             for n, br in nsels:
-                tag = f"ws, {n} selector(s), {'bracket' if br else 'bits'}"
+                tag = f"ws{int(WIN) // 1024}K, {n} selector(s), search {['bits', 'value', 'u'][br]}"
                 variants += [(f"{tag}, unsorted", lambda n=n, br=br: ws_unsorted(n, br)),
                              (f"{tag}, + sort_rows_", lambda n=n, br=br: ws_sorted(n, br))]
             if not args.no_library:
@@ -651,15 +699,19 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 pr = ws.prof.view(-1, 16).double().sum(0).tolist()
                 busy = max(pr[3], pr[11])  # the busier selector
-                prof_lines.append(f"| {S} | {inp} | {n}{'' if br else ' (bits)'} | {100 * pr[0] / pr[1]:.1f}% | {100 * busy / pr[1]:.1f}% | "
+                prof_lines.append(f"| {S} | {inp} | {n}, {['bits', 'value', 'u'][br]}, {int(WIN) // 1024}K | {100 * pr[0] / pr[1]:.1f}% | {100 * busy / pr[1]:.1f}% | "
                                   f"{pr[4] / (S // 4):.2f} | {(pr[5] + pr[13]) / S:.2f} | "
-                                  f"{busy / max(pr[4], 1) / 1e3:.1f} | {pr[1] / max(pr[6], 1):.0f} |")
+                                  f"{busy / max(pr[4], 1) / 1e3:.1f} | {pr[1] / max(pr[6], 1):.0f} | "
+                                  f"{pr[7] / max(pr[15], 1) / 1e3:.1f} / {pr[8] / max(pr[15], 1) / 1e3:.1f} / "
+                                  f"{pr[9] / max(pr[15], 1) / 1e3:.1f} | {pr[14] / max(pr[5] + pr[13] + S, 1):.1f} |")
                 print(prof_lines[-1], file=sys.stderr, flush=True)
     lines += ["", "Profile (PROFILE build, one call; cycles summed over programs): scorer waiting for a free half, "
               "the busier selector's busy cycles (both as % of the scorer's cycles), halves per row block, "
-              "searching compactions per row, that selector's kcycles per half, scorer cycles per tile",
+              "searching compactions per row, that selector's kcycles per half, scorer cycles per tile; the first "
+              "selector's kcycles per row compaction in load / search / positions and stores, and search passes per "
+              "searching compaction (in-loop and final)",
               "| S | inputs | selectors | scorer waits | selector busy | halves / block | searches / row | "
-              "kcycles / half | cycles / tile |", "|---|---|---|---|---|---|---|---|---|"] + prof_lines
+              "kcycles / half | cycles / tile | load / search / store | passes |", "|---|---|---|---|---|---|---|---|---|---|---|"] + prof_lines
     table = "\n".join(lines)
     with open(os.path.join(args.out, "calibrate_gluon_ws.md"), "w") as f:
         f.write(table + "\n")
