@@ -73,7 +73,9 @@ EMPTY = C(-9223372036854775807)
 # registers per thread at launch (one program per SM): 8 warps x 32 x 256 with one selector,
 # 12 x 32 x 168 with two; then setmaxnreg moves them between the partitions
 MAXNREG = {1: 256, 2: 168}
-SEL_REGS = {1: 248, 2: 144}      # per selector thread (the scorer gets the rest)
+# per selector thread (the scorer gets the rest); (2, True): weights in shared memory, the
+# selectors' keys in registers
+SEL_REGS = {(1, False): 248, (2, False): 144, (1, True): 248, (2, True): int(os.environ.get("WS_SEL_REGS", "168"))}
 
 
 # ------------------------------------------------------------------------------------------
@@ -444,8 +446,10 @@ def _handoff(LC, META, THR, THRJ, PROF, full_bar, empty_bar, pid, cnt, lc_off, n
 
 
 @gluon.jit
-def _scorer(Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_smem, ready, full_bar, empty_bar,
-            num_blocks, PROFILE: gl.constexpr):
+def _scorer(Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_smem, w_smem, ready, full_bar,
+            empty_bar, num_blocks, W_SMEM: gl.constexpr, PROFILE: gl.constexpr):
+    # W_SMEM: the head weights read from shared memory at every tile instead of held in
+    # registers (64 per thread), which leaves the registers to two selectors
     # PROF slots: 0 cycles waiting for a free half, 1 cycles in all, 6 tiles
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NC, 16])
     col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
@@ -482,6 +486,9 @@ def _scorer(Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_sme
         gl.thread_barrier()
         fence_async_shared()
         wv = gl.load(W + (row0 + col_m).to(gl.int64) * H + col_i)
+        if W_SMEM:
+            w_smem.store(wv)
+            gl.thread_barrier()
         last = row0 + row_off                                  # causal: key t <= row
         cnt = gl.zeros_like(key_off)
         thr_v = gl.full(key_off.shape, float("nan"), gl.float32, key_off.type.layout)
@@ -502,7 +509,11 @@ def _scorer(Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_sme
                 acc = warpgroup_mma(k_smem.index(s), q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                 _issue_tile(k_desc, k_smem, ready, g + tt + STAGES, tt + STAGES, tt + STAGES < n_tiles)
-                y = _reduced(gl.maximum(acc, 0.0) * wv[None, :], acc_l)
+                if W_SMEM:
+                    wt = w_smem.load(col_l)
+                    y = _reduced(gl.maximum(acc, 0.0) * wt[None, :], acc_l)
+                else:
+                    y = _reduced(gl.maximum(acc, 0.0) * wv[None, :], acc_l)
                 keys = tt * BN + key_off
                 y = gl.where(keys <= last, y, float("-inf"))
                 take = ~(y <= thr_v)
@@ -525,10 +536,12 @@ def _scorer(Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_sme
 
 @gluon.jit
 def _ws_kernel(Q, W, k_desc, SCR, SCR32, LC, META, THR, THRJ, COUNTER, OUT_I, OUT_V, PROF, num_blocks,
-               SEL_REGS: gl.constexpr, NSEL: gl.constexpr, SEARCH: gl.constexpr, PROFILE: gl.constexpr):
+               SEL_REGS: gl.constexpr, NSEL: gl.constexpr, SEARCH: gl.constexpr, W_SMEM: gl.constexpr,
+               PROFILE: gl.constexpr):
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NC, D], gl.bfloat16)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [NC, D], q_layout)
+    w_smem = gl.allocate_shared_memory(gl.float32, [NC], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     full_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -539,19 +552,19 @@ def _ws_kernel(Q, W, k_desc, SCR, SCR32, LC, META, THR, THRJ, COUNTER, OUT_I, OU
         mbarrier.init(empty_bar.index(i), count=NSEL)  # every selector releases
     if NSEL == 1:
         gl.warp_specialize([
-            (_scorer, (Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_smem, ready, full_bar,
-                       empty_bar, num_blocks, PROFILE)),
+            (_scorer, (Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_smem, w_smem, ready,
+                       full_bar, empty_bar, num_blocks, W_SMEM, PROFILE)),
             (_selector, (SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, empty_bar, num_blocks, 0, BM,
                          WIN > 4096, SEARCH, PROFILE)),
         ], [4], [SEL_REGS])
     else:
         gl.warp_specialize([
-            (_scorer, (Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_smem, ready, full_bar,
-                       empty_bar, num_blocks, PROFILE)),
+            (_scorer, (Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_smem, w_smem, ready,
+                       full_bar, empty_bar, num_blocks, W_SMEM, PROFILE)),
             (_selector, (SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, empty_bar, num_blocks, 0, 2,
-                         True, SEARCH, PROFILE)),
+                         not W_SMEM, SEARCH, PROFILE)),
             (_selector, (SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, empty_bar, num_blocks, 2, 2,
-                         True, SEARCH, PROFILE)),
+                         not W_SMEM, SEARCH, PROFILE)),
         ], [4, 4], [SEL_REGS, SEL_REGS])
 
 
@@ -578,7 +591,8 @@ class Workspace:
         self.prof = torch.zeros(nprog * 16, dtype=torch.int64, device=device)
 
 
-def ws_topk(q2, k2, w2, out_i, out_v, ws: Workspace, nsel: int = 1, search: int = 1, profile: bool = False):
+def ws_topk(q2, k2, w2, out_i, out_v, ws: Workspace, nsel: int = 1, search: int = 1, w_smem: bool = False,
+            profile: bool = False):
     """q2 [S, H, D] bf16, k2 [S, D] bf16, w2 [S, H] fp32 (scale folded in): the causal top-k
     indices and values of every row, unsorted, into out_i / out_v [S, TOPK]."""
     S = q2.shape[0]
@@ -588,11 +602,11 @@ def ws_topk(q2, k2, w2, out_i, out_v, ws: Workspace, nsel: int = 1, search: int 
     if profile:
         ws.prof.zero_()
     return _ws_kernel[(ws.nprog,)](q2, w2, _k_descriptor(k2), ws.scr, ws.scr.view(torch.int32), ws.lc, ws.meta, ws.thr, ws.thrj, ws.counter,
-                                   out_i, out_v, ws.prof, S // int(BM), SEL_REGS[nsel], nsel, search, profile,
+                                   out_i, out_v, ws.prof, S // int(BM), SEL_REGS[(nsel, w_smem)], nsel, search, w_smem, profile,
                                    num_warps=4, maxnreg=MAXNREG[nsel])
 
 
-def compile_only(nsel) -> int:
+def compile_only(nsel, w_smem=False) -> int:
     from triton.runtime import driver
 
     from inspect_hytopk import _Sm90, ptxas_report, sass_counts
@@ -607,11 +621,11 @@ def compile_only(nsel) -> int:
     oi = torch.empty(S, int(TOPK), dtype=torch.int32)
     ov = torch.empty(S, int(TOPK))
     ck = _ws_kernel.warmup(q2, w2, _k_descriptor(k2), ws.scr, ws.scr.view(torch.int32), ws.lc, ws.meta, ws.thr, ws.thrj, ws.counter, oi, ov,
-                           ws.prof, S // int(BM), SEL_REGS[nsel], nsel, 1, bool(os.environ.get("WS_PROFILE")),
+                           ws.prof, S // int(BM), SEL_REGS[(nsel, w_smem)], nsel, 1, w_smem, bool(os.environ.get("WS_PROFILE")),
                            num_warps=4, maxnreg=MAXNREG[nsel], grid=(1,))
     rep = ptxas_report(ck.asm["ptx"], bindir)
     sass = sass_counts(ck.asm["cubin"], bindir)[0]
-    print(f"ws kernel, {nsel} selector(s): {rep}, sass {sass}, shared {ck.metadata.shared} B")
+    print(f"ws kernel, {nsel} selector(s){', weights in shared memory' if w_smem else ''}: {rep}, sass {sass}, shared {ck.metadata.shared} B")
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "ws_kernel.ptx"), "w") as f:
         f.write(ck.asm["ptx"])
     return 0
@@ -630,11 +644,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "calib_out"))
     args = ap.parse_args(argv)
     if args.compile_only:
-        return max(compile_only(int(n.split(":")[0])) for n in args.selectors.split(","))
+        return max(compile_only(int(n.split(":")[0]), "w" in n.split(":")[1:]) for n in args.selectors.split(","))
     modes = {"bits": 0, "value": 1, "u": 2}
-    nsels = [(int(v.split(":")[0]), modes[(v.split(":") + ["value"])[1]]) for v in args.selectors.split(",")]
-    if any(n not in (1, 2) for n, _ in nsels):
-        ap.error("--selectors: 1 or 2 partitions, each optionally with :bits")
+    nsels = []
+    for v in args.selectors.split(","):
+        parts = v.split(":")
+        if parts[0] not in ("1", "2") or any(x not in (*modes, "w") for x in parts[1:]):
+            ap.error(f"--selectors {v!r}: 1 or 2 partitions, then optionally :bits / :value / :u and :w")
+        nsels.append((int(parts[0]), modes[next((x for x in parts[1:] if x in modes), "value")], "w" in parts[1:]))
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         sys.exit("calibrate_gluon_ws.py needs a Hopper GPU (sm_90); use --compile-only elsewhere")
     import bench_hytopk as bh
@@ -662,22 +679,23 @@ def main(argv=None) -> int:
             oi = torch.empty(S, int(TOPK), dtype=torch.int32, device=dev)
             ov = torch.empty(S, int(TOPK), dtype=torch.float32, device=dev)
 
-            def ws_unsorted(nsel, br):
-                ws_topk(q2, k2, w2, oi, ov, ws, nsel, br)
+            def ws_unsorted(nsel, br, wsm):
+                ws_topk(q2, k2, w2, oi, ov, ws, nsel, br, wsm)
                 return oi
 
-            def ws_sorted(nsel, br):
-                ws_topk(q2, k2, w2, oi, ov, ws, nsel, br)
+            def ws_sorted(nsel, br, wsm):
+                ws_topk(q2, k2, w2, oi, ov, ws, nsel, br, wsm)
                 sort_rows_(oi, ov, write_values=False)
                 return oi
 
             rows = bh.sample_rows(S)
             ref = bh.hytopk_op(q, k, w, hi, spec_json, True)
             variants = []
-            for n, br in nsels:
+            for n, br, wsm in nsels:
                 tag = f"ws{int(WIN) // 1024}K, {n} selector(s), search {['bits', 'value', 'u'][br]}"
-                variants += [(f"{tag}, unsorted", lambda n=n, br=br: ws_unsorted(n, br)),
-                             (f"{tag}, + sort_rows_", lambda n=n, br=br: ws_sorted(n, br))]
+                tag += ", weights in smem" if wsm else ""
+                variants += [(f"{tag}, unsorted", lambda n=n, br=br, wsm=wsm: ws_unsorted(n, br, wsm)),
+                             (f"{tag}, + sort_rows_", lambda n=n, br=br, wsm=wsm: ws_sorted(n, br, wsm))]
             if not args.no_library:
                 variants = [("library hytopk", lambda: bh.hytopk_op(q, k, w, hi, spec_json, True)),
                             ("library hytopk:unsorted", lambda: bh.hytopk_op(q, k, w, hi, spec_json, False))] + variants
@@ -694,12 +712,12 @@ def main(argv=None) -> int:
                     lines.append(f"| {S} | {inp} | {name} | failed: {type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:120]} | | | |")
                 print(lines[-1], file=sys.stderr, flush=True)
-            for n, br in nsels:
-                ws_topk(q2, k2, w2, oi, ov, ws, n, br, profile=True)
+            for n, br, wsm in nsels:
+                ws_topk(q2, k2, w2, oi, ov, ws, n, br, wsm, profile=True)
                 torch.cuda.synchronize()
                 pr = ws.prof.view(-1, 16).double().sum(0).tolist()
                 busy = max(pr[3], pr[11])  # the busier selector
-                prof_lines.append(f"| {S} | {inp} | {n}, {['bits', 'value', 'u'][br]}, {int(WIN) // 1024}K | {100 * pr[0] / pr[1]:.1f}% | {100 * busy / pr[1]:.1f}% | "
+                prof_lines.append(f"| {S} | {inp} | {n}, {['bits', 'value', 'u'][br]}, {int(WIN) // 1024}K{', w smem' if wsm else ''} | {100 * pr[0] / pr[1]:.1f}% | {100 * busy / pr[1]:.1f}% | "
                                   f"{pr[4] / (S // 4):.2f} | {(pr[5] + pr[13]) / S:.2f} | "
                                   f"{busy / max(pr[4], 1) / 1e3:.1f} | {pr[1] / max(pr[6], 1):.0f} | "
                                   f"{pr[7] / max(pr[15], 1) / 1e3:.1f} / {pr[8] / max(pr[15], 1) / 1e3:.1f} / "
