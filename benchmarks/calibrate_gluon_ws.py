@@ -124,11 +124,6 @@ def _prof_add(PROF, slot: gl.constexpr, delta, PROFILE: gl.constexpr):
 
 
 @gluon.jit
-def _min_max(lo0, hi0, lo1, hi1):
-    return gl.minimum(lo0, lo1), gl.maximum(hi0, hi1)
-
-
-@gluon.jit
 def _add(a, b):
     return a + b
 
