@@ -193,7 +193,66 @@ def _bracket_search(hi, umin, umax, n, KEEP: gl.constexpr, SLK: gl.constexpr, US
 
 
 @gluon.jit
-def _kth_largest(SCR, win, hi, n, KEEP: gl.constexpr, SLK: gl.constexpr, SEARCH: gl.constexpr):
+def _two_search(hi, umin, umax, n, KEEP: gl.constexpr, SLK: gl.constexpr, v0, dens):
+    # Two guesses per pass, counted in one reduction (two counts <= 4,096 packed in an int32):
+    # the line through the bracket's ends at two count targets inside [KEEP, KEEP + SLK]
+    # (SLK > 0), or straddling KEEP by a margin that shrinks with the bracket (SLK = 0, the
+    # exact search); a pass that did not halve the bracket puts the second guess at its
+    # midpoint in bits. The first pass takes its guesses from the row's previous compaction
+    # when there was one (v0: the score where that search ended, dens: keys per unit score
+    # there; the window's n keys are taken to be all above v0). A CPU replay on real DSA
+    # scores (benchmarks/simulate_ws_search.py) gave 2.5 / 4.5 passes in-loop / final on iid
+    # inputs and 3.1 / 4.6 on structured ones, against 4.2 / 6.9 and 6.1 / 8.9 for v19's
+    # search. Returns (lo, n_lo, passes, hi, n_hi): the final bracket [lo, hi).
+    lo = umin.to(gl.int64)
+    hu = umax.to(gl.int64) + 1
+    n_lo = n
+    n_hi = gl.zeros([], dtype=gl.int32)
+    passes = gl.zeros([], dtype=gl.int32)
+    slow = gl.zeros([], dtype=gl.int32)
+    while (n_lo > KEEP + SLK) & (hu - lo > 1):
+        passes += 1
+        w = hu - lo
+        if SLK == 0:
+            m = gl.maximum((n_lo - n_hi).to(gl.float32) * 0.0625, 1.0)
+            t1 = KEEP + 0.5 + m
+            t2 = KEEP + 0.5 - m
+        else:
+            t1 = gl.zeros([], dtype=gl.float32) + (KEEP + 0.25 * SLK)
+            t2 = gl.zeros([], dtype=gl.float32) + (KEEP + 0.75 * SLK)
+        v_lo = _u_value(lo.to(gl.uint32))
+        v_hi = _u_value((hu - 1).to(gl.uint32))
+        span = gl.maximum(n_lo - n_hi, 1).to(gl.float32)
+        warm = (passes == 1) & (dens > 0.0)
+        g1 = gl.where(warm, v0 + (n.to(gl.float32) - t1) / dens, v_lo + (n_lo.to(gl.float32) - t1) / span * (v_hi - v_lo))
+        g2 = gl.where(warm, v0 + (n.to(gl.float32) - t2) / dens, v_lo + (n_lo.to(gl.float32) - t2) / span * (v_hi - v_lo))
+        c1 = gl.where((g1 != g1) | (gl.abs(g1) == float("inf")), lo + w // 2, _value_u(g1))
+        c2 = gl.where((g2 != g2) | (gl.abs(g2) == float("inf")) | (slow >= 1), lo + w // 2, _value_u(g2))
+        c1 = gl.minimum(gl.maximum(c1, lo + 1), hu - 1)
+        c2 = gl.minimum(gl.maximum(c2, lo + 1), hu - 1)
+        cs1 = (c1.to(gl.uint32) ^ 2147483648).to(gl.int32, bitcast=True)
+        cs2 = (c2.to(gl.uint32) ^ 2147483648).to(gl.int32, bitcast=True)
+        both = _sum2((hi >= cs1).to(gl.int32) + ((hi >= cs2).to(gl.int32) << 16))
+        n1 = both & 65535
+        n2 = both >> 16
+        up = (n1 >= KEEP) & (c1 > lo)
+        dn = (n1 < KEEP) & (c1 < hu)
+        lo = gl.where(up, c1, lo)
+        n_lo = gl.where(up, n1, n_lo)
+        hu = gl.where(dn, c1, hu)
+        n_hi = gl.where(dn, n1, n_hi)
+        up = (n2 >= KEEP) & (c2 > lo)
+        dn = (n2 < KEEP) & (c2 < hu)
+        lo = gl.where(up, c2, lo)
+        n_lo = gl.where(up, n2, n_lo)
+        hu = gl.where(dn, c2, hu)
+        n_hi = gl.where(dn, n2, n_hi)
+        slow = gl.where((hu - lo) * 2 > w, slow + 1, 0)
+    return lo.to(gl.uint32), n_lo, passes, hu, n_hi
+
+
+@gluon.jit
+def _kth_largest(SCR, win, hi, n, KEEP: gl.constexpr, SLK: gl.constexpr, SEARCH: gl.constexpr, v0, dens):
     # triton_codegen._kth_largest over a [rows, lanes] window: a key kth with
     # KEEP <= #{valid keys >= kth} <= KEEP + SLK (exactly KEEP when SLK = 0), n > KEEP
     # distinct valid keys; returns (kth, count). The search counts on the keys' high words
@@ -206,7 +265,11 @@ def _kth_largest(SCR, win, hi, n, KEEP: gl.constexpr, SLK: gl.constexpr, SEARCH:
     smax = gl.max(gl.max(hi, axis=1), axis=0)
     umin = (smin ^ -2147483648).to(gl.uint32, bitcast=True)
     umax = (smax ^ -2147483648).to(gl.uint32, bitcast=True)
-    if SEARCH > 0:
+    hu = umax.to(gl.int64) + 1
+    n_hi = gl.zeros([], dtype=gl.int32)
+    if SEARCH == 3:
+        prefix, n_ge, passes, hu, n_hi = _two_search(hi, umin, umax, n, KEEP, SLK, v0, dens)
+    elif SEARCH > 0:
         prefix, n_ge, passes = _bracket_search(hi, umin, umax, n, KEEP, SLK, SEARCH == 2)
     else:
         x = umin ^ umax
@@ -250,7 +313,11 @@ def _kth_largest(SCR, win, hi, n, KEEP: gl.constexpr, SLK: gl.constexpr, SEARCH:
                 lstep = lstep // 2
             kth = gl.max(gl.max(gl.where(eq & (low == lp), keys, EMPTY), axis=1), axis=0)
         n_ge = gl.zeros([], dtype=gl.int32) + KEEP
-    return kth, n_ge, passes
+    # (the final bracket's density of keys per unit score: the next search's first guess)
+    v_a = _u_value(prefix)
+    v_b = _u_value((hu - 1).to(gl.uint32))
+    dens_out = gl.where(v_b > v_a, (n_ge - n_hi).to(gl.float32) / (v_b - v_a), 0.0)
+    return kth, n_ge, passes, v_a, dens_out
 
 
 @gluon.jit
@@ -306,6 +373,8 @@ def _selector(SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, emp
     rr = gl.arange(0, BM, layout=R_L)
     mvec = gl.zeros([BM], gl.int32, R_L)             # kept keys per row
     tvec = gl.full([BM], EMPTY, gl.int64, R_L)       # the rows' thresholds (published)
+    pvvec = gl.zeros([BM], gl.float32, R_L)          # the rows' last search: score and density
+    pdvec = gl.zeros([BM], gl.float32, R_L)          # (0: none yet in this block)
     n = 0
     go = True
     while go:
@@ -346,11 +415,15 @@ def _selector(SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, emp
                     c_r1 = _clock_after(gl.max(gl.max(hi, axis=1), axis=0).to(gl.int64))
                 kth = gl.zeros([], dtype=gl.int64) + EMPTY
                 npass = gl.zeros([], dtype=gl.int32)
+                pv0 = gl.sum(gl.where(rr == r, pvvec, 0.0), axis=0)
+                pdn = gl.sum(gl.where(rr == r, pdvec, 0.0), axis=0)
                 if fin != 0:
                     if ntot > TOPK:
-                        kth, _, npass = _kth_largest(SCR, win, hi, ntot, TOPK, 0, SEARCH)
+                        kth, _, npass, _, _ = _kth_largest(SCR, win, hi, ntot, TOPK, 0, SEARCH, pv0, pdn)
                 elif ntot > KBASE:
-                    kth, _, npass = _kth_largest(SCR, win, hi, ntot, TOPK, SLACK, SEARCH)
+                    kth, _, npass, nv0, ndn = _kth_largest(SCR, win, hi, ntot, TOPK, SLACK, SEARCH, pv0, pdn)
+                    pvvec = gl.where(rr == r, nv0, pvvec)
+                    pdvec = gl.where(rr == r, ndn, pdvec)
                     _prof_add(PROF, 5 + 4 * R0, 1, PROFILE)
                 if PROFILE:
                     c_r2 = _clock_after(kth)
@@ -382,6 +455,7 @@ def _selector(SCR, SCR32, LC, META, THR, THRJ, OUT_I, OUT_V, PROF, full_bar, emp
                 if fin != 0:
                     mvec = gl.where(rr == r, 0, mvec)
                     tvec = gl.where(rr == r, EMPTY, tvec)
+                    pdvec = gl.where(rr == r, 0.0, pdvec)
                 else:
                     mvec = gl.where(rr == r, done, mvec)
                     tvec = gl.where(rr == r, gl.maximum(tvec, kth), tvec)
@@ -601,7 +675,7 @@ def ws_topk(q2, k2, w2, out_i, out_v, ws: Workspace, nsel: int = 1, search: int 
                                    num_warps=4, maxnreg=MAXNREG[nsel])
 
 
-def compile_only(nsel, w_smem=False) -> int:
+def compile_only(nsel, w_smem=False, search=1) -> int:
     from triton.runtime import driver
 
     from inspect_hytopk import _Sm90, ptxas_report, sass_counts
@@ -616,11 +690,12 @@ def compile_only(nsel, w_smem=False) -> int:
     oi = torch.empty(S, int(TOPK), dtype=torch.int32)
     ov = torch.empty(S, int(TOPK))
     ck = _ws_kernel.warmup(q2, w2, _k_descriptor(k2), ws.scr, ws.scr.view(torch.int32), ws.lc, ws.meta, ws.thr, ws.thrj, ws.counter, oi, ov,
-                           ws.prof, S // int(BM), SEL_REGS[(nsel, w_smem)], nsel, 1, w_smem, bool(os.environ.get("WS_PROFILE")),
+                           ws.prof, S // int(BM), SEL_REGS[(nsel, w_smem)], nsel, search, w_smem, bool(os.environ.get("WS_PROFILE")),
                            num_warps=4, maxnreg=MAXNREG[nsel], grid=(1,))
     rep = ptxas_report(ck.asm["ptx"], bindir)
     sass = sass_counts(ck.asm["cubin"], bindir)[0]
-    print(f"ws kernel, {nsel} selector(s){', weights in shared memory' if w_smem else ''}: {rep}, sass {sass}, shared {ck.metadata.shared} B")
+    print(f"ws kernel, {nsel} selector(s){', weights in shared memory' if w_smem else ''}"
+          f"{'' if search == 1 else f', search mode {search}'}: {rep}, sass {sass}, shared {ck.metadata.shared} B")
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "ws_kernel.ptx"), "w") as f:
         f.write(ck.asm["ptx"])
     return 0
@@ -633,20 +708,20 @@ def main(argv=None) -> int:
     ap.add_argument("--selectors", default="1",
                     help="variants: selector partitions 1 (4 rows each) or 2 (2 rows each); the threshold search "
                          "':value' (default: bracketing, the line in value space), ':bits' (one bit per pass) or ':u' "
-                         "(bracketing, the line in score-bits space); e.g. 1,1:bits,1:u,2")
+                         "(bracketing, the line in score-bits space) or ':two' (two guesses per pass, warm-started); e.g. 1,1:bits,1:two,2")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--no-library", action="store_true", help="skip the library rows (their numbers are known)")
     ap.add_argument("--out", default=os.environ.get("OUT", "calib_out"))
     args = ap.parse_args(argv)
-    if args.compile_only:
-        return max(compile_only(int(n.split(":")[0]), "w" in n.split(":")[1:]) for n in args.selectors.split(","))
-    modes = {"bits": 0, "value": 1, "u": 2}
+    modes = {"bits": 0, "value": 1, "u": 2, "two": 3}
     nsels = []
     for v in args.selectors.split(","):
         parts = v.split(":")
         if parts[0] not in ("1", "2") or any(x not in (*modes, "w") for x in parts[1:]):
-            ap.error(f"--selectors {v!r}: 1 or 2 partitions, then optionally :bits / :value / :u and :w")
+            ap.error(f"--selectors {v!r}: 1 or 2 partitions, then optionally :bits / :value / :u / :two and :w")
         nsels.append((int(parts[0]), modes[next((x for x in parts[1:] if x in modes), "value")], "w" in parts[1:]))
+    if args.compile_only:
+        return max(compile_only(n, wsm, br) for n, br, wsm in nsels)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         sys.exit("calibrate_gluon_ws.py needs a Hopper GPU (sm_90); use --compile-only elsewhere")
     import bench_hytopk as bh
@@ -687,7 +762,7 @@ def main(argv=None) -> int:
             ref = bh.hytopk_op(q, k, w, hi, spec_json, True)
             variants = []
             for n, br, wsm in nsels:
-                tag = f"ws{int(WIN) // 1024}K, {n} selector(s), search {['bits', 'value', 'u'][br]}"
+                tag = f"ws{int(WIN) // 1024}K, {n} selector(s), search {['bits', 'value', 'u', 'two'][br]}"
                 tag += ", weights in smem" if wsm else ""
                 variants += [(f"{tag}, unsorted", lambda n=n, br=br, wsm=wsm: ws_unsorted(n, br, wsm)),
                              (f"{tag}, + sort_rows_", lambda n=n, br=br, wsm=wsm: ws_sorted(n, br, wsm))]
@@ -712,7 +787,7 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 pr = ws.prof.view(-1, 16).double().sum(0).tolist()
                 busy = max(pr[3], pr[11])  # the busier selector
-                prof_lines.append(f"| {S} | {inp} | {n}, {['bits', 'value', 'u'][br]}, {int(WIN) // 1024}K{', w smem' if wsm else ''} | {100 * pr[0] / pr[1]:.1f}% | {100 * busy / pr[1]:.1f}% | "
+                prof_lines.append(f"| {S} | {inp} | {n}, {['bits', 'value', 'u', 'two'][br]}, {int(WIN) // 1024}K{', w smem' if wsm else ''} | {100 * pr[0] / pr[1]:.1f}% | {100 * busy / pr[1]:.1f}% | "
                                   f"{pr[4] / (S // 4):.2f} | {(pr[5] + pr[13]) / S:.2f} | "
                                   f"{busy / max(pr[4], 1) / 1e3:.1f} | {pr[1] / max(pr[6], 1):.0f} | "
                                   f"{pr[7] / max(pr[15], 1) / 1e3:.1f} / {pr[8] / max(pr[15], 1) / 1e3:.1f} / "
