@@ -481,7 +481,7 @@ def _issue_tile(k_desc, k_smem, ready, g, t, pred):
 
 
 @gluon.jit
-def _reduced(v, acc_l: gl.constexpr):
+def _reduced(v):
     # [BN, NC] -> [BN, BM]: the head sum's reduction (columns (row m, head i) at
     # ((i // 2) * BM + m) * 2 + i % 2), used for the scores and, with max, for their offsets
     return gl.sum(gl.sum(gl.reshape(v, [BN, NC // (2 * BM), BM, 2]), axis=1), axis=2)
@@ -580,9 +580,9 @@ def _scorer(Q, W, k_desc, SCR, LC, META, THR, THRJ, COUNTER, PROF, q_smem, k_sme
                 _issue_tile(k_desc, k_smem, ready, g + tt + STAGES, tt + STAGES, tt + STAGES < n_tiles)
                 if W_SMEM:
                     wt = w_smem.load(col_l)
-                    y = _reduced(gl.maximum(acc, 0.0) * wt[None, :], acc_l)
+                    y = _reduced(gl.maximum(acc, 0.0) * wt[None, :])
                 else:
-                    y = _reduced(gl.maximum(acc, 0.0) * wv[None, :], acc_l)
+                    y = _reduced(gl.maximum(acc, 0.0) * wv[None, :])
                 keys = tt * BN + key_off
                 y = gl.where(keys <= last, y, float("-inf"))
                 take = ~(y <= thr_v)
