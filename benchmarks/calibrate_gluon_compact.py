@@ -44,6 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from gluon_common import _add, _highest_bit  # noqa: E402
+
 CAP, TOPK, SLACK, WARPS = 4096, 2048, 128, 4
 EMPTY = tl.constexpr(-9223372036854775807)
 
@@ -143,11 +145,6 @@ def _min_max_combine(lo0, hi0, lo1, hi1):
 
 
 @gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
 def _gluon_compact(row, n, TOPK_: gl.constexpr, CAP_: gl.constexpr, SLACK_: gl.constexpr, L: gl.constexpr):
     # _compact_row's algorithm (load, one-bit count search with slack, scan, store in place)
     # in layout L; distinct scores assumed (the harness's rows), so no tie tail.
@@ -157,14 +154,7 @@ def _gluon_compact(row, n, TOPK_: gl.constexpr, CAP_: gl.constexpr, SLACK_: gl.c
     u = ((keys >> 32).to(gl.int32) ^ -2147483648).to(gl.uint32, bitcast=True)
     u = gl.where(valid, u, 0)
     umin, umax = gl.reduce((gl.where(valid, u, 4294967295), u), 0, _min_max_combine)
-    x = umin ^ umax
-    hb = gl.zeros([], dtype=gl.int32)
-    for i in gl.static_range(5):
-        sh = 16 >> i
-        big = x >= (1 << sh)
-        x = gl.where(big, x >> sh, x)
-        hb += gl.where(big, sh, 0)
-    hbu = hb.to(gl.uint32)
+    hbu = _highest_bit(umin ^ umax).to(gl.uint32)
     bit = gl.where(umin == umax, 0, gl.full([], 1, gl.uint32) << hbu)
     prefix = gl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
     n_ge = n

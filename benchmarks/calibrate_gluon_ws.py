@@ -56,6 +56,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from gluon_common import _add, _highest_bit  # noqa: E402
+
 C = gl.constexpr
 H, D, BM, BN = C(64), C(128), C(4), C(64)
 NC = C(BM * H)                   # dot columns: 4 query rows x 64 heads
@@ -124,19 +126,21 @@ def _prof_add(PROF, slot: gl.constexpr, delta, PROFILE: gl.constexpr):
 
 
 @gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
 def _sum2(x):
     return gl.sum(gl.sum(x, axis=1), axis=0)
 
 
 @gluon.jit
+def _as_hi(u):
+    # score bits (u space, uint32 or int64 holding one) -> the signed high word of the keys
+    # with those bits: the window's counts compare hi >= _as_hi(c)
+    return (u.to(gl.uint32) ^ 2147483648).to(gl.int32, bitcast=True)
+
+
+@gluon.jit
 def _u_value(u):
     # score bits (uint32 scalar, u = hi ^ 0x80000000) -> the fp32 score they encode
-    h = (u ^ 2147483648).to(gl.int32, bitcast=True)
+    h = _as_hi(u)
     return (h ^ ((h >> 31) & 0x7FFFFFFF)).to(gl.float32, bitcast=True)
 
 
@@ -178,8 +182,7 @@ def _bracket_search(hi, umin, umax, n, KEEP: gl.constexpr, SLK: gl.constexpr, US
             v = v_lo + (f_lo / (f_lo - f_hi)) * (v_hi - v_lo)
             c = gl.where((slow >= 2) | (v != v) | (gl.abs(v) == float("inf")), lo + w // 2, _value_u(v))
         c = gl.minimum(gl.maximum(c, lo + 1), hu - 1)
-        cs = (c.to(gl.uint32) ^ 2147483648).to(gl.int32, bitcast=True)
-        n_c = _sum2((hi >= cs).to(gl.int32))
+        n_c = _sum2((hi >= _as_hi(c)).to(gl.int32))
         up = n_c >= KEEP
         f_c = n_c.to(gl.float32) - t
         f_hi = gl.where(up & (side == 1), f_hi * 0.5, gl.where(up, f_hi, f_c))
@@ -230,9 +233,7 @@ def _two_search(hi, umin, umax, n, KEEP: gl.constexpr, SLK: gl.constexpr, v0, de
         c2 = gl.where((g2 != g2) | (gl.abs(g2) == float("inf")) | (slow >= 1), lo + w // 2, _value_u(g2))
         c1 = gl.minimum(gl.maximum(c1, lo + 1), hu - 1)
         c2 = gl.minimum(gl.maximum(c2, lo + 1), hu - 1)
-        cs1 = (c1.to(gl.uint32) ^ 2147483648).to(gl.int32, bitcast=True)
-        cs2 = (c2.to(gl.uint32) ^ 2147483648).to(gl.int32, bitcast=True)
-        both = _sum2((hi >= cs1).to(gl.int32) + ((hi >= cs2).to(gl.int32) << 16))
+        both = _sum2((hi >= _as_hi(c1)).to(gl.int32) + ((hi >= _as_hi(c2)).to(gl.int32) << 16))
         n1 = both & 65535
         n2 = both >> 16
         up = (n1 >= KEEP) & (c1 > lo)
@@ -272,26 +273,18 @@ def _kth_largest(SCR, win, hi, n, KEEP: gl.constexpr, SLK: gl.constexpr, SEARCH:
     elif SEARCH > 0:
         prefix, n_ge, passes = _bracket_search(hi, umin, umax, n, KEEP, SLK, SEARCH == 2)
     else:
-        x = umin ^ umax
-        hb = gl.zeros([], dtype=gl.int32)
-        for i in gl.static_range(5):
-            sh = 16 >> i
-            big = x >= (1 << sh)
-            x = gl.where(big, x >> sh, x)
-            hb += gl.where(big, sh, 0)
-        hbu = hb.to(gl.uint32)
+        hbu = _highest_bit(umin ^ umax).to(gl.uint32)
         bit = gl.where(umin == umax, 0, gl.full([], 1, gl.uint32) << hbu)
         prefix = gl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
         n_ge = n
         passes = gl.zeros([], dtype=gl.int32)
         while (bit > 0) & (n_ge > KEEP + SLK):
             passes += 1
-            cs = ((prefix | bit) ^ 2147483648).to(gl.int32, bitcast=True)
-            n_c = _sum2((hi >= cs).to(gl.int32))
+            n_c = _sum2((hi >= _as_hi(prefix | bit)).to(gl.int32))
             prefix = gl.where(n_c >= KEEP, prefix | bit, prefix)
             n_ge = gl.where(n_c >= KEEP, n_c, n_ge)
             bit = bit >> 1
-    ps = (prefix ^ 2147483648).to(gl.int32, bitcast=True)
+    ps = _as_hi(prefix)
     kth = ps.to(gl.int64) << 32
     if n_ge > KEEP + SLK:
         # the boundary score is shared by more keys than may be kept: by index (low words)
