@@ -22,7 +22,9 @@ heaviest blocks first) that differs from the previous by one feature of the HyTo
              (3 programs of 4 warps fit an SM at <= 168 registers, 2 at <= 255); combinable
 
 Prints a table: median ms (do_bench), ratio to the floor (causal score FLOPs at the bf16
-matmul rate measured here), registers and spills. Full log to --out.
+matmul rate measured here), registers and spills; with ``--power S`` also each variant back to
+back for S seconds under ``nvidia-smi`` (ms, SM clock, board power, mJ per call: at the power
+limit time follows energy). Full log to --out.
 """
 from __future__ import annotations
 
@@ -137,6 +139,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--variants", default="bare,sum,sum-rr,tree,tree-rr,mask,sel,sel-rr,sum:s3,sel:s3,sum-rr:r168,sel-rr:r168,sel-rr:r168:s3")
     ap.add_argument("--out", default=os.environ.get("OUT", "calib_out"))
+    ap.add_argument("--power", type=float, default=0.0,
+                    help="also run each variant back to back for this many seconds under nvidia-smi "
+                         "(power_during.py): ms per call, SM clock, board power and energy per call")
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
     for v in names:
@@ -166,7 +171,8 @@ def main(argv=None) -> int:
     out = torch.empty(S, dtype=torch.float32, device="cuda")
     lines = [f"# calibrate_score: S={S}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"triton {triton.__version__}, bf16 matmul {rate / 1e12:.0f} TFLOP/s, floor {floor:.2f} ms",
-             f"{'variant':>10} {'ms':>8} {'x floor':>8} {'regs':>5} {'spills':>6}"]
+             f"{'variant':>10} {'ms':>8} {'x floor':>8} {'regs':>5} {'spills':>6}"
+             + (f" {'ms (back to back)':>18} {'MHz':>6} {'W':>5} {'mJ / call':>10}" if args.power > 0 else "")]
     for v in names:
         base, *opt = v.split(":")
         epi, rr, tree, mask, sel = VARIANTS[base]
@@ -183,7 +189,14 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             ms = triton.testing.do_bench(launch, warmup=50, rep=300, return_mode="median")
             regs, spills = getattr(ck, "n_regs", -1), getattr(ck, "n_spills", -1)
-            lines.append(f"{v:>10} {ms:8.2f} {ms / floor:8.2f} {regs:>5} {spills:>6}")
+            line = f"{v:>10} {ms:8.2f} {ms / floor:8.2f} {regs:>5} {spills:>6}"
+            if args.power > 0:
+                from power_during import sampled_run
+
+                # at the board's power limit time follows energy: what each feature costs in mJ
+                ms_b, mhz, watts, _ = sampled_run(launch, args.power)
+                line += f" {ms_b:18.2f} {mhz:6.0f} {watts:5.0f} {ms_b * watts:10.1f}"
+            lines.append(line)
         except Exception as e:  # report and go on: one variant failing to compile says something too
             lines.append(f"{v:>10} failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
         print(lines[-1], file=sys.stderr, flush=True)

@@ -17,7 +17,7 @@ compiled Triton rejects) and shows register pressure before any device time is s
 
 Columns: regs (per thread), spill st/ld (bytes, ptxas -v), stack (bytes), smem (bytes the
 launch needs), sass (instructions), STL/LDL (spill instructions in the SASS), wgmma, bar
-(barriers); then the scored-tile loop alone (the innermost loop around the first wgmma):
+(barriers); then the scored-tile loop alone (the innermost loop around the last wgmma):
 its instructions, spill instructions, barriers, atomics and shuffles; compile (seconds).
 """
 from __future__ import annotations
@@ -142,8 +142,9 @@ def sass_counts(cubin: bytes, bindir: str) -> tuple[dict, str]:
 
 
 def _hot_loop(ins: list) -> dict:
-    """Instruction counts inside the innermost loop that holds the first wgmma (the scored-tile
-    loop): from the target of the first backward branch that jumps over it, to that branch."""
+    """Instruction counts inside the innermost loop that holds the last wgmma (the scored-tile
+    loop; a sample loop's copy of the tile code, v23, comes before it): from the target of the
+    first backward branch that jumps over it, to that branch."""
     parsed = []
     for ln in ins:
         m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", ln)
@@ -167,9 +168,9 @@ def _hot_loop(ins: list) -> dict:
 
 def _tile_loop_span(ins, target):
     """(first, last) address of the scored-tile loop in ``ins`` [(address, instruction)]: from
-    the target of the first backward branch that jumps over the first wgmma, to that branch.
+    the target of the first backward branch that jumps over the last wgmma, to that branch.
     ``target(instruction)`` is a branch's target address, or None."""
-    first = next((a for a, t in ins if "HGMMA" in t), None)
+    first = next((a for a, t in reversed(ins) if "HGMMA" in t), None)
     if first is None:
         return None
     for a, t in ins:

@@ -795,6 +795,34 @@ def _lane_valid(lane_cnt_ptr, CAP: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _sample_estimate(row_ptr, lane_cnt_ptr, J: tl.constexpr, CAP: tl.constexpr, BLOCK_N: tl.constexpr):
+    # v23 (docs/kernel-design.md): from a row's sampled keys (lane sub-buffers, at least J of
+    # them), the highest score-bits prefix that at least J of them reach, i.e. a score at
+    # or below the J-th best sampled one (the search stops once at most J + J / 4 keys are
+    # above it: a lower estimate is as exact, only less selective); returned as the fp32
+    # value just below it, which the tile loop's filter (take y > it) turns into "take
+    # scores >= the prefix". Below +0.0 that is -1.4e-45, not -0.0, which compares equal.
+    offs = tl.arange(0, CAP)
+    valid = _lane_valid(lane_cnt_ptr, CAP, BLOCK_N)
+    n = tl.sum(tl.load(lane_cnt_ptr + tl.arange(0, BLOCK_N)), axis=0)
+    keys = tl.load(row_ptr + offs, mask=valid, other=EMPTY)
+    u = tl.where(valid, _score_bits(keys), 0)
+    umin, umax = _min_max(tl.where(valid, u, tl.full([], 4294967295, tl.uint32)), u)
+    hbu = _highest_bit(umin ^ umax).to(tl.uint32)
+    bit = tl.where(umin == umax, 0, tl.full([], 1, tl.uint32) << hbu)
+    prefix = tl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
+    n_ge = n
+    while (bit > 0) & (n_ge > J + J // 4):
+        c = prefix | bit
+        n_c = tl.sum((u >= c).to(tl.int32), axis=0)
+        prefix = tl.where(n_c >= J, c, prefix)
+        n_ge = tl.where(n_c >= J, n_c, n_ge)
+        bit = bit >> 1
+    below = prefix - tl.where(prefix == 2147483648, 2, 1).to(tl.uint32)
+    return _unpack_value((below ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64) << 32)
+
+
+@triton.jit
 def _lane_counts(n, offs_n, BLOCK_N: tl.constexpr):
     # Keys per lane [BLOCK_N, BLOCK_M] of rows whose n keys sit contiguously at [0, n): slot
     # s of lane j is position s * BLOCK_N + j, so a contiguous row is a valid lane layout.
@@ -882,7 +910,7 @@ def {{KERNEL_NAME}}(
     IDX32: tl.constexpr, SORT_ROWS: tl.constexpr, SORT_R: tl.constexpr,
     UNSORTED: tl.constexpr,
     W_AT: tl.constexpr, PROFILE: tl.constexpr, USE_TMA: tl.constexpr, L2_PREFETCH: tl.constexpr,
-    PF_LINES: tl.constexpr, SORT_NET: tl.constexpr,
+    PF_LINES: tl.constexpr, SORT_NET: tl.constexpr, PRESAMPLE: tl.constexpr, PRESAMPLE_J: tl.constexpr,
 ):
     # Persistent programs take row blocks from an atomic counter, heaviest first (the last
     # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
@@ -911,6 +939,11 @@ def {{KERNEL_NAME}}(
     # SCORE_ONLY: every score is added here, elementwise, so that none is dead code; summed
     # once at the end (a sum over keys per tile would add a cross-warp reduction per tile)
     chk = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if PRESAMPLE > 0:
+        # a block whose estimate failed its check (v23) runs again without one; COUNTER's
+        # last slot counts them
+        redo_cnt = COUNTER + 1 + tl.num_programs(0) * (BLOCK_M * BLOCK_N)
+        retry = tl.zeros([], dtype=tl.int32)
     j = tl.atomic_add(COUNTER, 1)
     while j < num_blocks:
         if PROFILE:
@@ -954,6 +987,57 @@ def {{KERNEL_NAME}}(
         thr = tl.zeros([BLOCK_M], dtype=tl.int64) + EMPTY
         thr_v = tl.zeros([BLOCK_M], dtype=tl.float32) + float("nan")
         tl.debug_barrier()  # the previous block's last reads of SCRATCH are done
+        if PRESAMPLE > 0:
+            # v23 (docs/kernel-design.md): a block with at least 3k keys to score first scores
+            # every PRESAMPLE-th of them into its lanes, takes each row's estimate from them
+            # (est_v: a value at or below the PRESAMPLE_J-th best sampled score, NaN: none),
+            # and throws the sample away: the tile loop then runs in key order as always,
+            # taking only keys above est_v. Every key a row keeps then scores >= its estimate,
+            # so the row is exact iff it ends with TOPK keys (checked after the final
+            # compaction; the block is redone without an estimate otherwise).
+            est_v = tl.zeros([BLOCK_M], dtype=tl.float32) + float("nan")
+            if (retry == 0) & (v1 - v0 >= 3 * TOPK):
+                m_keys = (v1 - v0 + PRESAMPLE - 1) // PRESAMPLE
+                if PRESAMPLE * stride_kt * BLOCK_N < 2147483648:  # (32-bit offsets: fewer registers)
+                    s_offs = offs_n[:, None] * (PRESAMPLE * stride_kt) + offs_d[None, :] * stride_kd
+                else:
+                    s_offs = offs_n.to(tl.int64)[:, None] * (PRESAMPLE * stride_kt) + offs_d[None, :] * stride_kd
+                if W_AT == 1:
+                    wv_s = tl.load(W + w_col_off + v0 // (T + 1), mask=col_ok, other=0.0).to(tl.float32)
+                else:
+                    wv_s = wv0
+                for st in range(0, m_keys, BLOCK_N):
+                    t_s = v0.to(tl.int64) + st * PRESAMPLE
+                    keys_s = t_s + offs_n.to(tl.int64) * PRESAMPLE
+                    key_ok = ((st + offs_n) < m_keys) & (keys_s < t_end)
+                    if HK == 1:
+                        kt = _load_k(K, k_base, 0, t_s, s_offs, key_ok, d_ok, stride_kt, stride_kh, UPCAST)
+                    else:
+                        kt = tl.zeros([BLOCK_N, BLOCK_D], dtype=K.dtype.element_ty)
+                    y = _score_tile(
+                        kt, qb0, wv_s,
+                        Q, K, W, {{SCORE_MASK_ARGS}}
+                        stride_qh, stride_qd, stride_kt, stride_kh, stride_wh,
+                        {{ROW_BOUND_ARGS_DEF}}
+                        b64, rows64, row_ok, q_col_off, w_col_off, col_ok, k_base, t_s, s_offs, keys_s, key_ok,
+                        offs_d, d_ok, T,
+                        HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32, W_AT == 2,
+                    )
+                    # (masked keys are not sampled: m counts the row's visible ones)
+                    take = key_ok[:, None] & row_ok[None, :] & (y != float("-inf"))
+                    _store_taken(scr + (offs_m[None, :] * CAP + cnt * BLOCK_N + offs_n[:, None]),
+                                 _pack(y, keys_s[:, None]), take)
+                    cnt += take.to(tl.int32)
+                tl.store(lane_cnt + lane_cnt_offs, cnt)
+                tl.debug_barrier()
+                m_row = tl.sum(cnt, axis=0)
+                for r in range(BLOCK_M):
+                    if tl.sum(tl.where(offs_m == r, m_row, 0), axis=0) >= 2 * PRESAMPLE_J:
+                        est_v = tl.where(offs_m == r, _sample_estimate(scr + r * CAP, lane_cnt + r * BLOCK_N,
+                                                                       PRESAMPLE_J, CAP, BLOCK_N), est_v)
+                tl.debug_barrier()  # the sample's reads are done before the tile loop overwrites it
+                cnt = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+                thr_v = est_v
         # 1. scored tiles, in increasing key order. An inner loop runs only as many tiles as
         #    every lane can take (a tile adds at most one key per lane and row), so it holds
         #    no merge and no nested loop, and Triton software-pipelines its key-tile loads.
@@ -1040,7 +1124,10 @@ def {{KERNEL_NAME}}(
                                 _prof_add(PROF, pid, 6, 1)
                     tl.debug_barrier()
                     cnt = tl.where(kept[None, :] >= 0, _lane_counts(kept, offs_n, BLOCK_N), cnt)
-                    thr_v = tl.where(thr == EMPTY, float("nan"), _unpack_value(thr))
+                    if PRESAMPLE > 0:
+                        thr_v = tl.where(thr == EMPTY, est_v, _unpack_value(thr))  # (>= est_v when set)
+                    else:
+                        thr_v = tl.where(thr == EMPTY, float("nan"), _unpack_value(thr))
                     if PROFILE:
                         _prof_add(PROF, pid, 1, _clock() - c_sec)
         if not SCORE_ONLY:
@@ -1059,53 +1146,67 @@ def {{KERNEL_NAME}}(
             if PROFILE:
                 _prof_add(PROF, pid, 2, _clock() - c_sec)
                 c_sec = _clock()
-            # 2. all -inf tiles below v0 and from v1 to t_end (fillers), in any order: the
-            #    packed threshold also compares indices
-            for i0 in range(0, v0 + (t_end - v1), BLOCK_N):
-                tf = tl.where(i0 < v0, i0, i0 - v0 + v1)  # [0, v0), then [v1, t_end)
-                first_key = NEG_INF_HI * 4294967296 + (4294967295 - tf)
-                wanted = tl.max(tl.where(row_ok & (thr < first_key), 1, 0), axis=0) > 0
-                if wanted:
-                    keys64 = tf + offs_n.to(tl.int64)
-                    key_ok = keys64 < t_end
-                    p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) - float("inf"), keys64[:, None])
-                    cnt1, thr = _select_tile(p, key_ok, row_ok, cnt1, thr, scr, scr_cols, offs_m, TOPK, CAP,
-                                             BLOCK_M)
-            # 3. per row: compact to the TOPK best, sort those, write them
-            tl.debug_barrier()
-            if PROFILE:
-                _prof_add(PROF, pid, 3, _clock() - c_sec)
-                c_sec = _clock()
-            if SORT_ROWS == 1:
-                for r in range(BLOCK_M):
-                    s = mb.to(tl.int64) * BLOCK_M + r
-                    if s < S:
-                        c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
-                        _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
-                                  TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, SORT_R, UNSORTED, SORT_NET)
+            if PRESAMPLE > 0:
+                # the check (v23): a row with an estimate that ended with fewer than TOPK keys
+                # lost keys below it; its block runs again without estimates
+                retry = tl.max(((est_v == est_v) & (cnt1 < TOPK)).to(tl.int32), axis=0)
+                go = retry == 0
             else:
-                for r in range(BLOCK_M):
-                    c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
-                    if c > TOPK:  # fillers were appended
-                        _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, c, TOPK, CAP, 0)
+                go = True
+            if go:
+                # 2. all -inf tiles below v0 and from v1 to t_end (fillers), in any order: the
+                #    packed threshold also compares indices
+                for i0 in range(0, v0 + (t_end - v1), BLOCK_N):
+                    tf = tl.where(i0 < v0, i0, i0 - v0 + v1)  # [0, v0), then [v1, t_end)
+                    first_key = NEG_INF_HI * 4294967296 + (4294967295 - tf)
+                    wanted = tl.max(tl.where(row_ok & (thr < first_key), 1, 0), axis=0) > 0
+                    if wanted:
+                        keys64 = tf + offs_n.to(tl.int64)
+                        key_ok = keys64 < t_end
+                        p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) - float("inf"), keys64[:, None])
+                        cnt1, thr = _select_tile(p, key_ok, row_ok, cnt1, thr, scr, scr_cols, offs_m, TOPK, CAP,
+                                                 BLOCK_M)
+                # 3. per row: compact to the TOPK best, sort those, write them
                 tl.debug_barrier()
-                # SORT_ROWS rows per bitonic sort: the same network steps, with more
-                # independent work per step and fewer barriers per row
-                for r0 in range(0, BLOCK_M, SORT_ROWS):
-                    rr = r0 + tl.arange(0, SORT_ROWS)
-                    s_rows = mb.to(tl.int64) * BLOCK_M + rr
-                    offs_k = tl.arange(0, TOPK_P2)
-                    ok = (s_rows < S)[:, None] & (offs_k < TOPK)[None, :]
-                    keys2 = tl.load(scr + rr[:, None] * CAP + offs_k[None, :], mask=ok, other=EMPTY)
-                    best = tl.sort(keys2, dim=1, descending=True)
-                    _write_keys(OUT_IDX, OUT_VAL, (b64 * S + s_rows)[:, None] * TOPK + offs_k[None, :], best, ok,
-                                RETURN_VALUES)
-            tl.debug_barrier()
-            if PROFILE:
-                _prof_add(PROF, pid, 4, _clock() - c_sec)
+                if PROFILE:
+                    _prof_add(PROF, pid, 3, _clock() - c_sec)
+                    c_sec = _clock()
+                if SORT_ROWS == 1:
+                    for r in range(BLOCK_M):
+                        s = mb.to(tl.int64) * BLOCK_M + r
+                        if s < S:
+                            c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
+                            _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
+                                      TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, SORT_R, UNSORTED, SORT_NET)
+                else:
+                    for r in range(BLOCK_M):
+                        c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
+                        if c > TOPK:  # fillers were appended
+                            _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, c, TOPK, CAP, 0)
+                    tl.debug_barrier()
+                    # SORT_ROWS rows per bitonic sort: the same network steps, with more
+                    # independent work per step and fewer barriers per row
+                    for r0 in range(0, BLOCK_M, SORT_ROWS):
+                        rr = r0 + tl.arange(0, SORT_ROWS)
+                        s_rows = mb.to(tl.int64) * BLOCK_M + rr
+                        offs_k = tl.arange(0, TOPK_P2)
+                        ok = (s_rows < S)[:, None] & (offs_k < TOPK)[None, :]
+                        keys2 = tl.load(scr + rr[:, None] * CAP + offs_k[None, :], mask=ok, other=EMPTY)
+                        best = tl.sort(keys2, dim=1, descending=True)
+                        _write_keys(OUT_IDX, OUT_VAL, (b64 * S + s_rows)[:, None] * TOPK + offs_k[None, :], best, ok,
+                                    RETURN_VALUES)
+                tl.debug_barrier()
+                if PROFILE:
+                    _prof_add(PROF, pid, 4, _clock() - c_sec)
         if PROFILE:
             _prof_add(PROF, pid, 5, _clock() - c_blk)
-        j = tl.atomic_add(COUNTER, 1)
+        if PRESAMPLE > 0:
+            if retry == 0:
+                j = tl.atomic_add(COUNTER, 1)
+            else:
+                tl.atomic_add(redo_cnt, 1)  # the same block again, without estimates
+        else:
+            j = tl.atomic_add(COUNTER, 1)
     if SCORE_ONLY:
         tl.store(OUT_VAL + pid * BLOCK_M + offs_m, tl.sum(chk, axis=0))
 '''

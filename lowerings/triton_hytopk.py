@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import threading
 from typing import Optional, Sequence, Union
 
 import torch
@@ -102,6 +104,17 @@ class HyTopKConfig:
     # 128K, v20) or "tl.sort" (Triton's, per element at every step). The same order
     # either way. None: "minmax".
     sort_network: Optional[str] = None
+    # Sampled threshold estimate (v23, docs/kernel-design.md): a row block with at least 3k
+    # keys to score first scores every presample-th of them (a key stride; raised to
+    # ceil(T / cap) so that a row's sample fits its buffer), takes each row's estimate of its
+    # k-th best score from them (the j-th best sampled score, j = ceil(e + presample_z
+    # sqrt(e)), e = k / stride: the row's expected share of its k best in the sample), throws
+    # the sample away, and then scores its keys in order as always, appending only those
+    # scoring >= the estimate. A row that ends with fewer than k keys fails the check and its
+    # block runs again without an estimate (redone_blocks() counts them): the result never
+    # depends on the estimate. 0 or None: off. An int >= 2. Not yet measured on a GPU.
+    presample: Optional[int] = None
+    presample_z: float = 3.5
 
 
 def default_config(S: int, T: int, topk: int, device: torch.device, native16: bool = True, D: int = 128,
@@ -353,6 +366,21 @@ def hytopk_triton(
         l2_prefetch = 0
     if not l2_prefetch:
         pf_lines = 1
+    presample = cfg.presample or 0
+    if not isinstance(presample, int) or isinstance(presample, bool) or presample == 1 or presample < 0:
+        raise SpecError(f"config.presample={cfg.presample!r} must be None, 0 (off) or an int >= 2 (a key stride)")
+    pz = cfg.presample_z
+    if isinstance(pz, bool) or not isinstance(pz, (int, float)) or not (0.0 <= pz < 1e6):
+        raise SpecError(f"config.presample_z={cfg.presample_z!r} must be a finite number >= 0")
+    presample_j = 0
+    if presample and not cfg.score_only:
+        presample = max(presample, triton_cdiv(T, cap))  # a row's sample fits its cap slots
+        e = topk / presample
+        presample_j = max(1, math.ceil(e + pz * math.sqrt(e)))
+        if 2 * presample_j > cap:  # (a row's sample could never hold the 2 j keys it needs)
+            presample = presample_j = 0
+    else:
+        presample = 0
     num_row_blocks = triton_cdiv(S, block_m)
     num_blocks = B * num_row_blocks
     if cfg.num_programs is not None:
@@ -392,8 +420,9 @@ def hytopk_triton(
         w_arg, w_strides = w, w.stride()
     scratch = torch.empty(nprog * block_m * cap, dtype=torch.int64, device=device)
     # [0]: the persistent scheduler's block counter; then each program's lane counts
-    # (BLOCK_N x BLOCK_M), where its compactions read them
-    counter = torch.zeros(1 + nprog * block_m * cfg.block_n, dtype=torch.int32, device=device)
+    # (BLOCK_N x BLOCK_M), where its compactions read them; last: blocks redone (presample)
+    counter = torch.zeros(2 + nprog * block_m * cfg.block_n, dtype=torch.int32, device=device)
+    _LAST.counter = counter
     if cfg.profile and interpret:
         raise SpecError("config.profile reads the GPU's cycle counter: it needs a CUDA device")
     prof = torch.zeros((nprog, 32) if cfg.profile else (1,), dtype=torch.int64, device=device)
@@ -422,6 +451,7 @@ def hytopk_triton(
         SORT_R=max(1, topk_p2 // (128 * (1 if interpret else cfg.num_warps))),
         UNSORTED=sort in ("none", "after"),
         SORT_NET=SORT_NETWORKS[sort_network],
+        PRESAMPLE=presample, PRESAMPLE_J=presample_j,
     )
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -478,6 +508,19 @@ def hytopk_triton(
             val_out.copy_(vals32)
         return val_out, idx_out
     return idx_out
+
+
+_LAST = threading.local()
+
+
+def redone_blocks() -> int:
+    """Row blocks that the last ``hytopk_triton`` call on this thread scored twice because a
+    sampled estimate (``HyTopKConfig.presample``) failed its check (waits for the GPU). 0
+    without presample."""
+    counter = getattr(_LAST, "counter", None)
+    if counter is None:
+        raise RuntimeError("redone_blocks(): no hytopk_triton call on this thread yet")
+    return int(counter[-1].item())
 
 
 # (kernel, launch constants, dtypes, device) -> the num_stages that compiled within the

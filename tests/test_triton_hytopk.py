@@ -581,6 +581,79 @@ def test_l2_prefetch_does_not_change_bits(interpret):
         assert_same_bits(outs)
 
 
+@pytest.mark.interpret
+def test_presample_same_answer(interpret):
+    # presample (v23) scores every P-th key of a block first, takes each row's estimate from
+    # them, throws them away, and then appends only keys scoring >= it: the selection, ties
+    # (small integers, ReLU zeros) and -inf fillers of the causal rows must be exactly those
+    # without it. k=20, block_n=16: cap 64, so the stride is at least ceil(400 / 64) = 7;
+    # blocks with >= 3k = 60 keys take a sample.
+    g = _gen(171)
+    B, S, T, H, D, topk = 1, 8, 400, 2, 16, 20
+    spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=DSA.post, masks=DSA.masks)
+    masks = [causal_hi(B, S, T)]
+    configs = [HyTopKConfig(block_m=4, block_n=16, presample=p, presample_z=z)
+               for p, z in ((0, 3.5), (4, 3.5), (8, 1.0))]
+    q, k, w = torch.randn(B, S, H, D, generator=g), torch.randn(B, T, 1, D, generator=g), torch.rand(B, S, H, generator=g)
+    outs = []
+    for c in configs:
+        outs.append(hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=c))
+        print(c.presample, c.presample_z, "blocks redone:", triton_hytopk.redone_blocks())
+    s64, scale = scores64(q, k, w, masks, spec)
+    for vals, idx in outs:
+        check_sorted_contract(vals, idx)
+        check_threshold(vals, idx, s64, scale, D, H, 2.0**-24)
+    assert_same_bits(outs)
+    # small integers (ties everywhere, many exact zeros after ReLU): equal to the stable
+    # sort, bit for bit; an estimate of exactly 0 must still take the zeros
+    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32, lo=-2, hi=2)
+    assert_same_bits([run_exact(q, k, w, masks, topk, spec, config=c) for c in configs])
+
+
+@pytest.mark.interpret
+def test_presample_redo_when_the_sample_misleads(interpret):
+    # 15 hot keys (< k=20), all at sampled positions (stride max(4, ceil(704 / 64)) = 11:
+    # keys 0, 11, 22, ...): every row's estimate (the 7th best sampled score) is a hot
+    # score, so the main pass keeps fewer than k keys, the check fails, and the block runs
+    # again without an estimate. The answer must be the one without presample.
+    g = _gen(172)
+    B, S, T, D, topk = 1, 8, 704, 16, 20
+    q = torch.zeros(B, S, 1, D)
+    q[..., 0] = 1.0
+    k = torch.rand(B, T, 1, D, generator=g)
+    hot = torch.arange(0, T, 11)[torch.randperm(64, generator=g)[:15]]
+    k[0, hot, 0, 0] = 10.0 + torch.arange(15.0)
+    spec = ScoreSpec(epilogue=(), reduce="sum")
+    base = run_exact(q, k, None, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16))
+    assert triton_hytopk.redone_blocks() == 0
+    got = run_exact(q, k, None, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, presample=4))
+    assert triton_hytopk.redone_blocks() == 2  # both row blocks, once each
+    assert_same_bits([base, got])
+    assert set(hot.tolist()) <= set(got[1][0, 0].tolist())
+    # ReLU zeros: 10 positive keys (< k), every other score exactly 0, so the estimate is
+    # exactly 0 and the zeros must pass its filter (the float below +0.0 is -1.4e-45, not
+    # -0.0, which compares equal to 0): no block redone, the same answer as without
+    spec = ScoreSpec(epilogue=(("relu",),), reduce="sum")
+    k = -torch.rand(B, T, 1, D, generator=g)
+    pos = torch.randperm(T, generator=g)[:10]
+    k[0, pos, 0, 0] = 1.0 + torch.arange(10.0)
+    base = run_exact(q, k, None, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16))
+    got = run_exact(q, k, None, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, presample=4))
+    assert triton_hytopk.redone_blocks() == 0
+    assert_same_bits([base, got])
+
+
+@pytest.mark.interpret
+def test_presample_rejects_bad_values(interpret):
+    q, k, w, topk, spec = _compaction_case(152)
+    for bad in (1, -2, 2.5, True):
+        with pytest.raises(SpecError, match="presample="):
+            hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(presample=bad))
+    for bad in (-1.0, float("nan"), "3"):
+        with pytest.raises(SpecError, match="presample_z="):
+            hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(presample=2, presample_z=bad))
+
+
 def _split_case(g, S=8, T=300, H=2, D=16):
     # bf16 queries, fp32 keys beyond bf16: integers below 2**17 (up to 17 significant bits:
     # hi, mid and sometimes lo), small-integer queries, so every product and sum is exact
@@ -915,6 +988,33 @@ def test_gpu_dsa_shape_bf16(cuda):
     assert torch.equal(order.values, idx.sort(-1).values)
     assert torch.equal(vu.gather(-1, order.indices), vals.gather(-1, idx.sort(-1).indices))
     assert torch.equal(hytopk_triton(q, k, w, masks, topk, spec, sorted=False), iu)
+
+
+@pytest.mark.gpu
+def test_gpu_presample_same_bits(cuda):
+    # presample (v23) at the DSA shape (blocks with >= 3k = 6,144 keys take a sample): the
+    # same bits as without it, with its usual estimate (stride 32, z=3.5) and with one so
+    # tight (stride 4, z=0) that blocks fail the check and run again
+    torch.manual_seed(1005)
+    print("seed=1005")
+    B, S, T, H, D, topk = 1, 16384, 16384, 64, 128, 2048
+    q = torch.randn(B, S, H, D, device=cuda, dtype=torch.bfloat16)
+    k = torch.randn(B, T, 1, D, device=cuda, dtype=torch.bfloat16)
+    w = torch.randn(B, S, H, device=cuda) * H**-0.5
+    spec = ScoreSpec(epilogue=(("relu",), ("mul", D**-0.5)), post=DSA.post, masks=DSA.masks)
+    masks = [causal_hi(B, S, T, cuda)]
+    vals, idx = hytopk_triton(q, k, w, masks, topk, spec, return_values=True)
+    rows = torch.tensor([0, 2047, 6143, 6144, 8192, 16383] + list(range(11, S, 1021)), device=cuda)
+    _sampled_threshold(q, k, w, masks, topk, spec, vals, idx, rows, 2.0**-24)
+    default = triton_hytopk.default_config(S, T, topk, q.device, True, D, H, tma=True)
+    redone = []
+    for extra in (dict(presample=32), dict(presample=4, presample_z=0.0), dict(presample=32, sort="bitonic")):
+        cfg = dataclasses.replace(default, **extra)
+        v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
+        redone.append(triton_hytopk.redone_blocks())
+        assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra
+    print("blocks redone:", redone)
+    assert redone[1] > 0  # the tight estimate did fail somewhere: the redo path ran on the GPU
 
 
 @pytest.mark.gpu
