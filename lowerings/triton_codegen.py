@@ -671,6 +671,29 @@ def _highest_bit(x):
 
 
 @triton.jit
+def _prefix_search(u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
+    # _kth_largest's bitwise search: the largest score-bits prefix v (the bits below it 0)
+    # with #{u >= v} >= TOPK, or the first one found that keeps at most TOPK + SLACK keys.
+    # Returns (v, #{u >= v}, passes).
+    umin, umax = _min_max(tl.where(valid, u, tl.full([], 4294967295, tl.uint32)), u)
+    # bit: the highest bit where umin and umax differ (0 when every key has the same score)
+    hbu = _highest_bit(umin ^ umax).to(tl.uint32)
+    bit = tl.where(umin == umax, 0, tl.full([], 1, tl.uint32) << hbu)
+    # the bits above it, common to every key; every valid key is >= this prefix
+    prefix = tl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
+    n_ge = n                                              # #{u >= prefix}
+    passes = tl.zeros([], dtype=tl.int32)
+    while (bit > 0) & (n_ge > TOPK + SLACK):
+        passes += 1
+        c = prefix | bit
+        n_c = tl.sum((u >= c).to(tl.int32), axis=0)      # c >= 1: invalid keys (u = 0) never count
+        prefix = tl.where(n_c >= TOPK, c, prefix)
+        n_ge = tl.where(n_c >= TOPK, n_c, n_ge)
+        bit = bit >> 1
+    return prefix, n_ge, passes
+
+
+@triton.jit
 def _kth_largest(keys, u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
     # A key kth with TOPK <= #{valid keys >= kth} <= TOPK + SLACK (the valid keys are
     # distinct; n > TOPK of them; u: their score bits, _score_bits, 0 where not valid).
@@ -689,21 +712,7 @@ def _kth_largest(keys, u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
     # and two counts, from bit 31; v8's first try, 4-bit histograms packed into eight sums,
     # spilled and measured slower (docs/kernel-design.md, v8). (v19's bracketing search,
     # value-space regula falsi, took 2.4x fewer passes but was no faster timed: kernel-design.)
-    umin, umax = _min_max(tl.where(valid, u, tl.full([], 4294967295, tl.uint32)), u)
-    # bit: the highest bit where umin and umax differ (0 when every key has the same score)
-    hbu = _highest_bit(umin ^ umax).to(tl.uint32)
-    bit = tl.where(umin == umax, 0, tl.full([], 1, tl.uint32) << hbu)
-    # the bits above it, common to every key; every valid key is >= this prefix
-    prefix = tl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
-    n_ge = n                                              # #{u >= prefix}
-    passes = tl.zeros([], dtype=tl.int32)
-    while (bit > 0) & (n_ge > TOPK + SLACK):
-        passes += 1
-        c = prefix | bit
-        n_c = tl.sum((u >= c).to(tl.int32), axis=0)      # c >= 1: invalid keys (u = 0) never count
-        prefix = tl.where(n_c >= TOPK, c, prefix)
-        n_ge = tl.where(n_c >= TOPK, n_c, n_ge)
-        bit = bit >> 1
+    prefix, n_ge, passes = _prefix_search(u, valid, n, TOPK, SLACK)
     # the smallest key whose score bits are >= prefix (keeps exactly those n_ge keys): the
     # answer when SLACK allows it
     kth = (prefix ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64) << 32
@@ -796,28 +805,16 @@ def _lane_valid(lane_cnt_ptr, CAP: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _sample_estimate(row_ptr, lane_cnt_ptr, J: tl.constexpr, CAP: tl.constexpr, BLOCK_N: tl.constexpr):
-    # v23 (docs/kernel-design.md): from a row's sampled keys (lane sub-buffers, at least J of
-    # them), the highest score-bits prefix that at least J of them reach, i.e. a score at
-    # or below the J-th best sampled one (the search stops once at most J + J / 4 keys are
-    # above it: a lower estimate is as exact, only less selective); returned as the fp32
-    # value just below it, which the tile loop's filter (take y > it) turns into "take
-    # scores >= the prefix". Below +0.0 that is -1.4e-45, not -0.0, which compares equal.
-    offs = tl.arange(0, CAP)
+    # v23 (docs/kernel-design.md): from a row's sampled keys (lane sub-buffers, more than J
+    # of them), a score at or below the J-th best sampled one: _kth_largest's search with a
+    # slack of J / 4, without its tie-break (a lower estimate is as exact, only less
+    # selective). Returned as the fp32 value just below it, which the tile loop's filter
+    # (take y > it) turns into "take scores >= it". Below +0.0 that is -1.4e-45, not -0.0,
+    # which compares equal.
     valid = _lane_valid(lane_cnt_ptr, CAP, BLOCK_N)
     n = tl.sum(tl.load(lane_cnt_ptr + tl.arange(0, BLOCK_N)), axis=0)
-    keys = tl.load(row_ptr + offs, mask=valid, other=EMPTY)
-    u = tl.where(valid, _score_bits(keys), 0)
-    umin, umax = _min_max(tl.where(valid, u, tl.full([], 4294967295, tl.uint32)), u)
-    hbu = _highest_bit(umin ^ umax).to(tl.uint32)
-    bit = tl.where(umin == umax, 0, tl.full([], 1, tl.uint32) << hbu)
-    prefix = tl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
-    n_ge = n
-    while (bit > 0) & (n_ge > J + J // 4):
-        c = prefix | bit
-        n_c = tl.sum((u >= c).to(tl.int32), axis=0)
-        prefix = tl.where(n_c >= J, c, prefix)
-        n_ge = tl.where(n_c >= J, n_c, n_ge)
-        bit = bit >> 1
+    keys = tl.load(row_ptr + tl.arange(0, CAP), mask=valid, other=EMPTY)
+    prefix, _, _ = _prefix_search(tl.where(valid, _score_bits(keys), 0), valid, n, J, J // 4)
     below = prefix - tl.where(prefix == 2147483648, 2, 1).to(tl.uint32)
     return _unpack_value((below ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64) << 32)
 
@@ -986,6 +983,9 @@ def {{KERNEL_NAME}}(
         cnt = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
         thr = tl.zeros([BLOCK_M], dtype=tl.int64) + EMPTY
         thr_v = tl.zeros([BLOCK_M], dtype=tl.float32) + float("nan")
+        # est_v: each row's sampled estimate (v23, presample), the threshold while the row's
+        # own compactions have set none; NaN (take everything) without one
+        est_v = thr_v
         tl.debug_barrier()  # the previous block's last reads of SCRATCH are done
         if PRESAMPLE > 0:
             # v23 (docs/kernel-design.md): a block with at least 3k keys to score first scores
@@ -995,7 +995,6 @@ def {{KERNEL_NAME}}(
             # taking only keys above est_v. Every key a row keeps then scores >= its estimate,
             # so the row is exact iff it ends with TOPK keys (checked after the final
             # compaction; the block is redone without an estimate otherwise).
-            est_v = tl.zeros([BLOCK_M], dtype=tl.float32) + float("nan")
             if (retry == 0) & (v1 - v0 >= 3 * TOPK):
                 m_keys = (v1 - v0 + PRESAMPLE - 1) // PRESAMPLE
                 if PRESAMPLE * stride_kt * BLOCK_N < 2147483648:  # (32-bit offsets: fewer registers)
@@ -1124,10 +1123,7 @@ def {{KERNEL_NAME}}(
                                 _prof_add(PROF, pid, 6, 1)
                     tl.debug_barrier()
                     cnt = tl.where(kept[None, :] >= 0, _lane_counts(kept, offs_n, BLOCK_N), cnt)
-                    if PRESAMPLE > 0:
-                        thr_v = tl.where(thr == EMPTY, est_v, _unpack_value(thr))  # (>= est_v when set)
-                    else:
-                        thr_v = tl.where(thr == EMPTY, float("nan"), _unpack_value(thr))
+                    thr_v = tl.where(thr == EMPTY, est_v, _unpack_value(thr))  # (>= est_v when set)
                     if PROFILE:
                         _prof_add(PROF, pid, 1, _clock() - c_sec)
         if not SCORE_ONLY:
