@@ -851,16 +851,21 @@ def sample_stride(S: int) -> int:
     return P
 
 
-def _launch(q2, k2, w2, out_i, out_v, ws, nsel, search, w_smem, profile, presample, blocks=None):
+def _kernel_args(q2, k2, w2, out_i, out_v, ws, nsel, search, w_smem, profile, presample, blocks=None):
+    # _ws_kernel's arguments: every row block, or (a redo) those of the int32 list blocks
     S = q2.shape[0]
     P = sample_stride(S)
+    num_blocks = S // int(BM) if blocks is None else blocks.numel()
+    return (q2, w2, _k_descriptor(k2), ws.scr, ws.scr.view(torch.int32), ws.lc, ws.meta, ws.thr, ws.thrj, ws.counter,
+            out_i, out_v, ws.prof, num_blocks, SEL_REGS[(nsel, w_smem)], nsel, search, w_smem, profile,
+            _k_descriptor(k2[::P]), ws.samp, ws.est, ws.fail, ws.counter if blocks is None else blocks, P, presample,
+            blocks is not None)
+
+
+def _launch(q2, k2, w2, out_i, out_v, ws, nsel, search, w_smem, profile, presample, blocks=None):
     ws.counter.zero_()
     ws.thrj.fill_(-1)
-    num_blocks = S // int(BM) if blocks is None else blocks.numel()
-    _ws_kernel[(ws.nprog,)](q2, w2, _k_descriptor(k2), ws.scr, ws.scr.view(torch.int32), ws.lc, ws.meta, ws.thr,
-                            ws.thrj, ws.counter, out_i, out_v, ws.prof, num_blocks, SEL_REGS[(nsel, w_smem)], nsel,
-                            search, w_smem, profile, _k_descriptor(k2[::P]), ws.samp, ws.est, ws.fail,
-                            ws.counter if blocks is None else blocks, P, presample, blocks is not None,
+    _ws_kernel[(ws.nprog,)](*_kernel_args(q2, k2, w2, out_i, out_v, ws, nsel, search, w_smem, profile, presample, blocks),
                             num_warps=4, maxnreg=MAXNREG[nsel])
 
 
@@ -904,11 +909,8 @@ def compile_only(nsel, w_smem=False, search=1, presample=False) -> int:
     ws = Workspace(1, "cpu")
     oi = torch.empty(S, int(TOPK), dtype=torch.int32)
     ov = torch.empty(S, int(TOPK))
-    P = sample_stride(S)
-    ck = _ws_kernel.warmup(q2, w2, _k_descriptor(k2), ws.scr, ws.scr.view(torch.int32), ws.lc, ws.meta, ws.thr, ws.thrj, ws.counter, oi, ov,
-                           ws.prof, S // int(BM), SEL_REGS[(nsel, w_smem)], nsel, search, w_smem, bool(os.environ.get("WS_PROFILE")),
-                           _k_descriptor(k2[::P]), ws.samp, ws.est, ws.fail, ws.counter, P, presample, False,
-                           num_warps=4, maxnreg=MAXNREG[nsel], grid=(1,))
+    ck = _ws_kernel.warmup(*_kernel_args(q2, k2, w2, oi, ov, ws, nsel, search, w_smem, bool(os.environ.get("WS_PROFILE")),
+                                         presample), num_warps=4, maxnreg=MAXNREG[nsel], grid=(1,))
     rep = ptxas_report(ck.asm["ptx"], bindir)
     sass = sass_counts(ck.asm["cubin"], bindir)[0]
     print(f"ws kernel, {nsel} selector(s){', weights in shared memory' if w_smem else ''}"

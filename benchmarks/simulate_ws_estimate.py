@@ -29,7 +29,6 @@ import os
 import sys
 
 import numpy as np
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -106,10 +105,11 @@ def main(argv=None) -> int:
     ap.add_argument("--stride", type=int, default=0, help="P (default: calibrate_gluon_ws.sample_stride(S))")
     args = ap.parse_args(argv)
     import bench_hytopk as bh
+    import calibrate_gluon_ws
     import simulate_ws_search as sw
 
     S = args.seq
-    P = args.stride or max(32, 1 << math.ceil(math.log2(-(-S // 4096))))
+    P = args.stride or calibrate_gluon_ws.sample_stride(S)
     zs = [float(x) for x in args.z.split(",")]
     rep = ["| inputs | halves / block | keys appended / row | in-loop searches / row | rows failing |",
            "|---|---|---|---|---|"]
