@@ -790,6 +790,8 @@ def test_default_config_takes_tma_where_keys_allow():
     assert (without.tma, without.reread_weights, without.num_stages) == (False, None, 3)
     # (no L2 prefetch by default: measured no faster, v13)
     assert with_tma.l2_prefetch is None and without.l2_prefetch is None
+    # the sampled estimate where it was measured (v23b: TMA key tiles at the DSA shape)
+    assert with_tma.presample == 128 and not without.presample
     # only in the measured regime (64 heads per kv head, k <= 2048): elsewhere held weights
     # spilled more in offline builds, so those shapes keep the pointer loads
     for args in ((32768, 32768, 4096, cuda, True, 128, 64), (32768, 32768, 2048, cuda, True, 128, 8)):
@@ -1037,13 +1039,16 @@ def test_gpu_presample_same_bits(cuda):
     _sampled_threshold(q, k, w, masks, topk, spec, vals, idx, rows, 2.0**-24)
     default = triton_hytopk.default_config(S, T, topk, q.device, True, D, H, tma=True)
     redone = []
-    for extra in (dict(presample=32), dict(presample=4, presample_z=0.0), dict(presample=32, sort="bitonic")):
+    # (the default takes presample=128 since v23b; presample=0 is the kernel without an estimate)
+    assert default.presample == 128
+    for extra in (dict(presample=0), dict(presample=32), dict(presample=4, presample_z=0.0),
+                  dict(presample=32, sort="bitonic")):
         cfg = dataclasses.replace(default, **extra)
         v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
         redone.append(triton_hytopk.redone_blocks())
         assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra
     print("blocks redone:", redone)
-    assert redone[1] > 0  # the tight estimate did fail somewhere: the redo path ran on the GPU
+    assert redone[2] > 0  # the tight estimate did fail somewhere: the redo path ran on the GPU
 
 
 @pytest.mark.gpu
