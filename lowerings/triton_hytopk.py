@@ -113,7 +113,7 @@ class HyTopKConfig:
     # scoring >= the estimate. A row that ends with fewer than k keys fails the check and its
     # block runs again without an estimate (redone_blocks() counts them): the result never
     # depends on the estimate. 0 or None: off. An int >= 2. default_config takes 128 with
-    # TMA key tiles (the DSA shape, where it was measured: v23b).
+    # TMA key tiles up to 128K keys (the DSA shape, where it was measured: v23b).
     presample: Optional[int] = None
     presample_z: float = 3.5
 
@@ -164,10 +164,12 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
     if tma:
         # (l2_prefetch: the scoring alone gains 4-6% at 128K, the full kernel nothing; v13)
         # presample=128 (v23b): a sampled estimate of each row's k-th best score, from every
-        # 128th key; measured -2% at 32K and 128K, iid and structured, against none (and
-        # against strides 32, 64, 256); the sample costs 1/128 more scoring
+        # 128th key; measured -0.7% (within noise) at 32K and -1 to -2% at 128K against none,
+        # iid and structured (strides 32, 64 and 256 no better); the sample costs 1/128 more
+        # scoring. At 1M it lost 1.7% (270 blocks redone: at a failure rate per row of ~2e-4,
+        # a million rows fail some), so only up to the 128K keys where it was measured.
         return HyTopKConfig(block_n=64, num_warps=4, num_stages=stages, tma=True, reread_weights=False,
-                            presample=128)
+                            presample=128 if T <= 131072 else None)
     return HyTopKConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=stages)
 
 

@@ -790,8 +790,10 @@ def test_default_config_takes_tma_where_keys_allow():
     assert (without.tma, without.reread_weights, without.num_stages) == (False, None, 3)
     # (no L2 prefetch by default: measured no faster, v13)
     assert with_tma.l2_prefetch is None and without.l2_prefetch is None
-    # the sampled estimate where it was measured (v23b: TMA key tiles at the DSA shape)
+    # the sampled estimate where it was measured (v23b: TMA key tiles at the DSA shape, up to
+    # 128K keys; at 1M it lost)
     assert with_tma.presample == 128 and not without.presample
+    assert not triton_hytopk.default_config(1 << 20, 1 << 20, 2048, cuda, True, 128, 64, tma=True).presample
     # only in the measured regime (64 heads per kv head, k <= 2048): elsewhere held weights
     # spilled more in offline builds, so those shapes keep the pointer loads
     for args in ((32768, 32768, 4096, cuda, True, 128, 64), (32768, 32768, 2048, cuda, True, 128, 8)):
