@@ -1124,17 +1124,24 @@ def test_gpu_exact_integer_cases(cuda):
 @pytest.mark.gpu
 def test_gpu_bits_identical_across_processes(cuda, kernel_cache, tmp_path):
     script = textwrap.dedent("""
-        import hashlib, torch
+        import dataclasses, hashlib, torch
         from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
+        from hyscale_compile.lowerings import triton_hytopk
         from hyscale_compile.lowerings.triton_hytopk import hytopk_triton
         torch.manual_seed(7)
-        B, S, T, H, D = 1, 1024, 1024, 64, 128
+        # two batches at k = 2048: the default's TMA key tiles, sort kernel and sampled
+        # estimate (rows past 3k = 6,144 keys take a sample) all run
+        B, S, T, H, D, K = 2, 8192, 8192, 64, 128, 2048
         q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, T, 1, D, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(B, S, H, device="cuda")
         hi = (torch.arange(S, device="cuda") + 1).view(1, S)
         spec = ScoreSpec(epilogue=(("relu",),), post=(("mask", 0),), masks=(MaskTerm(kind="range", hi=0),))
-        v, i = hytopk_triton(q, k, w, [hi], 512, spec, return_values=True)
+        v, i = hytopk_triton(q, k, w, [hi], K, spec, return_values=True)
+        cfg = triton_hytopk.default_config(S, T, K, q.device, True, D, H, tma=True)
+        assert cfg.presample, cfg
+        v0, i0 = hytopk_triton(q, k, w, [hi], K, spec, return_values=True, config=dataclasses.replace(cfg, presample=0))
+        assert torch.equal(i0, i) and torch.equal(v0.view(torch.int32), v.view(torch.int32)), "presample changed bits"
         h = hashlib.sha256(v.view(torch.int32).cpu().numpy().tobytes() + i.cpu().numpy().tobytes())
         print("HASH", h.hexdigest())
     """)
