@@ -13,6 +13,7 @@ configs past ``--deadline`` seconds are listed as skipped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -37,13 +38,16 @@ CONFIGS = {
 
 
 def default_fields(seq: int) -> dict:
-    """The launch's own default block shape and stages at the DSA shape, as config fields."""
-    from hyscale_compile.lowerings.triton_hytopk import default_config
+    """The launch's own default at the DSA shape, as the config fields it sets (every field
+    that differs from ``HyTopKConfig()``'s, so that an option the default turns on, such as
+    v23b's presample, is in "default" too: until session 14 only six fields were copied, and
+    "default" here ran without the estimate the library's default takes)."""
+    from hyscale_compile.lowerings.triton_hytopk import HyTopKConfig, default_config
 
     # the benchmark's keys ([1, S, 1, D] bf16, contiguous) take TMA key tiles
     d = default_config(seq, seq, bh.TOPK, torch.device("cuda"), True, bh.D, bh.H, tma=True)
-    return dict(block_n=d.block_n, num_warps=d.num_warps, num_stages=d.num_stages, tma=d.tma,
-                reread_weights=d.reread_weights, l2_prefetch=d.l2_prefetch)
+    base = HyTopKConfig()
+    return {f.name: getattr(d, f.name) for f in dataclasses.fields(d) if getattr(d, f.name) != getattr(base, f.name)}
 
 
 def parse_fields(text: str) -> dict:

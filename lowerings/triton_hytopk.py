@@ -164,8 +164,8 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
     if tma:
         # (l2_prefetch: the scoring alone gains 4-6% at 128K, the full kernel nothing; v13)
         # presample=128 (v23b): a sampled estimate of each row's k-th best score, from every
-        # 128th key; measured -0.7% (within noise) at 32K and -1 to -2% at 128K against none,
-        # iid and structured (strides 32, 64 and 256 no better); the sample costs 1/128 more
+        # 128th key; measured -1.4 to -4% at 32K and -1 to -2% at 128K against none, iid and
+        # structured (one call; strides 32, 64 and 256 no better); the sample costs 1/128 more
         # scoring. At 1M it lost 1.7% (270 blocks redone: at a failure rate per row of ~2e-4,
         # a million rows fail some), so only up to the 128K keys where it was measured.
         return HyTopKConfig(block_n=64, num_warps=4, num_stages=stages, tma=True, reread_weights=False,
