@@ -820,6 +820,16 @@ def _sample_estimate(row_ptr, lane_cnt_ptr, J: tl.constexpr, CAP: tl.constexpr, 
 
 
 @triton.jit
+def _append_lanes(scr, offs_m, offs_n, cnt, p, take, CAP: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Append a tile's packed keys p [BLOCK_N, BLOCK_M] where take, each to its own lane
+    # sub-buffer: key j of the tile, row m -> slot cnt[j, m] of lane j, at scr + m * CAP +
+    # slot * BLOCK_N + j (the layout _lane_valid and _compact_lanes read). Returns the new
+    # lane counts.
+    _store_taken(scr + (offs_m[None, :] * CAP + cnt * BLOCK_N + offs_n[:, None]), p, take)
+    return cnt + take.to(tl.int32)
+
+
+@triton.jit
 def _lane_counts(n, offs_n, BLOCK_N: tl.constexpr):
     # Keys per lane [BLOCK_N, BLOCK_M] of rows whose n keys sit contiguously at [0, n): slot
     # s of lane j is position s * BLOCK_N + j, so a contiguous row is a valid lane layout.
@@ -1024,9 +1034,7 @@ def {{KERNEL_NAME}}(
                     )
                     # (masked keys are not sampled: m counts the row's visible ones)
                     take = key_ok[:, None] & row_ok[None, :] & (y != float("-inf"))
-                    _store_taken(scr + (offs_m[None, :] * CAP + cnt * BLOCK_N + offs_n[:, None]),
-                                 _pack(y, keys_s[:, None]), take)
-                    cnt += take.to(tl.int32)
+                    cnt = _append_lanes(scr, offs_m, offs_n, cnt, _pack(y, keys_s[:, None]), take, CAP, BLOCK_N)
                 tl.store(lane_cnt + lane_cnt_offs, cnt)
                 tl.debug_barrier()
                 m_row = tl.sum(cnt, axis=0)
@@ -1095,9 +1103,7 @@ def {{KERNEL_NAME}}(
                     # threshold's loses the tie to it: keep y > thr_v, and NaN (which sorts
                     # above +inf); a NaN threshold takes everything.
                     take = (~(y <= thr_v[None, :])) & key_ok[:, None] & row_ok[None, :]
-                    p = _pack(y, keys[:, None])
-                    _store_taken(scr + (offs_m[None, :] * CAP + cnt * BLOCK_N + offs_n[:, None]), p, take)
-                    cnt += take.to(tl.int32)
+                    cnt = _append_lanes(scr, offs_m, offs_n, cnt, _pack(y, keys[:, None]), take, CAP, BLOCK_N)
             t0 = t_stop
             if PROFILE:
                 _prof_add(PROF, pid, 0, _clock() - c_sec)
