@@ -1032,8 +1032,9 @@ def test_gpu_dsa_shape_bf16(cuda):
 @pytest.mark.gpu
 def test_gpu_presample_same_bits(cuda):
     # presample (v23) at the DSA shape (blocks with >= 3k = 6,144 keys take a sample): the
-    # same bits as without it, with its usual estimate (stride 32, z=3.5) and with one so
-    # tight (stride 4, z=0) that blocks fail the check and run again
+    # default (stride 128 since v23b) gives the same bits as without it (presample=0), as
+    # stride 32 does, and as an estimate so tight (stride 4, z=0) that blocks fail the
+    # check and run again
     S, T, H, D, topk = 16384, 16384, 64, 128, 2048
     q, k, w, spec, masks = _dsa_case(cuda, 1005, S)
     vals, idx = hytopk_triton(q, k, w, masks, topk, spec, return_values=True)
