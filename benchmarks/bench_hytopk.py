@@ -23,6 +23,11 @@ head weights (fp32), ReLU, weighted head sum, causal, batch 1. Rows of the table
 * hytopk:score   the same kernel with selection switched off (diagnostic: scoring alone).
 * hyscale-compile  torch.compile(hf_indexer, backend="hyscale") on the whole sequence: the
                  rewrite is what runs (the counter of generated-kernel launches is printed).
+* hyscale-compile:mask  the same indexer with HF's consumer, ``ones(bool).scatter(-1,
+                 idx.long(), False)``, returning that mask: nothing reads the top-k's order, so
+                 the rewrite drops the sort (passes/order.py). iid, S <= 32K (the mask is S^2
+                 bytes). hyscale-compile:mask:sorted  the same with options
+                 {"hyscale.elide_sort": False}: the difference is the sort.
 
 Inputs (both reported): "iid" (q, k ~ N(0,1) bf16, w ~ N(0,1)/8) and "struct": keys with
 locality and clusters (32 cluster centres; the key sequence is cut into segments of 64-512
@@ -61,7 +66,7 @@ if _ROOT not in sys.path:
 H, D, TOPK = 64, 128, 2048
 # every row name --rows / --skip understand (floor is always printed)
 ROWS = ("hytopk", "hytopk:unsorted", "hytopk:score-only", "score+topk", "score+topk:unsorted", "eager", "compile",
-        "hyscale-compile")
+        "hyscale-compile", "hyscale-compile:mask", "hyscale-compile:mask:sorted")
 SCALE = D**-0.5
 
 
@@ -114,6 +119,23 @@ def hf_indexer(q, k, w, qpos, scale: float = SCALE, topk: int = TOPK):
     mask = torch.where(kpos[None, :] <= qpos[:, None], 0.0, torch.finfo(torch.float32).min)
     index_scores = index_scores + mask
     return index_scores.topk(topk, dim=-1).indices
+
+
+def hf_indexer_mask(q, k, w, qpos, topk: int = TOPK):
+    """hf_indexer with HF's consumer: the bool mask of the keys each query drops."""
+    idx = hf_indexer(q, k, w, qpos, topk=topk)
+    return torch.ones(q.shape[0], q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).scatter(-1, idx, False)
+
+
+class MaskPicks:
+    """``idx[0, s]`` for check_rows, read off a mask from hf_indexer_mask: the keys row s keeps."""
+
+    def __init__(self, mask):
+        self.mask = mask
+
+    def __getitem__(self, key):
+        b, s = key
+        return (~self.mask[b, s]).nonzero().squeeze(-1)
 
 
 def chunk_rows(S: int) -> int:
@@ -430,6 +452,22 @@ def main():
                 row(S, inp, "hyscale-compile", ms, peak, ok,
                     f"whole sequence, {calls['n']} generated-kernel launches; compile+first {first:.0f} ms")
                 del idx
+            for name, elide in (("hyscale-compile:mask", True), ("hyscale-compile:mask:sorted", False)):
+                if name in skip or inp != "iid" or S > 32768:
+                    continue
+                from hyscale_compile.passes import diagnostics
+
+                torch._dynamo.reset()
+                diagnostics.clear()
+                hf_m = torch.compile(hf_indexer_mask, backend="hyscale", options={"hyscale.elide_sort": elide})
+                qpos = torch.arange(S, device="cuda")
+                ms, peak, mask, first = measure(lambda: hf_m(q, k, w, qpos), args.reps)
+                sites = [r for r in diagnostics.records() if r.rewritten]
+                how = ", ".join("sort dropped" if r.sort_elided else "sorted" if r.sorted else "unsorted" for r in sites)
+                row(S, inp, name, ms, peak, check_rows(MaskPicks(mask), q, k, w, rows),
+                    f"whole sequence, returns the [S, S] bool mask; {len(sites)} site(s): {how or 'none rewritten'}; "
+                    f"compile+first {first:.0f} ms")
+                del mask
             del q, k, w
             torch.cuda.empty_cache()
     if args.million and not late("S=1M"):

@@ -9,6 +9,8 @@ HYSCALE_OPTIONS = {
     "capture": (list, "tests: a list that receives the graphs the debug backend ran"),
     "replay": (bool, "save the selection for the backward (default True); False keeps the "
                      "checkpoint policy's tag, so benchmarks can measure what replay saves"),
+    "elide_sort": (bool, "call the op with sorted=False where nothing reads the top-k's order (default "
+                         "True; the outputs are the same bits either way)"),
 }
 _MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 

@@ -1,6 +1,8 @@
-"""Helpers for tests of graph rewrites: a normalized, version-stable graph text."""
+"""Helpers for tests of graph rewrites: a normalized, version-stable graph text, and a
+seeded shuffle of the op's unsorted results (``shuffled_unsorted``)."""
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Dict
 
@@ -65,3 +67,21 @@ def _fmt(a, names) -> str:
     if isinstance(a, float):
         return repr(a)
     return str(a)
+
+
+@contextlib.contextmanager
+def shuffled_unsorted(seed: int = 0):
+    """Inside: the CPU implementation of ``torch.ops.hyscale.hytopk*`` returns each row of
+    a ``sorted=False`` call in a random order (seeded; the same set, values still paired
+    with their indices). ``sorted=False`` allows any order; tests use this to check that
+    a rewrite that dropped the sort (``passes/order.py``) still gives the same outputs."""
+    if not isinstance(seed, int):
+        raise TypeError(f"shuffled_unsorted: seed must be an int, got {type(seed).__name__}")
+    from hyscale_compile.lowerings import ops
+
+    before = ops.UNSORTED_SHUFFLE["seed"]
+    ops.UNSORTED_SHUFFLE["seed"] = seed
+    try:
+        yield
+    finally:
+        ops.UNSORTED_SHUFFLE["seed"] = before

@@ -52,7 +52,26 @@ def _impl(q, k, w, masks, topk, spec, return_values, sorted):
 
         return hytopk_triton(q, k, w, list(masks), topk, parsed, return_values=return_values, sorted=sorted)
     # (sorted=False allows any order: the reference's sorted one is one of them)
-    return reference.streaming_topk(q, k, w, list(masks), topk, parsed, return_values=return_values)
+    out = reference.streaming_topk(q, k, w, list(masks), topk, parsed, return_values=return_values)
+    if not sorted and UNSORTED_SHUFFLE["seed"] is not None:
+        out = _shuffle_rows(out, UNSORTED_SHUFFLE["seed"])
+    return out
+
+
+# Tests (``hyscale_compile.testing.shuffled_unsorted``): the reference implementation
+# returns sorted=False rows in a random order of each row's own, so that a test sees what
+# an order-dependent use of an unsorted result would do (the GPU kernel's order is fixed
+# by its launch, the reference's would otherwise be the sorted one).
+UNSORTED_SHUFFLE = {"seed": None}
+
+
+def _shuffle_rows(out, seed: int):
+    idx = out[1] if isinstance(out, tuple) else out
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.rand(idx.shape, generator=g).argsort(dim=-1).to(idx.device)
+    if isinstance(out, tuple):
+        return out[0].gather(-1, perm), idx.gather(-1, perm)
+    return idx.gather(-1, perm)
 
 
 @torch.library.custom_op(f"{LIB}::hytopk", mutates_args=())

@@ -330,3 +330,44 @@ def skippable_mask_terms(spec: ScoreSpec) -> List[int]:
         if all(_preserves_neg_inf(s, spec) for s in spec.post[pos + 1:]):
             out.append(step[1])
     return out
+
+
+# epilogue / post steps whose effect on a bound of |x| is known (``finite_range_term``;
+# the launch's ``hidden_value_flag`` applies them)
+_BOUNDED_STEPS = ("mul", "div", "add", "relu", "neg", "sigmoid", "round")
+
+
+def finite_range_term(spec: ScoreSpec) -> Optional[tuple]:
+    """(j, v, needs_bound) for a range term ``spec.masks[j]`` whose hidden keys all hold one
+    finite value v, so that a kernel may skip their tiles as it skips -inf ones (fillers
+    of value v where a row needs them), or None.
+
+    The term must be the spec's only mask step and its last post step, with fp32 scores.
+    mode "fill": every hidden key is v. mode "add": a hidden key is fl(s + v), which is v
+    only while |s| < ``add_limit(v)``; the launch checks a bound on |s| at run time
+    (``needs_bound``), so every epilogue and earlier post step must be one whose effect on
+    the bound is known (no registered mods).
+    """
+    if skippable_mask_terms(spec) or spec.score_dtype != "float32":
+        return None
+    mask_steps = [i for i, s in enumerate(spec.post) if s[0] == "mask"]
+    if mask_steps != [len(spec.post) - 1]:
+        return None
+    j = spec.post[-1][1]
+    term = spec.masks[j]
+    if term.kind != "range" or not math.isfinite(term.value) or (term.lo is None and term.hi is None):
+        return None
+    if term.mode == "fill":
+        return j, float(term.value), False
+    if any(s[0] not in _BOUNDED_STEPS for s in (*spec.epilogue, *spec.post[:-1])):
+        return None
+    return j, float(term.value), True
+
+
+def add_limit(v: float) -> float:
+    """A bound L such that fl32(s + v) == v for every fp32 s with |s| < L: a quarter of the
+    fp32 spacing just below |v| (the smaller of the two spacings around v)."""
+    import numpy as np
+
+    a = np.float32(abs(v))
+    return float(a - np.nextafter(a, np.float32(0))) / 4

@@ -33,11 +33,11 @@ import tempfile
 import threading
 from typing import Dict, List, Tuple
 
-from .spec import ScoreSpec, SpecError, skippable_mask_terms
+from .spec import ScoreSpec, SpecError, finite_range_term, skippable_mask_terms
 
 # Bumped whenever the template changes in a way the hash of the source would not show
 # (it always does today: the version is part of the source text).
-CODEGEN_VERSION = 10
+CODEGEN_VERSION = 11
 
 _MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
 _LOCK = threading.Lock()
@@ -109,7 +109,24 @@ def _mask_args(spec: ScoreSpec) -> List[str]:
                 args += [f"LO{j}", f"stride_lo{j}_b", f"stride_lo{j}_s"]
             if term.hi is not None:
                 args += [f"HI{j}", f"stride_hi{j}_b", f"stride_hi{j}_s"]
+    fin = finite_range_term(spec)
+    if fin is not None and fin[2]:
+        args.append("SKIPF")  # int32 [1]: 1 when the launch's bound proves fl(s + v) == v
     return args
+
+
+def _filler(spec: ScoreSpec) -> tuple:
+    """(value literal, packed high word) of the keys that skipped tiles stand for: -inf, or
+    the finite value of ``finite_range_term``. The high word is ``_pack``'s, in Python."""
+    fin = finite_range_term(spec)
+    if fin is None:
+        return '(-float("inf"))', "NEG_INF_HI"
+    import numpy as np
+
+    v = np.float32(fin[1]) + np.float32(0.0)  # (-0.0 -> +0.0, as _pack does)
+    b = int(np.array(v, dtype=np.float32).view(np.int32))
+    b ^= (b >> 31) & 0x7FFFFFFF
+    return _lit(float(v)), str(b)
 
 
 def _score_mask_args(spec: ScoreSpec) -> List[str]:
@@ -180,8 +197,9 @@ def _render_row_bounds(spec: ScoreSpec) -> str:
 def _render_skip_bounds(spec: ScoreSpec) -> str:
     """Block-level facts from the skippable range terms.
 
-    key_lo: every key t < key_lo is hidden (-inf) for every row of the block;
-    key_hi: every key t >= key_hi is hidden (-inf) for every row of the block.
+    key_lo: every key t < key_lo is hidden (-inf, or the finite value of
+    ``finite_range_term``) for every row of the block;
+    key_hi: every key t >= key_hi is hidden for every row of the block.
     """
     lines = ["key_lo = tl.zeros([], dtype=tl.int64)", "key_hi = tl.zeros([], dtype=tl.int64) + T"]
     for j in skippable_mask_terms(spec):
@@ -191,6 +209,17 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
             lines.append(f"key_lo = tl.maximum(key_lo, tl.min(tl.where(row_ok, lo{j}, T), axis=0))")
         if term.hi is not None:
             lines.append(f"key_hi = tl.minimum(key_hi, tl.max(tl.where(row_ok, hi{j}, 0), axis=0))")
+    fin = finite_range_term(spec)
+    if fin is not None:
+        # v24: hidden keys all hold one finite value (a fill; or an add whose run-time bound
+        # on |score|, SKIPF, proves fl(s + v) == v): skipped like -inf ones, fillers of value v
+        j, _, needs_bound = fin
+        term = spec.masks[j]
+        ok = "(tl.load(SKIPF) != 0)" if needs_bound else "True"
+        if term.lo is not None:
+            lines.append(f"key_lo = tl.maximum(key_lo, tl.where({ok}, tl.min(tl.where(row_ok, lo{j}, T), axis=0), 0))")
+        if term.hi is not None:
+            lines.append(f"key_hi = tl.minimum(key_hi, tl.where({ok}, tl.max(tl.where(row_ok, hi{j}, 0), axis=0), T))")
     # the per-element compares in the tile loop use the key type (int32 when T allows);
     # clamping to [0, T] keeps every compare with a key in [0, T) the same
     for j, term in enumerate(spec.masks):
@@ -346,6 +375,8 @@ def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = 
         "SCORE_MASK_ARGS": "".join(f"{a}, " for a in _score_mask_args(spec)),
         "ROW_BOUNDS": _indent(_render_row_bounds(spec), 8) or "        pass",
         "SKIP_BOUNDS": _indent(_render_skip_bounds(spec), 8),
+        "FILL_V": _filler(spec)[0],
+        "FILL_HI": _filler(spec)[1],
         "REDUCE": _indent(_render_reduce(spec), 8),
         "POST": _indent(_render_post(spec), 4) or "    pass",
         "ROW_BOUND_ARGS_DEF": "".join(f"{r}{j}, " for j, t in enumerate(spec.masks) if t.kind == "range"
@@ -968,12 +999,13 @@ def {{KERNEL_NAME}}(
         k_base = b64 * stride_kb
 {{ROW_BOUNDS}}
 {{SKIP_BOUNDS}}
-        # Keys >= key_hi are -inf for every row; a row needs them only as fillers while it
-        # holds fewer than TOPK keys, and the fillers are then the smallest such indices.
+        # Keys >= key_hi are hidden (-inf, or the spec's one finite hidden value) for every
+        # row; a row needs them only as fillers while it holds fewer than TOPK keys, and the
+        # fillers are then the smallest such indices.
         t_end = tl.minimum(tl.maximum(key_hi, TOPK), T)
-        # Tiles [v0, v1) may hold a visible key: they are scored. The others are provably
-        # all -inf: never scored, and visited at all only while some row would take their
-        # best key (-inf, t0), i.e. holds fewer than TOPK keys above it.
+        # Tiles [v0, v1) may hold a visible key: they are scored. The others provably hold
+        # the hidden value only: never scored, and visited at all only while some row would
+        # take their best key (hidden value, t0), i.e. holds fewer than TOPK keys above it.
         v0 = tl.minimum((key_lo // BLOCK_N) * BLOCK_N, t_end)
         v1 = tl.maximum(tl.minimum(((key_hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, t_end), v0)
         if HK == 1:
@@ -1156,16 +1188,16 @@ def {{KERNEL_NAME}}(
             else:
                 go = True
             if go:
-                # 2. all -inf tiles below v0 and from v1 to t_end (fillers), in any order: the
+                # 2. all hidden tiles below v0 and from v1 to t_end (fillers), in any order: the
                 #    packed threshold also compares indices
                 for i0 in range(0, v0 + (t_end - v1), BLOCK_N):
                     tf = tl.where(i0 < v0, i0, i0 - v0 + v1)  # [0, v0), then [v1, t_end)
-                    first_key = NEG_INF_HI * 4294967296 + (4294967295 - tf)
+                    first_key = {{FILL_HI}} * 4294967296 + (4294967295 - tf)
                     wanted = tl.max(tl.where(row_ok & (thr < first_key), 1, 0), axis=0) > 0
                     if wanted:
                         keys64 = tf + offs_n.to(tl.int64)
                         key_ok = keys64 < t_end
-                        p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) - float("inf"), keys64[:, None])
+                        p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) + {{FILL_V}}, keys64[:, None])
                         cnt1, thr = _select_tile(p, key_ok, row_ok, cnt1, thr, scr, scr_cols, offs_m, TOPK, CAP,
                                                  BLOCK_M)
                 # 3. per row: compact to the TOPK best, sort those, write them

@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .reference import check_operands, index_dtype
-from .spec import ScoreSpec, SpecError, dtype_of
+from .spec import ScoreSpec, SpecError, add_limit, dtype_of, finite_range_term
 from .triton_codegen import _interpreting, check_interpreter_mode, load_kernel, weight_scale
 from .triton_sort_rows import NETWORKS as SORT_NETWORKS, sort_rows_
 
@@ -210,10 +210,47 @@ def _table_view(t: torch.Tensor, B: int, S: int, T: int, what: str) -> torch.Ten
         raise SpecError(f"{what} of shape {tuple(t.shape)} does not broadcast to [B, S, T] = {(B, S, T)}") from None
 
 
+def hidden_value_flag(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
+    """int32 [1] on q's device: 1 when a bound on every score's magnitude proves that the
+    spec's additive finite range term (``finite_range_term``) gives each hidden key exactly
+    its value v (|s| < ``add_limit(v)``), so the kernel may skip hidden tiles; else 0.
+
+    The bound: D max|q| max|k| for a logit (1% over, for the fp32 accumulation), then each
+    epilogue step, H max|w| (or H) for the head reduction, then the post steps before the
+    term. Computed on the device (``aminmax``: no copy, no host sync); NaN or inf anywhere
+    gives 0, and the kernel then scores every tile."""
+    j, v, _ = finite_range_term(spec)
+
+    def max_abs(t):
+        if t.numel() == 0:
+            return torch.zeros((), dtype=torch.float64, device=q.device)
+        lo, hi = torch.aminmax(t)
+        return torch.maximum(lo.double().abs(), hi.double().abs())
+
+    H, D = q.shape[2], q.shape[3]
+    m = max_abs(q) * max_abs(k) * D * 1.01
+    for step in (*spec.epilogue, "reduce", *spec.post[:-1]):
+        if step == "reduce":
+            m = m * H * (max_abs(w) if spec.reduce == "weighted_sum" else 1.0)
+        elif step[0] == "mul":
+            m = m * abs(step[1])
+        elif step[0] == "div":
+            m = m / abs(step[1]) if step[1] != 0 else m * math.inf
+        elif step[0] == "add":
+            m = m + abs(step[1])
+        elif step[0] == "sigmoid":
+            m = torch.where(torch.isnan(m), m, torch.ones_like(m))  # |sigmoid| <= 1 (NaN stays NaN)
+        elif step[0] == "round":
+            m = m * 1.01
+        elif step[0] not in ("relu", "neg"):
+            raise SpecError(f"internal: no magnitude bound for step {step!r}")
+    return (m < add_limit(v)).to(torch.int32).reshape(1)
+
+
 def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S: int, T: int, device,
-                      r0: int = 0, r1: Optional[int] = None) -> list:
+                      r0: int = 0, r1: Optional[int] = None, skip_flag: Optional[torch.Tensor] = None) -> list:
     """Pointer/stride arguments in the order ``triton_codegen._mask_args`` declares them, for
-    query rows [r0, r1)."""
+    query rows [r0, r1); ``skip_flag`` (``hidden_value_flag``) last, when the spec reads one."""
     rows = slice(r0, S if r1 is None else r1)
     args = []
     for j, term in enumerate(spec.masks):
@@ -247,6 +284,11 @@ def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S:
                     raise SpecError(f"range bound operand {bound} must be an integer tensor, got {m.dtype}")
                 v = _row_view(m, B, S, f"range bound operand {bound}")[:, rows]
                 args += [v, v.stride(0), v.stride(1)]
+    fin = finite_range_term(spec)
+    if fin is not None and fin[2]:
+        if skip_flag is None:
+            raise SpecError("internal: the spec's additive range term needs hidden_value_flag")
+        args.append(skip_flag)
     return args
 
 
@@ -463,6 +505,9 @@ def hytopk_triton(
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
+    fin = finite_range_term(spec)
+    skip_flag = hidden_value_flag(spec, q, k, w) if fin is not None and fin[2] else None
+
     def outputs_for(r0, r1):
         # where a launch over query rows [r0, r1) writes: its slice of the indices, and the
         # values (all rows; under "after" the caller's fp32 values' slice, or the chunk's
@@ -477,7 +522,7 @@ def hytopk_triton(
         rows = r1 - r0
         nrb = triton_cdiv(rows, block_m)
         return [q[:, r0:r1], k, w_arg if w is None else w_arg[:, r0:r1], scratch, counter, idx_t, vals_t, prof,
-                k_desc, k_desc_rows, *_mask_launch_args(spec, masks, B, S, T, device, r0, r1),
+                k_desc, k_desc_rows, *_mask_launch_args(spec, masks, B, S, T, device, r0, r1, skip_flag),
                 q.stride(0), q.stride(1), q.stride(2), q.stride(3),
                 kb_stride, k.stride(1), k.stride(2), k.stride(3), *w_strides,
                 rows, T, nrb, B * nrb]

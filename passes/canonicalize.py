@@ -203,6 +203,7 @@ class SiteMatch:
     other_consumers: List[str]
     sizes: Dict[str, Any]
     sorted: bool = True  # the top-k's own flag: False lets the op skip its final sort
+    sort_elided: str = ""  # sorted=True, but nothing reads the order (order.py): the uses
 
 
 # --------------------------------------------------------------------------------------

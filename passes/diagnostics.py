@@ -31,7 +31,10 @@ class SiteRecord:
     sizes: Dict[str, Any] = dataclasses.field(default_factory=dict)
     spec: str = ""  # ScoreSpec.describe()
     values_used: bool = False
-    sorted: bool = True  # the top-k's own flag (False: the op skips its final sort)
+    sorted: bool = True  # the op's flag (False: it skips its final sort)
+    # topk(sorted=True) whose order nothing reads (passes/order.py): the ops its outputs
+    # end in; the op was then called with sorted=False
+    sort_elided: str = ""
     table_consumers: List[str] = dataclasses.field(default_factory=list)
     graph: str = ""  # "forward"/"joint"/"inference"
     # joint graphs whose top-k values carry gradient: "sparse" (at the k selected keys) or
@@ -46,7 +49,11 @@ class SiteRecord:
         if self.rewritten:
             sz = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
             extra = f"; table still materialized by {', '.join(self.table_consumers)}" if self.table_consumers else ""
-            vals = (" (values used)" if self.values_used else "") + ("" if self.sorted else " (unsorted)")
+            vals = " (values used)" if self.values_used else ""
+            if self.sort_elided:
+                vals += f" (unsorted: nothing reads the order; its uses end in {self.sort_elided})"
+            elif not self.sorted:
+                vals += " (unsorted)"
             if self.backward == "sparse":
                 extra += "; backward: sparse, at the k selected keys"
             elif self.backward:

@@ -21,6 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from . import diagnostics, score_mods
 from .canonicalize import GraphFacts, Unsupported, analyse_site, shape_of
 from .table_select import score_contraction, select_from_table
+from .order import order_unread
 from .rewrite import apply_match
 from .sparse_backward import rewrite_backward
 
@@ -60,8 +61,10 @@ def canonicalize_noop_views(graph: fx.Graph) -> None:
             graph.erase_node(n)
 
 
-def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph_kind: str = "", replay: bool = True) -> int:
-    """Rewrite every selection top-k in ``graph``; returns how many were rewritten."""
+def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph_kind: str = "", replay: bool = True,
+                       elide_sort: bool = True) -> int:
+    """Rewrite every selection top-k in ``graph``; returns how many were rewritten.
+    ``elide_sort``: pass sorted=False where nothing reads the top-k's order (order.py)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     params = {placeholders[i].name for i in param_indices if i < len(placeholders)}
     facts = GraphFacts(graph, params)
@@ -74,6 +77,10 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
         line = diagnostics.user_line(tk)
         try:
             m = analyse_site(facts, tk)
+            if m.sorted and elide_sort:  # nothing reads the order: the op may skip its sort
+                unread, uses = order_unread(tk, m.topk_dim)
+                if unread:
+                    m.sorted, m.sort_elided = False, uses
             applied = apply_match(graph, m, replay=replay)  # rolls its own nodes back if it fails
         except Unsupported as e:
             # no query-key score upstream (a router, a sampler): not a selection, and the
@@ -114,7 +121,8 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
             diagnostics.SiteRecord(
                 node=tk.name, source=line, rewritten=True, variant=m.spec.name, k=m.k_arg if not isinstance(m.k_arg, fx.Node) else str(m.k_arg.meta.get("val", m.k_arg)),
                 sizes={k: v for k, v in m.sizes.items()}, spec=m.spec.describe(), values_used=m.values_used,
-                sorted=m.sorted, table_consumers=m.other_consumers, graph=graph_kind, backward=backward,
+                sorted=m.sorted, sort_elided=m.sort_elided,
+                table_consumers=m.other_consumers, graph=graph_kind, backward=backward,
             )
         )
     score_mods.restore(graph, stand_ins)
@@ -138,7 +146,8 @@ class HyScaleJointPass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         if self.options.get("enable", True):
             kind = "joint" if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes) else "forward"
-            rewrite_selections(graph, self.param_indices, kind, replay=self.options.get("replay", True))
+            rewrite_selections(graph, self.param_indices, kind, replay=self.options.get("replay", True),
+                               elide_sort=self.options.get("elide_sort", True))
         if self.chained is not None:
             self.chained(graph)
 

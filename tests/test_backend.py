@@ -70,6 +70,7 @@ def test_import_then_lookup_does_not_double_register():
         (dict(options={"no_such_key": 1}), ValueError, "no_such_key"),
         (dict(options={"hyscale.nope": True}), ValueError, "hyscale.nope"),
         (dict(options={"hyscale.enable": "yes"}), TypeError, "hyscale.enable"),
+        (dict(options={"hyscale.elide_sort": 1}), TypeError, "hyscale.elide_sort"),
         (dict(options=["max_autotune"]), TypeError, "options must be a dict"),
         (dict(mode="fastest"), ValueError, "unknown mode 'fastest'"),
     ],

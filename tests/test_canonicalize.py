@@ -14,6 +14,7 @@ import hyscale_compile
 from hyscale_compile.lowerings.reference import stable_topk
 from tests.contract import fresh_seed
 from tests.models.dsa_forms import FORMS, topk_inputs
+from tests.test_order import order_free
 
 
 def _as_tuple(x):
@@ -47,9 +48,11 @@ def test_form_is_rewritten_and_matches_eager(name):
             # the whole indexer became the op: no score table is left in the graph
             assert not site.table_consumers, site.line()
             assert site.sizes["H"] != 1 or "single-head" in site.variant, site.line()
-            # topk's sorted flag reaches the op (sorted=False lets the kernel skip its sort)
-            assert site.sorted == ("sorted_false" not in case.tags), site.line()
-            assert ("(unsorted)" in site.line()) == (not site.sorted), site.line()
+            # topk's sorted flag reaches the op (sorted=False lets the kernel skip its sort),
+            # and so does a sort nothing reads (passes/order.py; tests/test_order.py)
+            assert bool(site.sort_elided) == ("sorted_false" not in case.tags and order_free(case)), site.line()
+            assert site.sorted == ("sorted_false" not in case.tags and not site.sort_elided), site.line()
+            assert ("(unsorted" in site.line()) == (not site.sorted), site.line()
         out = compiled(case.fn)(*case.args)
         if case.unique:
             assert_same_outputs(out, case.fn(*case.args))

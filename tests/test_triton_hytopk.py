@@ -314,6 +314,77 @@ def test_additive_and_fill_masks(interpret):
     assert (vals == -1000.0).any() and (vals[:, 7] < -1e38).any() and torch.isfinite(vals[:, 7]).all()
 
 
+FINFO_MIN = torch.finfo(torch.float32).min
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("mode,value,skips", [("add", FINFO_MIN, True), ("fill", FINFO_MIN, True),
+                                              ("fill", -1e9, True), ("add", -1e9, False)])
+def test_finite_hidden_value_skips_like_inf(interpret, mode, value, skips):
+    # v24: HF hides keys with finfo.min (s + where(causal, 0, min), or a masked_fill). Hidden
+    # tiles are skipped as -inf ones are, and rows with fewer than k visible keys end with
+    # fillers of exactly that value: the bits of the reference, fillers included. An add of
+    # -1e9 is exact only for |s| < 16 (add_limit), which these scores exceed: no skipping.
+    g = _gen(67)
+    B, S, T, H, D, topk = 2, 48, 48, 2, 16, 20
+    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32)
+    spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0, mode=mode, value=value),))
+    assert cg.finite_range_term(spec) == (0, value, mode == "add")
+    assert "key_hi = tl.minimum(key_hi, tl.where(" in cg.render_kernel_source(spec, 1)
+    if mode == "add":
+        assert triton_hytopk.hidden_value_flag(spec, q, k, w).tolist() == [int(skips)]
+    vals, idx = run_exact(q, k, w, [causal_hi(B, S, T)], topk, spec, config=HyTopKConfig(block_m=16, block_n=16))
+    for s in (0, 7, 18):  # s + 1 visible keys, then the smallest hidden ones at the hidden value
+        if mode == "fill" or skips:
+            assert idx[0, s, s + 1:].tolist() == list(range(s + 1, topk))
+            assert (vals[0, s, s + 1:] == torch.tensor(value, dtype=torch.float32)).all()
+
+
+@pytest.mark.interpret
+def test_finite_add_mask_with_huge_scores_is_not_skipped(interpret):
+    # Scores near 1e37: s + finfo.min is no longer finfo.min (it is -inf below, larger
+    # above), so the launch's bound must refuse the skip and the kernel score every key.
+    g = _gen(68)
+    B, S, T, H, D, topk = 1, 32, 48, 2, 16, 24
+    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32)
+    q, k = q * 2.0**60, k * 2.0**60  # exact: powers of two
+    spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0, mode="add", value=FINFO_MIN),))
+    assert triton_hytopk.hidden_value_flag(spec, q, k, w).tolist() == [0]
+    vals, _ = run_exact(q, k, w, [causal_hi(B, S, S)], topk, spec, config=HyTopKConfig(block_m=16, block_n=16))
+    hidden = vals[0, :topk - 1][vals[0, :topk - 1] < -1e38]
+    assert torch.isneginf(hidden).any() and (hidden != FINFO_MIN).any()  # the huge scores really moved them
+
+
+def test_hidden_value_flag_bound():
+    spec = ScoreSpec(epilogue=(("mul", 0.5), ("relu",)), reduce="weighted_sum", post=(("mul", 2.0), ("mask", 0)),
+                     masks=(MaskTerm(kind="range", hi=0, mode="add", value=-1e9),))
+    q, k, w = torch.full((1, 3, 4, 8), 0.5), torch.full((1, 5, 1, 8), 0.25), torch.full((1, 3, 4), 0.5)
+    # |s| <= 8 * 0.5 * 0.25 * 1.01 * 0.5 * 4 * 0.5 * 2 = 2.02 < 16
+    assert triton_hytopk.hidden_value_flag(spec, q, k, w).tolist() == [1]
+    assert triton_hytopk.hidden_value_flag(spec, q * 8, k, w).tolist() == [0]  # 16.16
+    for bad in (math.nan, math.inf):
+        q2 = q.clone()
+        q2[0, 1, 2, 3] = bad
+        assert triton_hytopk.hidden_value_flag(spec, q2, k, w).tolist() == [0]
+
+
+def test_finite_range_term_rules():
+    def spec(post, masks, epilogue=(("relu",),), score_dtype="float32"):
+        return ScoreSpec(epilogue=epilogue, post=post, masks=masks, score_dtype=score_dtype)
+
+    add = MaskTerm(kind="range", hi=0, mode="add", value=FINFO_MIN)
+    fill = MaskTerm(kind="range", hi=0, mode="fill", value=-1e4)
+    assert cg.finite_range_term(spec((("mask", 0),), (add,))) == (0, FINFO_MIN, True)
+    assert cg.finite_range_term(spec((("mul", 2.0), ("mask", 0)), (fill,))) == (0, -1e4, False)
+    assert cg.finite_range_term(spec((("mask", 0), ("mul", 2.0)), (add,))) is None  # not the last step
+    assert cg.finite_range_term(spec((("mask", 0), ("mask", 1)), (add, fill))) is None  # two mask steps
+    assert cg.finite_range_term(spec((("mask", 0),), (add,), score_dtype="bfloat16")) is None
+    assert cg.finite_range_term(spec((("mask", 0),), (MaskTerm(kind="range", hi=0),))) is None  # -inf: the old rule
+    assert cg.finite_range_term(spec((("mask", 0),), (MaskTerm(kind="range", mode="add", value=-1.0),))) is None
+
+
 @pytest.mark.interpret
 def test_reduce_none_and_fp16_logits(interpret):
     # H == 1 with reduce 'none'; the contraction ran in fp16 (logits rounded, rule 2).
@@ -1027,6 +1098,27 @@ def test_gpu_dsa_shape_bf16(cuda):
     assert torch.equal(order.values, idx.sort(-1).values)
     assert torch.equal(vu.gather(-1, order.indices), vals.gather(-1, idx.sort(-1).indices))
     assert torch.equal(hytopk_triton(q, k, w, masks, topk, spec, sorted=False), iu)
+
+
+@pytest.mark.gpu
+def test_gpu_finite_hidden_value_same_selection(cuda):
+    # v24: HF's causal masks hide keys with finfo.min, added (s + where(causal, 0, min)) or
+    # filled. At the DSA shape the scores are far below add_limit(finfo.min), so hidden tiles
+    # are skipped and every row selects exactly what the -inf mask selects: the same indices,
+    # the same values at visible keys, finfo.min where the -inf mask gives -inf (the fillers
+    # of rows with fewer than k visible keys)
+    S, T, topk = 8192, 8192, 2048
+    q, k, w, spec, masks = _dsa_case(cuda, 1003, S)
+    v_inf, i_inf = hytopk_triton(q, k, w, masks, topk, spec, return_values=True)
+    fmin = torch.finfo(torch.float32).min
+    for mode in ("add", "fill"):
+        hf = dataclasses.replace(spec, masks=(dataclasses.replace(spec.masks[0], mode=mode, value=fmin),))
+        if mode == "add":
+            assert triton_hytopk.hidden_value_flag(hf, q, k, w).tolist() == [1]
+        v, i = hytopk_triton(q, k, w, masks, topk, hf, return_values=True)
+        assert torch.equal(i, i_inf), mode
+        assert torch.equal(v, torch.where(torch.isneginf(v_inf), fmin, v_inf)), mode
+        assert (v[0, 10, 11:] == fmin).all()
 
 
 @pytest.mark.gpu

@@ -1040,7 +1040,7 @@ def _(seed: int) -> Case:
     return Case(
         "indexer_plus_moe_router", m, (_randn(g, B, S, HID),), 1, 1, k=K,
         notes="decoder block: HF V3.2 indexer under no_grad (selection) + sigmoid MoE router (not a selection)",
-        tags=("hf", "no_grad", "rope", "router", "mixed"),
+        tags=("hf", "no_grad", "rope", "router", "mixed", "bool_scatter_consumer"),
     )
 
 
