@@ -251,6 +251,15 @@ class GraphFacts:
                 return t.item()
         return None
 
+    def bool_constant(self, n) -> Optional[bool]:
+        """The value of a bool tensor filled with one constant (``full(True)``), else None."""
+        while isinstance(n, fx.Node) and (n.target in _VIEWS or n.target in (aten.expand.default, aten.clone.default)):
+            n = n.args[0]
+        if isinstance(n, fx.Node) and n.target is aten.full.default and n.kwargs.get("dtype") is torch.bool:
+            v = n.args[1]
+            return bool(v) if isinstance(v, (bool, int)) else None
+        return None
+
     def from_activations(self, n: fx.Node) -> bool:
         """Does ``n`` depend on a graph input that is not a parameter or buffer?"""
         seen, stack = set(), [n]
@@ -828,6 +837,11 @@ class SiteAnalysis:
         if t in _NOT:
             return self.predicate(n.args[0], lay, key_labels).complement()
         if t in _AND or t in _OR:
+            # tril / triu of a bool tensor decompose to ``cond & full(True)``: x & True and
+            # x | False are x
+            for a, b in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+                if self.facts.bool_constant(a) is (t in _AND):
+                    return self.predicate(b, L.broadcast_align(shape_of(b), lay), key_labels)
             p1 = self.predicate(n.args[0], L.broadcast_align(shape_of(n.args[0]), lay), key_labels)
             p2 = self.predicate(n.args[1], L.broadcast_align(shape_of(n.args[1]), lay), key_labels)
             want = "range" if t in _AND else "hidden"

@@ -267,3 +267,33 @@ def test_near_misses_say_why():
             (site,) = report.sites
             assert why in site.reason and (site.variant == "table") == (variant == "table"), str(report)
             assert site.rewritten == (variant is not None), str(report)
+
+
+@pytest.mark.parametrize("name", ["glm5_norelu_signed_unbatched", "glm5_relu_scale_after_div", "ties_small_int_bf16",
+                                  "bmm_heads_folded_clamp"])
+def test_tril_triu_of_bool_ones_is_a_key_range(name):
+    """``torch.ones(bool).tril()`` / ``.triu(1)`` decompose to ``index compare & full(True)``:
+    still a key range (which the kernel can skip tile by tile), not a [S, T] mask operand."""
+    case = FORMS[name](fresh_seed(name) % 1000)
+    with torch.no_grad():
+        report = hyscale_compile.explain(case.fn, *case.args)
+    assert report.rewritten and all(s.spec.endswith("mask:range") for s in report.rewritten), str(report)
+
+
+def test_mask_and_with_a_false_tensor_is_not_a_range():
+    """``cond & full(False)`` hides every key: not the range of ``cond``; it stays a tensor mask."""
+    def scores(q, k, w):
+        s = (torch.einsum("bshd,btd->bsht", q, k).relu() * w[..., None]).sum(2)
+        S, T = s.shape[-2:]
+        keep = (torch.arange(T)[None, :] <= torch.arange(S)[:, None]) & torch.zeros(S, T, dtype=torch.bool)
+        return s.masked_fill(~keep, -math.inf)
+
+    def fn(q, k, w):
+        return scores(q, k, w).topk(3, dim=-1).indices
+
+    g = torch.Generator().manual_seed(fresh_seed("and_false"))
+    args = torch.randn(1, 8, 2, 4, generator=g), torch.randn(1, 8, 4, generator=g), torch.randn(1, 8, 2, generator=g)
+    with torch.no_grad():
+        report = hyscale_compile.explain(fn, *args)
+        assert len(report.rewritten) == 1 and report.rewritten[0].spec.endswith("mask:fill"), str(report)
+        assert torch.equal(compiled(fn)(*args), stable_topk(scores(*args), 3)[1])  # every key hidden: 0, 1, 2
