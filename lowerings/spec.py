@@ -95,9 +95,10 @@ class MaskTerm:
     kind="range": key t is *hidden* unless lo[b,s] <= t < hi[b,s]; hidden keys get
                   ``value`` (mode="fill") or ``y + value`` (mode="add").  lo/hi are operand
                   indices of int64 tensors broadcastable to [B, S], or None for 0 / T.
-                  Only this kind lets a kernel skip key tiles, and only when the hidden
-                  value is -inf and no later post step can change -inf (see
-                  ``skippable_mask_terms``).
+                  Only this kind lets a kernel skip key tiles: when the hidden value is
+                  -inf and no later post step can change -inf (``skippable_mask_terms``),
+                  or when every hidden key provably holds one finite value
+                  (``finite_range_term``: HF's ``finfo.min`` masks).
     """
 
     kind: str
