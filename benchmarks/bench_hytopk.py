@@ -28,6 +28,10 @@ head weights (fp32), ReLU, weighted head sum, causal, batch 1. Rows of the table
                  the rewrite drops the sort (passes/order.py). iid, S <= 32K (the mask is S^2
                  bytes). hyscale-compile:mask:sorted  the same with options
                  {"hyscale.elide_sort": False}: the difference is the sort.
+* hyscale-compile:mask-input  the same with the causal mask a model input (HF's runtime
+                 ``attention_mask`` [1, 1, S, S], additive finfo.min): the op reads the tensor,
+                 and each row's visible key range is read off it before the launch
+                 (lowerings/triton_mask_ranges.py). iid, S <= 32K.
 
 Inputs (both reported): "iid" (q, k ~ N(0,1) bf16, w ~ N(0,1)/8) and "struct": keys with
 locality and clusters (32 cluster centres; the key sequence is cut into segments of 64-512
@@ -66,7 +70,7 @@ if _ROOT not in sys.path:
 H, D, TOPK = 64, 128, 2048
 # every row name --rows / --skip understand (floor is always printed)
 ROWS = ("hytopk", "hytopk:unsorted", "hytopk:score-only", "score+topk", "score+topk:unsorted", "eager", "compile",
-        "hyscale-compile", "hyscale-compile:mask", "hyscale-compile:mask:sorted")
+        "hyscale-compile", "hyscale-compile:mask", "hyscale-compile:mask:sorted", "hyscale-compile:mask-input")
 SCALE = D**-0.5
 
 
@@ -124,6 +128,15 @@ def hf_indexer(q, k, w, qpos, scale: float = SCALE, topk: int = TOPK):
 def hf_indexer_mask(q, k, w, qpos, topk: int = TOPK):
     """hf_indexer with HF's consumer: the bool mask of the keys each query drops."""
     idx = hf_indexer(q, k, w, qpos, topk=topk)
+    return torch.ones(q.shape[0], q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).scatter(-1, idx, False)
+
+
+def hf_indexer_mask_input(q, k, w, attention_mask, topk: int = TOPK):
+    """HF's form with the mask a model input (``attention_mask`` [B, 1, S, T], additive,
+    finfo.min where hidden), and HF's consumer: the bool mask of the keys each query drops."""
+    scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * SCALE
+    index_scores = torch.matmul(w.unsqueeze(-2), F.relu(scores)).squeeze(-2) + attention_mask[:, 0]
+    idx = index_scores.topk(topk, dim=-1).indices
     return torch.ones(q.shape[0], q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).scatter(-1, idx, False)
 
 
@@ -468,6 +481,20 @@ def main():
                     f"whole sequence, returns the [S, S] bool mask; {len(sites)} site(s): {how or 'none rewritten'}; "
                     f"compile+first {first:.0f} ms")
                 del mask
+            if "hyscale-compile:mask-input" not in skip and inp == "iid" and S <= 32768:
+                from hyscale_compile.passes import diagnostics
+
+                torch._dynamo.reset()
+                diagnostics.clear()
+                pos = torch.arange(S, device="cuda")
+                am = torch.where(pos[None, :] <= pos[:, None], 0.0, torch.finfo(torch.float32).min)[None, None]
+                hf_i = torch.compile(hf_indexer_mask_input, backend="hyscale")
+                ms, peak, mask, first = measure(lambda: hf_i(q, k, w, am), args.reps)
+                sites = [r for r in diagnostics.records() if r.rewritten]
+                row(S, inp, "hyscale-compile:mask-input", ms, peak, check_rows(MaskPicks(mask), q, k, w, rows),
+                    f"attention_mask a [1, 1, S, S] fp32 input ({am.numel() * 4 / 2**30:.1f} GiB, not counted in the "
+                    f"peak); {len(sites)} site(s): {sites[0].spec if sites else 'none rewritten'}; compile+first {first:.0f} ms")
+                del mask, am
             del q, k, w
             torch.cuda.empty_cache()
     if args.million and not late("S=1M"):

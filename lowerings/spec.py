@@ -339,15 +339,17 @@ _BOUNDED_STEPS = ("mul", "div", "add", "relu", "neg", "sigmoid", "round")
 
 
 def finite_range_term(spec: ScoreSpec) -> Optional[tuple]:
-    """(j, v, needs_bound) for a range term ``spec.masks[j]`` whose hidden keys all hold one
-    finite value v, so that a kernel may skip their tiles as it skips -inf ones (fillers
-    of value v where a row needs them), or None.
+    """(j, v, limit) for a range term ``spec.masks[j]`` whose hidden keys hold one finite
+    value v below every visible score, once the launch has checked that every score's
+    magnitude is below ``limit`` (``triton_hytopk.hidden_value_flag``); a kernel may then
+    skip their tiles as it skips -inf ones (fillers of value v where a row needs them).
+    Else None.
 
-    The term must be the spec's only mask step and its last post step, with fp32 scores.
-    mode "fill": every hidden key is v. mode "add": a hidden key is fl(s + v), which is v
-    only while |s| < ``add_limit(v)``; the launch checks a bound on |s| at run time
-    (``needs_bound``), so every epilogue and earlier post step must be one whose effect on
-    the bound is known (no registered mods).
+    The term must be the spec's only mask step and its last post step, with fp32 scores,
+    and every epilogue and earlier post step one whose effect on the bound is known (no
+    registered mods), and v < 0. mode "fill": hidden keys are v, below every visible score
+    while |s| < |v| / 2 (half: slack for the bound's rounding). mode "add": a hidden key is
+    fl(s + v), which is v (and below every visible s) only while |s| < ``add_limit(v)``.
     """
     if skippable_mask_terms(spec) or spec.score_dtype != "float32":
         return None
@@ -358,11 +360,12 @@ def finite_range_term(spec: ScoreSpec) -> Optional[tuple]:
     term = spec.masks[j]
     if term.kind != "range" or not math.isfinite(term.value) or (term.lo is None and term.hi is None):
         return None
-    if term.mode == "fill":
-        return j, float(term.value), False
     if any(s[0] not in _BOUNDED_STEPS for s in (*spec.epilogue, *spec.post[:-1])):
         return None
-    return j, float(term.value), True
+    v = float(term.value)
+    if v >= 0:  # (hidden keys must lie below every visible score: past a row's range they
+        return None  # are offered only as fillers, the smallest indices first)
+    return (j, v, -v / 2) if term.mode == "fill" else (j, v, add_limit(v))
 
 
 def add_limit(v: float) -> float:
@@ -372,3 +375,31 @@ def add_limit(v: float) -> float:
 
     a = np.float32(abs(v))
     return float(a - np.nextafter(a, np.float32(0))) / 4
+
+
+def tensor_mask_term(spec: ScoreSpec) -> Optional[tuple]:
+    """(j, needs_bound) for a mask *tensor* term ``spec.masks[j]`` (kind "add" or "fill")
+    whose rows a launch may reduce to a visible key range, so that a kernel can skip the
+    keys outside it (``triton_mask_ranges.mask_key_ranges``), or None.
+
+    Same shape rules as ``finite_range_term`` (the spec's only mask step and its last post
+    step, fp32 scores, no range term). "fill" with -inf: keys outside a row's range are
+    -inf. "fill" with a finite v < 0: they are v, below every visible score once a bound on
+    |s| (``needs_bound``) says |s| < |v|. "add": they hold fl(s + v_h), v_h being the
+    tensor's smallest value, which is v_h (and below every visible score) only while |s| <
+    ``add_limit(v_h)``.
+    """
+    if spec.score_dtype != "float32" or any(t.kind == "range" for t in spec.masks):
+        return None
+    mask_steps = [i for i, s in enumerate(spec.post) if s[0] == "mask"]
+    if mask_steps != [len(spec.post) - 1]:
+        return None
+    j = spec.post[-1][1]
+    term = spec.masks[j]
+    if term.kind == "fill" and term.value == -math.inf:
+        return j, False
+    if term.kind == "fill" and not (math.isfinite(term.value) and term.value < 0):
+        return None
+    if any(s[0] not in _BOUNDED_STEPS for s in (*spec.epilogue, *spec.post[:-1])):
+        return None
+    return j, True

@@ -33,7 +33,7 @@ import tempfile
 import threading
 from typing import Dict, List, Tuple
 
-from .spec import ScoreSpec, SpecError, finite_range_term, skippable_mask_terms
+from .spec import ScoreSpec, SpecError, finite_range_term, skippable_mask_terms, tensor_mask_term
 
 # Bumped whenever the template changes in a way the hash of the source would not show
 # (it always does today: the version is part of the source text).
@@ -110,20 +110,38 @@ def _mask_args(spec: ScoreSpec) -> List[str]:
             if term.hi is not None:
                 args += [f"HI{j}", f"stride_hi{j}_b", f"stride_hi{j}_s"]
     fin = finite_range_term(spec)
-    if fin is not None and fin[2]:
-        args.append("SKIPF")  # int32 [1]: 1 when the launch's bound proves fl(s + v) == v
+    if fin is not None:
+        args.append("SKIPF")  # int32 [1]: 1 when the launch's bound proves the hidden value
+    tmt = tensor_mask_term(spec)
+    if tmt is not None:  # each row's visible key range of the mask tensor (triton_mask_ranges)
+        args += ["RLO", "stride_rlo_b", "stride_rlo_s", "RHI", "stride_rhi_b", "stride_rhi_s"]
+        if spec.masks[tmt[0]].kind == "add":
+            args.append("FILLV")  # the additive tensor's hidden value (its smallest)
+        if tmt[1]:
+            args.append("SKIPF")  # the bound's verdict
     return args
 
 
 def _filler(spec: ScoreSpec) -> tuple:
     """(value literal, packed high word) of the keys that skipped tiles stand for: -inf, or
     the finite value of ``finite_range_term``. The high word is ``_pack``'s, in Python."""
+    tmt = tensor_mask_term(spec)
+    if tmt is not None and spec.masks[tmt[0]].kind == "add":
+        return "fill_v", "fill_hi"  # an additive mask tensor's smallest value, loaded per launch
     fin = finite_range_term(spec)
-    if fin is None:
+    if tmt is not None:
+        value = spec.masks[tmt[0]].value  # a bool mask tensor's fill value
+    elif fin is not None:
+        value = fin[1]
+    else:
+        return '(-float("inf"))', "NEG_INF_HI"
+    if value == -math.inf:
         return '(-float("inf"))', "NEG_INF_HI"
     import numpy as np
 
-    v = np.float32(fin[1]) + np.float32(0.0)  # (-0.0 -> +0.0, as _pack does)
+    if not math.isfinite(value):
+        raise SpecError(f"a hidden value of {value}: tiles hiding it cannot be skipped")
+    v = np.float32(value) + np.float32(0.0)  # (-0.0 -> +0.0, as _pack does)
     b = int(np.array(v, dtype=np.float32).view(np.int32))
     b ^= (b >> 31) & 0x7FFFFFFF
     return _lit(float(v)), str(b)
@@ -209,13 +227,29 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
             lines.append(f"key_lo = tl.maximum(key_lo, tl.min(tl.where(row_ok, lo{j}, T), axis=0))")
         if term.hi is not None:
             lines.append(f"key_hi = tl.minimum(key_hi, tl.max(tl.where(row_ok, hi{j}, 0), axis=0))")
+    tmt = tensor_mask_term(spec)
+    if tmt is not None:
+        # a mask tensor: each row's visible key range, read off the tensor before the launch
+        # (triton_mask_ranges); outside it every key holds the hidden value fill_v (the fill
+        # value, or the additive tensor's smallest value when SKIPF's bound proves fl(s + v)
+        # == v). Inside, the tensor still applies per key.
+        lines.append("rlo = tl.load(RLO + b64 * stride_rlo_b + rows64 * stride_rlo_s, mask=row_ok, other=T).to(tl.int64)")
+        lines.append("rhi = tl.load(RHI + b64 * stride_rhi_b + rows64 * stride_rhi_s, mask=row_ok, other=0).to(tl.int64)")
+        ok = "(tl.load(SKIPF) != 0)" if tmt[1] else "True"
+        add = spec.masks[tmt[0]].kind == "add"
+        lines.append(f"key_lo = tl.maximum(key_lo, tl.where({ok}, tl.min(tl.where(row_ok, rlo, T), axis=0), 0))")
+        lines.append(f"key_hi = tl.minimum(key_hi, tl.where({ok}, tl.max(tl.where(row_ok, rhi, 0), axis=0), T))")
+        if add:
+            lines.append("fill_v = tl.load(FILLV)")
+            lines.append("fill_hi = _pack(fill_v, tl.zeros([], dtype=tl.int64)) >> 32")
     fin = finite_range_term(spec)
     if fin is not None:
-        # v24: hidden keys all hold one finite value (a fill; or an add whose run-time bound
-        # on |score|, SKIPF, proves fl(s + v) == v): skipped like -inf ones, fillers of value v
-        j, _, needs_bound = fin
+        # v24: hidden keys all hold one finite value below every visible score (a fill, or
+        # an add: fl(s + v) == v) when the run-time bound on |score|, SKIPF, says so:
+        # skipped like -inf ones, fillers of value v
+        j = fin[0]
         term = spec.masks[j]
-        ok = "(tl.load(SKIPF) != 0)" if needs_bound else "True"
+        ok = "(tl.load(SKIPF) != 0)"
         if term.lo is not None:
             lines.append(f"key_lo = tl.maximum(key_lo, tl.where({ok}, tl.min(tl.where(row_ok, lo{j}, T), axis=0), 0))")
         if term.hi is not None:

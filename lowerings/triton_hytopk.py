@@ -16,8 +16,9 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .reference import check_operands, index_dtype
-from .spec import ScoreSpec, SpecError, add_limit, dtype_of, finite_range_term
+from .spec import ScoreSpec, SpecError, dtype_of, finite_range_term, tensor_mask_term
 from .triton_codegen import _interpreting, check_interpreter_mode, load_kernel, weight_scale
+from .triton_mask_ranges import mask_key_ranges
 from .triton_sort_rows import NETWORKS as SORT_NETWORKS, sort_rows_
 
 # sort="after": at most this many bytes of fp32 values held for the sort kernel at a time
@@ -210,16 +211,22 @@ def _table_view(t: torch.Tensor, B: int, S: int, T: int, what: str) -> torch.Ten
         raise SpecError(f"{what} of shape {tuple(t.shape)} does not broadcast to [B, S, T] = {(B, S, T)}") from None
 
 
-def hidden_value_flag(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
-    """int32 [1] on q's device: 1 when a bound on every score's magnitude proves that the
-    spec's additive finite range term (``finite_range_term``) gives each hidden key exactly
-    its value v (|s| < ``add_limit(v)``), so the kernel may skip hidden tiles; else 0.
+_FP16_MAX = 65504.0
+_BF16_SAFE = 3.38e38  # below bf16's largest finite (3.3895e38): a value past it may round to inf
+_FP32_SAFE = 3.4e38
 
-    The bound: D max|q| max|k| for a logit (1% over, for the fp32 accumulation), then each
-    epilogue step, H max|w| (or H) for the head reduction, then the post steps before the
-    term. Computed on the device (``aminmax``: no copy, no host sync); NaN or inf anywhere
-    gives 0, and the kernel then scores every tile."""
-    j, v, _ = finite_range_term(spec)
+
+def score_bound(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
+    """A float64 0-d tensor on q's device bounding |score| before the spec's last post step
+    (its mask), or inf when some step could overflow or the inputs are not finite.
+
+    D max|q| max|k| for a logit (1% over: the fp32 accumulation's error and every later
+    relative rounding), then each epilogue step, H max|w| (or H) for the head reduction,
+    then the post steps before the last. Every intermediate bound must stay below the
+    range of the dtype it is held in (fp32; fp16 / bf16 at a ``round`` step or for the
+    logits), else the result is inf. ``w`` is the caller's weights (not the launch's, which
+    may have an epilogue ``mul`` folded in). Computed on the device (``aminmax``: no copy, no
+    host sync). Only for specs whose steps ``spec._BOUNDED_STEPS`` lists."""
 
     def max_abs(t):
         if t.numel() == 0:
@@ -227,8 +234,13 @@ def hidden_value_flag(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Opti
         lo, hi = torch.aminmax(t)
         return torch.maximum(lo.double().abs(), hi.double().abs())
 
+    def capped(m, top):  # inf once m could exceed what the step's dtype holds (NaN stays NaN)
+        return torch.where(m < top, m, torch.where(torch.isnan(m), m, math.inf))
+
     H, D = q.shape[2], q.shape[3]
-    m = max_abs(q) * max_abs(k) * D * 1.01
+    m = capped(max_abs(q) * max_abs(k) * D * 1.01, _FP32_SAFE)
+    if spec.logit_dtype in ("float16", "bfloat16"):
+        m = capped(m, _FP16_MAX if spec.logit_dtype == "float16" else _BF16_SAFE)
     for step in (*spec.epilogue, "reduce", *spec.post[:-1]):
         if step == "reduce":
             m = m * H * (max_abs(w) if spec.reduce == "weighted_sum" else 1.0)
@@ -239,18 +251,31 @@ def hidden_value_flag(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Opti
         elif step[0] == "add":
             m = m + abs(step[1])
         elif step[0] == "sigmoid":
-            m = torch.where(torch.isnan(m), m, torch.ones_like(m))  # |sigmoid| <= 1 (NaN stays NaN)
+            # |sigmoid| <= 1 for finite inputs; an overflowed or NaN bound stays what it is
+            m = torch.where(torch.isfinite(m), torch.ones_like(m), m)
         elif step[0] == "round":
-            m = m * 1.01
+            m = capped(m, {"float16": _FP16_MAX, "bfloat16": _BF16_SAFE}.get(step[1], _FP32_SAFE))
         elif step[0] not in ("relu", "neg"):
             raise SpecError(f"internal: no magnitude bound for step {step!r}")
-    return (m < add_limit(v)).to(torch.int32).reshape(1)
+        m = capped(m, _FP32_SAFE)
+    return m
+
+
+def hidden_value_flag(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
+    """int32 [1] on q's device: 1 when ``score_bound`` proves that every key the spec's
+    finite range term (``finite_range_term``) hides holds exactly its value v, below every
+    visible score (|s| < the term's limit), so the kernel may skip hidden tiles; else 0
+    (huge or non-finite inputs: the kernel then scores every tile)."""
+    _, _, limit = finite_range_term(spec)
+    return (score_bound(spec, q, k, w) < limit).to(torch.int32).reshape(1)
 
 
 def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S: int, T: int, device,
-                      r0: int = 0, r1: Optional[int] = None, skip_flag: Optional[torch.Tensor] = None) -> list:
+                      r0: int = 0, r1: Optional[int] = None, skip_flag: Optional[torch.Tensor] = None,
+                      ranges: Optional[list] = None) -> list:
     """Pointer/stride arguments in the order ``triton_codegen._mask_args`` declares them, for
-    query rows [r0, r1); ``skip_flag`` (``hidden_value_flag``) last, when the spec reads one."""
+    query rows [r0, r1); then ``skip_flag`` (``hidden_value_flag``) or the mask tensor's key
+    ranges (``triton_mask_ranges.mask_key_ranges``, all rows), when the spec reads them."""
     rows = slice(r0, S if r1 is None else r1)
     args = []
     for j, term in enumerate(spec.masks):
@@ -285,10 +310,16 @@ def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S:
                 v = _row_view(m, B, S, f"range bound operand {bound}")[:, rows]
                 args += [v, v.stride(0), v.stride(1)]
     fin = finite_range_term(spec)
-    if fin is not None and fin[2]:
+    if fin is not None:
         if skip_flag is None:
-            raise SpecError("internal: the spec's additive range term needs hidden_value_flag")
+            raise SpecError("internal: the spec's finite range term needs hidden_value_flag")
         args.append(skip_flag)
+    if tensor_mask_term(spec) is not None:
+        if ranges is None:
+            raise SpecError("internal: the spec's mask tensor needs mask_key_ranges")
+        rlo, _, _, rhi, _, _, *rest = ranges
+        rlo, rhi = rlo[:, rows], rhi[:, rows]
+        args += [rlo, rlo.stride(0), rlo.stride(1), rhi, rhi.stride(0), rhi.stride(1), *rest]
     return args
 
 
@@ -460,6 +491,7 @@ def hytopk_triton(
     k_desc, k_desc_rows = (_key_descriptor(k, B, T, cfg.block_n, block_d) if cfg.tma and Hk == 1 and idx32
                            and (native16 or interpret) else (None, 0))
     kb_stride = k.stride(0) if k.shape[0] == B else 0
+    w_caller = w  # (bounds on the scores read the caller's weights, not the folded ones)
     c = weight_scale(spec)
     if c is not None and w is not None:
         w = w.to(torch.float32) * c  # fp32, rounded as the kernel would (see weight_scale)
@@ -506,7 +538,15 @@ def hytopk_triton(
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     fin = finite_range_term(spec)
-    skip_flag = hidden_value_flag(spec, q, k, w) if fin is not None and fin[2] else None
+    skip_flag = hidden_value_flag(spec, q, k, w_caller) if fin is not None else None
+    tmt = tensor_mask_term(spec)
+    ranges = None
+    if tmt is not None:  # a mask tensor: each row's visible key range, so hidden tiles are skipped
+        term = spec.masks[tmt[0]]
+        mview = _table_view(masks[term.operand], B, S, T, f"mask operand {term.operand}")
+        if mview.dtype == torch.bool:
+            mview = mview.view(torch.uint8)
+        ranges = mask_key_ranges(spec, mview, score_bound(spec, q, k, w_caller) if tmt[1] else None)
 
     def outputs_for(r0, r1):
         # where a launch over query rows [r0, r1) writes: its slice of the indices, and the
@@ -522,7 +562,7 @@ def hytopk_triton(
         rows = r1 - r0
         nrb = triton_cdiv(rows, block_m)
         return [q[:, r0:r1], k, w_arg if w is None else w_arg[:, r0:r1], scratch, counter, idx_t, vals_t, prof,
-                k_desc, k_desc_rows, *_mask_launch_args(spec, masks, B, S, T, device, r0, r1, skip_flag),
+                k_desc, k_desc_rows, *_mask_launch_args(spec, masks, B, S, T, device, r0, r1, skip_flag, ranges),
                 q.stride(0), q.stride(1), q.stride(2), q.stride(3),
                 kb_stride, k.stride(1), k.stride(2), k.stride(3), *w_strides,
                 rows, T, nrb, B * nrb]

@@ -1,21 +1,31 @@
 """Whether anything reads the order of a top-k's outputs along k.
 
 ``topk(sorted=True)`` promises (value desc, index asc) order, and the fused kernel pays
-for it with a sort of every row (DSA shape, H200: ~1.2 ms of 19.6 at 32K keys, ~7 ms of
-274 at 128K; docs/performance.md). Most models never look at that order: they scatter
+for it with a sort of every row (DSA shape, H200: ~1.4 ms of 19.7 at 32K keys, ~8 ms of
+272 at 128K; docs/performance.md). Most models never look at that order: they scatter
 the indices into a mask (DeepSeek's ``full(-inf).scatter_(-1, idx, 0)``, HF's
 ``ones(bool).scatter(-1, idx, False)``). ``order_unread`` proves that per site, so the
 rewrite can pass ``sorted=False`` without changing a single output bit.
 
-The proof follows every use of the top-k's outputs. Ops that permute their result along
-k exactly as their input was permuted (pointwise ops, casts, views that keep the k axis,
-a gather at the indices) pass the question on to their own uses; it ends at uses whose
-result does not depend on the order at all (a scatter of a constant, max / min over k, an
-integer or boolean sum over k, a sort of the indices). Anything else (a graph output, a
-float sum, a seeded random op, the backward) reads the order, and the sort stays.
+Every row (one position of the other axes) of the top-k's outputs may come back in its own
+order. The proof follows every use of the outputs, and for each tensor it reaches records
+its *row map*: for each axis, whether it is the k axis, an axis of the top-k's output
+(with the offset and stride a slice gave it), an axis the order does not vary along (a
+broadcast, a new unit axis), or unknown; plus the positions fixed by ``select`` /
+``squeeze``. A tensor with a row map holds, in each of its rows, one row of the top-k's
+outputs in that row's order. Ops that keep that true pass the question on: pointwise ops
+whose top-k-derived operands have the same row map (so that each row is combined with
+itself), casts, views that keep the k axis whole, unsqueeze / expand / permute / select /
+slice / squeeze, a gather at the indices, reductions over axes the order does not vary
+along. The question ends at uses whose result cannot depend on the order: a scatter of a
+constant (or of values paired with indices that cannot repeat), integer max / min / sum /
+any / all over k, the values of a sort of the indices. Anything else (a graph output, a
+float reduction over k, a seeded random op, the backward) reads the order, and the sort
+stays. tests/test_order.py checks the outputs' bits against shuffled unsorted rows.
 """
 from __future__ import annotations
 
+import collections
 import math
 import operator
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -29,7 +39,7 @@ from .canonicalize import is_backward_node, val
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-# same elements, same axes (the k axis stays where it is)
+# same elements, same axes
 _SAME_AXES = {
     aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default,
     aten.lift_fresh_copy.default, prims.convert_element_type.default, aten.contiguous.default,
@@ -39,15 +49,36 @@ _CONSTANT_FILLS = {
     aten.full.default, aten.full_like.default, aten.ones.default, aten.ones_like.default,
     aten.zeros.default, aten.zeros_like.default, aten.scalar_tensor.default,
 }
+_SHAPE_ONLY = {  # read the input's shape (and dtype), never its data
+    aten.full_like.default, aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default,
+    aten.new_full.default, aten.new_ones.default, aten.new_zeros.default, aten.new_empty.default,
+    aten.sym_size.int, aten.sym_numel.default,
+}
 _MAXMIN = {aten.amax.default, aten.amin.default}
 _MAXMIN_DIM = {aten.max.dim, aten.min.dim}
 _SUMS = {aten.sum.dim_IntList, aten.sum.default, aten.any.dim, aten.any.dims, aten.any.default,
          aten.all.dim, aten.all.default}
 _SORTS = {aten.sort.default, aten.sort.stable}
+# index dtypes a cast keeps distinct (the top-k's indices fit int32: T < 2**31 for the op)
+_WIDE_INTS = (torch.int32, torch.int64)
+
+K_AXIS = "k"
+FREE = None  # an axis the order does not vary along
+
+
+class _Unknown:
+    """An axis whose rows cannot be matched with anything (each instance equals only itself)."""
+
+    def __repr__(self):
+        return "?"
 
 
 class _OrderRead(Exception):
     """A use reads the order (its message names the op)."""
+
+
+class _Defer(Exception):
+    """A use has another operand derived from the top-k whose row map is not known yet."""
 
 
 def _name(n: fx.Node) -> str:
@@ -60,21 +91,23 @@ def _name(n: fx.Node) -> str:
     return getattr(t, "__name__", str(t))
 
 
-def _shape(x) -> Optional[Tuple]:
+def _shape(x) -> Tuple:
     v = val(x)
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+    if not isinstance(v, torch.Tensor):
+        raise _OrderRead(f"{_name(x)} (no tensor metadata)")
+    return tuple(v.shape)
 
 
 def _eq(a, b) -> bool:
     return statically_known_true(a == b)
 
 
-def _prod(xs) -> object:
-    return math.prod(xs) if xs else 1
+def _is_one(s) -> bool:
+    return _eq(s, 1)
 
 
 def _dims(arg, rank: int) -> List[int]:
-    if arg is None:
+    if arg is None or arg == [] or arg == ():
         return list(range(rank))
     if isinstance(arg, int):
         arg = [arg]
@@ -89,30 +122,49 @@ def _is_constant_fill(n) -> bool:
     return isinstance(n, fx.Node) and n.op == "call_function" and n.target in _CONSTANT_FILLS
 
 
-_SHAPE_ONLY = {  # read x's shape (and dtype), never its data
-    aten.full_like.default, aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default,
-    aten.new_full.default, aten.new_ones.default, aten.new_zeros.default, aten.new_empty.default,
-    aten.sym_size.int, aten.sym_numel.default,
-}
+class RowMap:
+    """Where each axis of a tensor comes from: K_AXIS; (d, start, step), the top-k output's
+    axis d from ``start`` every ``step``; ("rep", d, i), the top-k output's row i of axis d
+    repeated along this axis; FREE; or an _Unknown. ``fixed``: the top-k output's axes
+    that a select or squeeze pinned, with their positions."""
+
+    def __init__(self, axes: Sequence, fixed=frozenset()):
+        self.axes = tuple(axes)
+        self.fixed = frozenset(fixed)
+
+    @property
+    def k(self) -> int:
+        return self.axes.index(K_AXIS)
+
+    def same_rows(self, other: "RowMap") -> bool:
+        return self.axes == other.axes and self.fixed == other.fixed
+
+    def with_axes(self, axes, fixed=None) -> "RowMap":
+        return RowMap(axes, self.fixed if fixed is None else fixed)
 
 
-class _Defer(Exception):
-    """The use has another operand derived from the top-k that is not placed yet."""
+def _pin(entry, pos, fixed: set) -> None:
+    """Record that an axis with row-map ``entry`` was reduced to its position ``pos``."""
+    if isinstance(entry, tuple) and entry[0] != "rep" and isinstance(pos, int):
+        fixed.add((entry[0], entry[1] + pos * entry[2]))
+    elif isinstance(entry, tuple) and entry[0] == "rep":
+        fixed.add((entry[1], entry[2]))
+    elif entry is not FREE:
+        fixed.add((_Unknown(), 0))  # matches nothing
 
 
 class _Walk:
-    """Follows the uses of one top-k's outputs. ``axis[n]`` is n's k axis: n is the
-    top-k's outputs' permutation applied along that axis (the same permutation for every
-    node, since all derive from one top-k). ``distinct``: nodes whose entries along the
-    axis are the top-k's own indices (distinct per row), only cast or viewed. ``reach``:
-    every node the top-k's outputs reach (what depends on the order, or might)."""
+    """Follows the uses of one top-k's outputs with a worklist. ``rows[n]``: n's row map.
+    ``distinct``: nodes whose entries along k are the top-k's own indices (distinct in each
+    row), cast only to wide integers or moved between axes. ``reach``: every node the
+    outputs reach (what may depend on the order)."""
 
     def __init__(self, topk: fx.Node):
-        self.axis: Dict[fx.Node, int] = {}
+        self.rows: Dict[fx.Node, RowMap] = {}
         self.distinct: set = set()
         self.sinks: List[str] = []
-        self.deferred: List[Tuple[fx.Node, fx.Node]] = []
         self.reach: set = set()
+        self.work = collections.deque()
         stack = [topk]
         while stack:
             n = stack.pop()
@@ -120,164 +172,248 @@ class _Walk:
                 self.reach.add(n)
                 stack.extend(n.users)
 
-    def add(self, n: fx.Node, axis: int, distinct: bool = False) -> None:
-        if n in self.axis:
-            if self.axis[n] != axis:
-                raise _OrderRead(f"{_name(n)} (two k axes)")
+    def add(self, n: fx.Node, rows: RowMap, distinct: bool = False) -> None:
+        if n in self.rows:
+            if not self.rows[n].same_rows(rows):
+                raise _OrderRead(f"{_name(n)} (reached with two row maps)")
             return
-        self.axis[n] = axis
+        if len(rows.axes) != len(_shape(n)) or rows.axes.count(K_AXIS) != 1:
+            raise _OrderRead(f"{_name(n)} (internal: row map of the wrong rank)")
+        self.rows[n] = rows
         if distinct:
             self.distinct.add(n)
-        for u in list(n.users):
+        self.work.extend((n, u) for u in n.users)
+
+    def run(self) -> None:
+        """Process every use; one that waits for another operand's row map goes back in the
+        queue, until a whole round over the waiting ones makes no progress."""
+        waiting: list = []
+        progress = True
+        while self.work or waiting:
+            if not self.work:
+                if not progress:
+                    raise _OrderRead(f"{_name(waiting[0][1])} (an operand derived from the top-k another way)")
+                self.work.extend(waiting)
+                waiting, progress = [], False
+            x, u = self.work.popleft()
             try:
-                self.use(n, u)
+                self.use(x, u)
+                progress = True
             except _Defer:
-                self.deferred.append((n, u))
+                waiting.append((x, u))
 
-    def finish(self) -> None:
-        """Retry the uses that waited for another operand, until none is left."""
-        while self.deferred:
-            todo, self.deferred = self.deferred, []
-            for x, u in todo:
-                try:
-                    self.use(x, u)
-                except _Defer:
-                    self.deferred.append((x, u))
-            if len(self.deferred) == len(todo):
-                raise _OrderRead(f"{_name(todo[0][1])} (with an operand derived from the top-k in another way)")
-
-    def placed(self, y: fx.Node, axis: int) -> bool:
-        """True when y is permuted along ``axis`` like the outputs; False when it does not
-        depend on them; _Defer while that is not known yet."""
-        if y not in self.reach or _is_constant_fill(y):  # (full_like(idx, -1): shape only)
-            return False
-        if y in self.axis:
-            if self.axis[y] != axis:
-                raise _OrderRead(f"{_name(y)} (permuted along another axis)")
-            return True
+    def rows_of(self, y: fx.Node) -> Optional[RowMap]:
+        """y's row map; None when y does not depend on the top-k (or is one value
+        everywhere); _Defer while y's is not known yet."""
+        if y not in self.reach or _is_constant_fill(y):
+            return None
+        if y in self.rows:
+            return self.rows[y]
         raise _Defer()
 
-    def aligned(self, x: fx.Node, out_rank: int) -> int:
-        """x's k axis in a result of rank out_rank that broadcasts x from the right."""
-        return self.axis[x] + out_rank - len(_shape(x))
-
+    # -- one use ---------------------------------------------------------------------------
     def use(self, x: fx.Node, u: fx.Node) -> None:
         if u.op != "call_function" or is_backward_node(u):
             raise _OrderRead("the backward" if u.op == "call_function" else _name(u))
-        t, a = u.target, self.axis[x]
-        xs, us = _shape(x), _shape(u)
+        t, r = u.target, self.rows[x]
+        a = r.k
         if t in _SHAPE_ONLY:
             return
         if t is operator.getitem:
-            raise _OrderRead(_name(u))  # only multi-output ops handled below create these
+            raise _OrderRead(_name(u))  # only the multi-output ops handled below make these
+        xs = _shape(x)
+        us = tuple(val(u).shape) if isinstance(val(u), torch.Tensor) else None  # (None: several outputs)
+        dist = x in self.distinct
         if t in _SAME_AXES:
-            return self.add(u, a, x in self.distinct)
+            keeps = dist and val(u).dtype in _WIDE_INTS and val(x).dtype in _WIDE_INTS
+            return self.add(u, r, keeps)
         if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags \
                 and torch.Tag.nondeterministic_seeded not in t.tags and us is not None:
-            # every other tensor operand is either permuted the same way (derived from
-            # this top-k, same axis) or constant along the k axis (size 1 or absent there,
-            # or one value everywhere)
-            j = self.aligned(x, len(us))
-            for y in u.all_input_nodes:
-                ys = _shape(y)
-                if y is x:
-                    continue
-                jy = j - (len(us) - len(ys)) if ys is not None else -1
-                if not self.placed(y, jy) and jy >= 0 and not _eq(ys[jy], 1) and not _is_constant_fill(y):
-                    raise _OrderRead(f"{_name(u)} (with an operand that varies along k)")
-            return self.add(u, j)
+            return self.add(u, self._pointwise(x, u, us))
         if t in _VIEWS:
-            j = self._view_axis(xs, us, a)
-            if j is None:
-                raise _OrderRead(f"{_name(u)} (merges or splits the k axis)")
-            return self.add(u, j, x in self.distinct)
+            return self.add(u, self._view(r, xs, us), dist)
         if t is aten.unsqueeze.default:
             d = u.args[1] % len(us)
-            return self.add(u, a + (d <= a), x in self.distinct)
+            return self.add(u, r.with_axes(r.axes[:d] + (FREE,) + r.axes[d:]), dist)
         if t is aten.expand.default:
-            return self.add(u, self.aligned(x, len(us)))
+            lead = len(us) - len(xs)
+            axes = [FREE] * lead + [self._broadcast(e, xs[i], us[lead + i]) for i, e in enumerate(r.axes)]
+            return self.add(u, r.with_axes(axes), dist)
         if t is aten.permute.default:
-            return self.add(u, [p % len(xs) for p in u.args[1]].index(a), x in self.distinct)
+            perm = [p % len(xs) for p in u.args[1]]
+            return self.add(u, r.with_axes([r.axes[p] for p in perm]), dist)
         if t is aten.transpose.int:
             d0, d1 = u.args[1] % len(xs), u.args[2] % len(xs)
-            return self.add(u, d1 if a == d0 else d0 if a == d1 else a, x in self.distinct)
-        if t in (aten.squeeze.dim, aten.squeeze.dims, aten.select.int):
-            ds = _dims(u.args[1], len(xs))
-            if a in ds:
-                raise _OrderRead(f"{_name(u)} (of the k axis)")
-            return self.add(u, a - sum(d < a for d in ds))
+            axes = list(r.axes)
+            axes[d0], axes[d1] = axes[d1], axes[d0]
+            return self.add(u, r.with_axes(axes), dist)
+        if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+            ds = _dims(u.args[1] if len(u.args) > 1 else None, len(xs))
+            ds = [d for d in ds if _is_one(xs[d])]  # (squeezing an axis longer than 1 does nothing)
+            return self.add(u, self._drop(r, {d: 0 for d in ds}, "squeeze"), dist)
+        if t is aten.select.int:
+            d, i = u.args[1] % len(xs), u.args[2]
+            if isinstance(i, int) and i < 0 and isinstance(xs[d], int):
+                i += xs[d]
+            return self.add(u, self._drop(r, {d: i}, "select"), dist)
         if t is aten.slice.Tensor:
-            if (u.args[1] if len(u.args) > 1 else 0) % len(xs) == a:
-                raise _OrderRead(f"{_name(u)} (of the k axis)")
-            return self.add(u, a)
+            return self.add(u, self._slice(r, u, xs), dist)
         if t is aten.gather.default and u.args[2] is x and u.args[0] not in self.reach:
             if u.args[1] % len(xs) != a:
                 raise _OrderRead(f"{_name(u)} (along another axis)")
-            return self.add(u, a)  # out[i] = src[idx[i]]: permuted with idx
+            return self.add(u, r)  # out[..., i] = src[..., idx[..., i]]: permuted with idx
         if t is aten.index_select.default and u.args[2] is x and len(xs) == 1 and u.args[0] not in self.reach:
-            return self.add(u, u.args[1] % len(us))
+            d = u.args[1] % len(us)
+            return self.add(u, r.with_axes([K_AXIS if i == d else FREE for i in range(len(us))]))
         if t in (aten.scatter.value, aten.scatter.src):
-            return self._scatter(x, u, a)
+            return self._scatter(x, u)
         if t in _MAXMIN or t in _SUMS:
             dim = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
-            dims = _dims(dim if dim not in ([], ()) else None, len(xs))  # (dim=[]: all of them)
+            if t in (aten.sum.default, aten.any.default, aten.all.default):
+                dim = None
+            dims = _dims(dim, len(xs))
             keep = bool(u.args[2] if len(u.args) > 2 else u.kwargs.get("keepdim", False))
-            if a not in dims:  # reduces other axes: still permuted along k
-                return self.add(u, a if keep else a - sum(d < a for d in dims))
-            return self._reduced(x, u)
+            return self._reduce(x, u, r, dims, keep)
         if t in _MAXMIN_DIM or t in _SORTS:
-            if t is aten.sort.stable:
-                dim = u.kwargs.get("dim", -1)
-            else:
-                dim = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", -1)
+            dim = u.kwargs.get("dim", -1) if t is aten.sort.stable else (
+                u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", -1))
             if dim % len(xs) != a:
                 raise _OrderRead(f"{_name(u)} (along another axis)")
             for g in u.users:  # the values only: the positions (argmax, sort's indices) read the order
                 if g.target is not operator.getitem or (g.args[1] != 0 and g.users):
                     raise _OrderRead(f"{_name(u)}'s positions")
-            return self._reduced(x, u)
+            self._order_free_over_k(x, u)
+            return None
         raise _OrderRead(_name(u))
 
-    def _reduced(self, x: fx.Node, u: fx.Node) -> None:
-        # over k: the result is the same for every order, except for floats: a sum rounds
-        # in order, and max / min / sort return whichever of +0.0 and -0.0 came first
-        if val(x).dtype.is_floating_point:
-            raise _OrderRead(f"{_name(u)} (of floats over k: the result's bits can depend on the order)")
-        self.sink(u)
+    # -- helpers -----------------------------------------------------------------------------
+    @staticmethod
+    def _broadcast(entry, size_in, size_out):
+        """An axis of size ``size_in`` broadcast to ``size_out``."""
+        if entry is K_AXIS or not _is_one(size_in) or _is_one(size_out):
+            return entry
+        if isinstance(entry, tuple) and entry[0] != "rep":
+            return ("rep", entry[0], entry[1])  # one row, repeated
+        return entry  # FREE, a repeat, or unknown
 
-    def sink(self, u: fx.Node) -> None:
+    def _pointwise(self, x: fx.Node, u: fx.Node, us) -> RowMap:
+        # Every other tensor operand either depends on the top-k with the same row map
+        # (each row combined with itself) or does not, and is then constant along k.
+        out = None
+        for y in u.all_input_nodes:
+            ys = _shape(y)
+            ry = self.rows_of(y) if y is not x else self.rows[x]
+            lead = len(us) - len(ys)
+            if ry is None:
+                a = self.rows[x].k + len(us) - len(_shape(x)) - lead  # the k axis in y's axes
+                if 0 <= a < len(ys) and not _is_one(ys[a]) and not _is_constant_fill(y):
+                    raise _OrderRead(f"{_name(u)} (with an operand that varies along k)")
+                continue
+            axes = [FREE] * lead + [self._broadcast(e, ys[i], us[lead + i]) for i, e in enumerate(ry.axes)]
+            ry = ry.with_axes(axes)
+            if out is not None and not out.same_rows(ry):
+                raise _OrderRead(f"{_name(u)} (combines different rows of the top-k)")
+            out = ry
+        return out
+
+    def _view(self, r: RowMap, xs, us) -> RowMap:
+        """A view that keeps the k axis whole, and every other axis longer than 1 in order,
+        maps them across; one that merges or splits other axes leaves them unknown."""
+        a = r.k
+        before = math.prod(xs[:a]) if a else 1
+        after = math.prod(xs[a + 1:]) if a + 1 < len(xs) else 1
+        j = next((j for j in range(len(us)) if _eq(us[j], xs[a]) and _eq(math.prod(us[:j]) if j else 1, before)
+                  and _eq(math.prod(us[j + 1:]) if j + 1 < len(us) else 1, after)), None)
+        if j is None:
+            raise _OrderRead("aten.view (merges or splits the k axis)")
+        fixed = set(r.fixed)
+        src = [i for i in range(len(xs)) if i != a and not _is_one(xs[i])]
+        dst = [i for i in range(len(us)) if i != j and not _is_one(us[i])]
+        axes: List = [FREE] * len(us)
+        axes[j] = K_AXIS
+        if len(src) == len(dst) and all(_eq(xs[s], us[d]) for s, d in zip(src, dst)) and \
+                all((s < a) == (d < j) for s, d in zip(src, dst)):
+            for s, d in zip(src, dst):
+                axes[d] = r.axes[s]
+            for i in range(len(xs)):  # unit axes dropped by the view: their one position
+                if i != a and _is_one(xs[i]):
+                    _pin(r.axes[i], 0, fixed)
+        else:
+            for d in dst:
+                axes[d] = _Unknown()
+        return r.with_axes(axes, fixed)
+
+    @staticmethod
+    def _drop(r: RowMap, pos: Dict[int, object], what: str) -> RowMap:
+        if r.k in pos:
+            raise _OrderRead(f"aten.{what} (of the k axis)")
+        fixed = set(r.fixed)
+        for d, p in pos.items():
+            _pin(r.axes[d], p, fixed)
+        return r.with_axes([e for i, e in enumerate(r.axes) if i not in pos], fixed)
+
+    @staticmethod
+    def _slice(r: RowMap, u: fx.Node, xs) -> RowMap:
+        d = (u.args[1] if len(u.args) > 1 else 0) % len(xs)
+        start = u.args[2] if len(u.args) > 2 else None
+        end = u.args[3] if len(u.args) > 3 else None
+        step = u.args[4] if len(u.args) > 4 else 1
+        start = 0 if start is None else start
+        if d == r.k:
+            whole = start == 0 and step == 1 and (end is None or statically_known_true(xs[d] <= end))
+            if not whole:
+                raise _OrderRead("aten.slice (of the k axis)")
+            return r
+        axes = list(r.axes)
+        e = axes[d]
+        if isinstance(e, tuple) and e[0] != "rep" and isinstance(start, int) and start >= 0 and isinstance(step, int):
+            axes[d] = (e[0], e[1] + start * e[2], e[2] * step)
+        elif e is not FREE and not (isinstance(e, tuple) and e[0] == "rep"):
+            axes[d] = _Unknown()
+        return r.with_axes(axes)
+
+    def _reduce(self, x: fx.Node, u: fx.Node, r: RowMap, dims: List[int], keep: bool) -> None:
+        a = r.k
+        if a in dims:  # over k (and maybe more): a function of the rows' multisets
+            return self._order_free_over_k(x, u)
+        for d in dims:  # across rows only: merges their different orders
+            e = r.axes[d]
+            if not (e is FREE or (isinstance(e, tuple) and e[0] == "rep")):
+                raise _OrderRead(f"{_name(u)} (across rows of the top-k)")
+        axes = [FREE if (i in dims and keep) else e for i, e in enumerate(r.axes) if keep or i not in dims]
+        self.add(u, r.with_axes(axes))
+
+    def _order_free_over_k(self, x: fx.Node, u: fx.Node) -> None:
+        # over k: the result is the same for every order, except for floats: a sum rounds in
+        # order, and max / min / sort return whichever of +0.0 and -0.0 came first
+        out = val(u)
+        out_dtypes = [o.dtype for o in out] if isinstance(out, (tuple, list)) else [out.dtype]
+        if val(x).dtype.is_floating_point or any(d.is_floating_point for d in out_dtypes) or \
+                u.kwargs.get("dtype") is not None and u.kwargs["dtype"].is_floating_point:
+            raise _OrderRead(f"{_name(u)} (of floats over k: the result's bits can depend on the order)")
         self.sinks.append(_name(u))
 
-    def _scatter(self, x: fx.Node, u: fx.Node, a: int) -> None:
+    def _scatter(self, x: fx.Node, u: fx.Node) -> None:
         # scatter(self, dim, index, value|src): out[..., index[i]] = src[i]. Permuting i
         # changes nothing when every src[i] is the same, or when src is permuted with the
-        # index and the index has no repeats (else the last write would win). Reached
-        # from the index or from src.
+        # index (same row map) and the index cannot repeat (else the last write would win).
+        # Reached from the index or from src.
         self_, dim, index = u.args[0], u.args[1], u.args[2]
         src = u.args[3] if u.target is aten.scatter.src else None
         if self_ in self.reach or u.kwargs.get("reduce") is not None:
             raise _OrderRead(f"{_name(u)} (into a tensor derived from the top-k, or with reduce)")
         if x is not index and x is not src:
             raise _OrderRead(_name(u))
-        if index not in self.axis:
-            self.placed(index, a)  # (waits while the index is still to be placed)
+        ri = self.rows_of(index)
+        if ri is None:
             raise _OrderRead(f"{_name(u)} (at indices that do not come from the top-k)")
-        if dim % len(_shape(u)) != self.axis[index]:
+        if dim % len(_shape(u)) != ri.k:
             raise _OrderRead(f"{_name(u)} (along another axis)")
         if src is not None and not _is_constant_fill(src):
-            if index not in self.distinct or not self.placed(src, self.axis[index]):
+            rs = self.rows_of(src)
+            if index not in self.distinct or rs is None or not rs.same_rows(ri) or _shape(src) != _shape(index):
                 raise _OrderRead(f"{_name(u)} (of values that vary along k)")
-        self.sink(u)
-
-    @staticmethod
-    def _view_axis(xs: Sequence, us: Sequence, a: int) -> Optional[int]:
-        """Where a view puts x's k axis when it keeps it whole: the same size, with the
-        same number of elements before and after it."""
-        before, after = _prod(xs[:a]), _prod(xs[a + 1:])
-        for j in range(len(us)):
-            if _eq(us[j], xs[a]) and _eq(_prod(us[:j]), before) and _eq(_prod(us[j + 1:]), after):
-                return j
-        return None
+        self.sinks.append(_name(u))
 
 
 def order_unread(topk: fx.Node, dim: int) -> Tuple[bool, str]:
@@ -285,11 +421,13 @@ def order_unread(topk: fx.Node, dim: int) -> Tuple[bool, str]:
     ``topk``'s outputs along ``dim``; else (False, the first op found that reads it)."""
     w = _Walk(topk)
     try:
+        shape = _shape(topk.args[0])
+        identity = RowMap([K_AXIS if i == dim else (i, 0, 1) for i in range(len(shape))])
         for g in topk.users:
             if g.op != "call_function" or g.target is not operator.getitem:
                 raise _OrderRead(_name(g))
-            w.add(g, dim, distinct=g.args[1] == 1)
-        w.finish()
+            w.add(g, identity, distinct=g.args[1] == 1)
+        w.run()
     except _OrderRead as e:
         return False, str(e)
     if not w.sinks:

@@ -78,7 +78,12 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
         try:
             m = analyse_site(facts, tk)
             if m.sorted and elide_sort:  # nothing reads the order: the op may skip its sort
-                unread, uses = order_unread(tk, m.topk_dim)
+                try:
+                    unread, uses = order_unread(tk, m.topk_dim)
+                except Exception:  # a bug of ours: keep the sort, rewrite the site anyway
+                    diagnostics.log.warning("hyscale: internal error in the order analysis at %s; the sort stays",
+                                            tk.name, exc_info=True)
+                    unread = False
                 if unread:
                     m.sorted, m.sort_elided = False, uses
             applied = apply_match(graph, m, replay=replay)  # rolls its own nodes back if it fails

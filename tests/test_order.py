@@ -159,9 +159,61 @@ def _flattened_k(q, k, w):  # a view that merges k with the query axis
     return idx.reshape(idx.shape[0], -1).amax(-1)
 
 
+# A review (a helper session) found these reading the order through the other axes: each
+# row comes back in its own order, so ops that move rows against each other read it.
+def _same_picks_as_previous_query(q, k, w):
+    i = _scores(q, k, w).topk(K, dim=-1).indices
+    return (i[:, 1:] == i[:, :-1]).all(-1)
+
+
+def _two_selected_rows(q, k, w):
+    i = _scores(q, k, w).topk(K, dim=-1).indices
+    return (i[0] * 100 + i[1]).amax(-1)
+
+
+def _row_broadcast(q, k, w):
+    i = _scores(q, k, w).topk(K, dim=-1).indices
+    return (i * 100 + i[:, :1]).amax(-1)
+
+
+def _reduce_over_queries_first(q, k, w):
+    return _scores(q, k, w).topk(K, dim=-1).indices.amax(1).sum(-1)
+
+
+def _scatter_at_mixed_rows(q, k, w):
+    s = _scores(q, k, w)
+    i = s.topk(K, dim=-1).indices
+    return torch.full_like(s[:, 1:], -1e4).scatter(-1, torch.maximum(i[:, 1:], i[:, :-1]), 0.0)
+
+
+def _scatter_values_of_another_row(q, k, w):
+    s = _scores(q, k, w)
+    v, i = s.topk(K, dim=-1)
+    return torch.zeros_like(s).scatter(-1, i, v[:1].expand_as(v).clamp(min=-1e4))
+
+
+def _scatter_values_at_lossy_cast(q, k, w):  # bool cast: indices collide, the last write wins
+    s = _scores(q, k, w)
+    v, i = s.topk(K, dim=-1)
+    return torch.zeros_like(s).scatter(-1, i.bool().long(), v.clamp(min=-1e4))
+
+
+def _squeeze_of_a_long_axis(q, k, w):  # squeeze(1) of an axis longer than 1 does nothing
+    s = _scores(q, k, w)
+    i = s.topk(K, dim=-1).indices
+    return torch.zeros(i.shape[0], s.shape[-1], K).scatter(1, i.squeeze(1), 1.0)
+
+
+def _int_sum_in_float(q, k, w):
+    i = _scores(q, k, w).topk(K, dim=-1).indices
+    return ((i + 1) * 16777217).sum(-1, dtype=torch.float32)
+
+
 @pytest.mark.parametrize("fn", [_returned, _gather_then_softmax_sum, _float_sum_of_values, _float_max_of_values,
                                 _argmax_position, _scatter_values_repeated_indices, _plus_position, _cumsum,
-                                _flattened_k])
+                                _flattened_k, _same_picks_as_previous_query, _two_selected_rows, _row_broadcast,
+                                _reduce_over_queries_first, _scatter_at_mixed_rows, _scatter_values_of_another_row,
+                                _scatter_values_at_lossy_cast, _squeeze_of_a_long_axis, _int_sum_in_float])
 def test_order_read_keeps_the_sort(fn):
     args = _inputs(fresh_seed(fn.__name__))
     site = _site(fn, args)
@@ -190,6 +242,24 @@ def test_order_unread_names_the_op_that_reads():
     assert order_unread(topk_of(_inf_scatter_minus_one), 2) == (True, "aten.scatter.value")
     assert order_unread(topk_of(_src_scatter_and_int_reductions), 2) == (
         True, "aten.amax, aten.scatter.src, aten.sort, aten.sum.dim_IntList")
+
+
+def test_long_chains_do_not_crash():
+    """A worklist, not recursion: 600 pointwise ops between the top-k and its scatter."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hyscale_compile.passes.order import order_unread
+
+    def fn(q, k, w):
+        s = _scores(q, k, w)
+        i = s.topk(K, dim=-1).indices
+        for _ in range(600):
+            i = i + 0
+        return torch.zeros_like(s).scatter(-1, i, 1.0)
+
+    gm = make_fx(torch.func.functionalize(fn), tracing_mode="fake")(*_inputs(0))
+    tk, = [n for n in gm.graph.nodes if n.target is torch.ops.aten.topk.default]
+    assert order_unread(tk, 2) == (True, "aten.scatter.value")
 
 
 def test_shuffle_shows_an_order_read():

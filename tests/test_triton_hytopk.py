@@ -37,7 +37,7 @@ if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules and not 
 
 from hyscale_compile.lowerings import reference as ref
 from hyscale_compile.lowerings import triton_codegen as cg
-from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec, SpecError, dtype_of
+from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec, SpecError, add_limit, dtype_of
 from hyscale_compile.lowerings import triton_hytopk
 from hyscale_compile.lowerings.triton_hytopk import HyTopKConfig, hytopk_triton
 
@@ -330,10 +330,9 @@ def test_finite_hidden_value_skips_like_inf(interpret, mode, value, skips):
     q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32)
     spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
                      masks=(MaskTerm(kind="range", hi=0, mode=mode, value=value),))
-    assert cg.finite_range_term(spec) == (0, value, mode == "add")
+    assert cg.finite_range_term(spec) == (0, value, add_limit(value) if mode == "add" else -value / 2)
     assert "key_hi = tl.minimum(key_hi, tl.where(" in cg.render_kernel_source(spec, 1)
-    if mode == "add":
-        assert triton_hytopk.hidden_value_flag(spec, q, k, w).tolist() == [int(skips)]
+    assert triton_hytopk.hidden_value_flag(spec, q, k, w).tolist() == [int(skips)]
     vals, idx = run_exact(q, k, w, [causal_hi(B, S, T)], topk, spec, config=HyTopKConfig(block_m=16, block_n=16))
     for s in (0, 7, 18):  # s + 1 visible keys, then the smallest hidden ones at the hidden value
         if mode == "fill" or skips:
@@ -357,6 +356,118 @@ def test_finite_add_mask_with_huge_scores_is_not_skipped(interpret):
     assert torch.isneginf(hidden).any() and (hidden != FINFO_MIN).any()  # the huge scores really moved them
 
 
+@pytest.mark.interpret
+def test_finite_fill_below_visible_scores_is_not_skipped(interpret):
+    # masked_fill(hidden, -1e9) with visible scores far below -1e9 (signed weights, large
+    # operands): hidden keys beat visible ones, so keys past a row's range must compete;
+    # the bound (|s| < 1e9) refuses the skip, and the answer takes hidden keys of any index.
+    g = _gen(69)
+    B, S, T, H, D, topk = 1, 32, 48, 2, 16, 24
+    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32)
+    q, k = q * 2.0**20, k * 2.0**20
+    spec = ScoreSpec(reduce="weighted_sum", post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0, mode="fill", value=-1e9),))
+    assert triton_hytopk.hidden_value_flag(spec, q, k, w).tolist() == [0]
+    _, idx = run_exact(q, k, w, [causal_hi(B, S, S)], topk, spec, config=HyTopKConfig(block_m=16, block_n=16))
+    assert (idx[0, topk:] >= topk).any()  # rows past k: some picks lie past their own hi
+
+
+def _refused_case(name):
+    """Inputs where skipping hidden tiles would be wrong (a helper's review of v24)."""
+    B, S, T = 1, 16, 48
+    hi = (torch.arange(S) + 1).view(1, S)
+    fmin_add = (MaskTerm(kind="range", hi=0, mode="add", value=FINFO_MIN),)
+    if name == "folded_weight_scale":  # the launch folds mul 1/16 into w: the bound must not count it twice
+        q, k, w = torch.full((B, S, 2, 16), 3.0), torch.full((B, T, 1, 16), 3.0), torch.full((B, S, 2), 3.0)
+        k[:, :16] = 1.0  # keys 16..: score 54, and fl(54 - 1e9) != -1e9
+        spec = ScoreSpec(epilogue=(("relu",), ("mul", 0.0625)), reduce="weighted_sum", post=(("mask", 0),),
+                         masks=(MaskTerm(kind="range", hi=0, mode="add", value=-1e9),))
+        return q, k, w, [hi], spec
+    q, k = torch.ones(B, S, 1, 2), torch.ones(B, T, 1, 2)
+    if name == "sigmoid_of_nan":  # inf * 0 logits: NaN through the sigmoid, NaN + finfo.min ranks first
+        q[..., 0] = math.inf
+        k[:, 32:, 0, 0] = 0.0
+        return q, k, None, [hi], ScoreSpec(epilogue=(("sigmoid",),), reduce="sum", post=(("mask", 0),), masks=fmin_add)
+    if name in ("fp16_round", "fp16_logits"):  # logits past fp16's range round to inf
+        k[:, 32:, 0, 0] = 65536.0
+        if name == "fp16_round":
+            return q, k, None, [hi], ScoreSpec(epilogue=(("round", "float16"),), reduce="sum", post=(("mask", 0),),
+                                               masks=fmin_add)
+        return q, k, None, [hi], ScoreSpec(logit_dtype="float16", reduce="sum", post=(("mask", 0),), masks=fmin_add)
+    raise ValueError(name)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("name", ["folded_weight_scale", "sigmoid_of_nan", "fp16_round", "fp16_logits"])
+def test_finite_skip_refused_where_unsound(interpret, name):
+    q, k, w, masks, spec = _refused_case(name)
+    assert triton_hytopk.hidden_value_flag(spec, q, k, w).tolist() == [0]
+    run_exact(q, k, w, masks, 8, spec, config=HyTopKConfig(block_m=16, block_n=16))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("form", ["add_fp32_finfo", "add_bf16_finfo", "add_ninf", "fill_bool_ninf", "fill_bool_finite"])
+def test_mask_tensor_key_ranges(interpret, form):
+    # A mask tensor (HF's runtime attention_mask: causal + left padding, here also a hole
+    # inside some rows): each row's visible key range is read off it before the launch and
+    # the tiles outside are skipped, fillers of the hidden value; bits equal the reference.
+    from hyscale_compile.lowerings import triton_mask_ranges as tmr
+
+    g = _gen(70)
+    B, S, T, H, D, topk = 2, 48, 48, 2, 16, 20
+    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32)
+    t, s_ = torch.arange(T), torch.arange(S)
+    visible = (t[None, None, :] <= s_[None, :, None]) & (t[None, None, :] >= torch.tensor([0, 5])[:, None, None])
+    visible[:, 30, 10:14] = False  # a hole inside a row's range: still applied per key
+    visible[1, :5] = False  # padded query rows: nothing visible
+    if form.startswith("add"):
+        hidden = {"add_fp32_finfo": FINFO_MIN, "add_bf16_finfo": torch.finfo(torch.bfloat16).min,
+                  "add_ninf": -math.inf}[form]
+        dtype = torch.bfloat16 if "bf16" in form else torch.float32
+        mask = torch.where(visible, 0.0, hidden).to(dtype)
+        mask[:, :, 40] = torch.where(visible[:, :, 40], -2.0, hidden).to(dtype)  # other visible values
+        spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
+                         masks=(MaskTerm(kind="add", operand=0),))
+    else:
+        value = -math.inf if form == "fill_bool_ninf" else -1e4
+        mask = ~visible
+        spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
+                         masks=(MaskTerm(kind="fill", operand=0, where=True, value=value),))
+    tm = cg.tensor_mask_term(spec)
+    assert tm == (0, form != "fill_bool_ninf")
+    m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    bound = triton_hytopk.score_bound(spec, q, k, w)
+    args = tmr.mask_key_ranges(spec, m, bound if tm[1] else None)
+    vh = args[6] if form.startswith("add") else None
+    lo_ref, hi_ref = tmr.visible_ranges_reference(m, form.startswith("add"), True, vh)
+    assert torch.equal(args[0], lo_ref) and torch.equal(args[3], hi_ref)
+    assert args[0][1, 2].item() == T and args[3][1, 2].item() == 0  # a padded row: empty
+    if tm[1]:
+        assert args[-1].tolist() == [1]
+    vals, idx = run_exact(q, k, w, [mask], topk, spec, config=HyTopKConfig(block_m=16, block_n=16))
+    # padded rows: every key hidden, the k smallest indices at the hidden value
+    assert idx[1, 2].tolist() == list(range(topk))
+    if form.startswith("add"):
+        assert (vals[1, 2] == mask[1, 2, :topk].float()).all()
+
+
+@pytest.mark.interpret
+def test_mask_tensor_with_huge_scores_is_not_skipped(interpret):
+    # an additive finfo.min tensor with scores near 1e37: the bound refuses the skip
+    from hyscale_compile.lowerings import triton_mask_ranges as tmr
+
+    g = _gen(71)
+    B, S, T, H, D, topk = 1, 32, 48, 2, 16, 24
+    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32)
+    q, k = q * 2.0**60, k * 2.0**60
+    mask = torch.where(torch.arange(T)[None, :] <= torch.arange(S)[:, None] + (T - S), 0.0, FINFO_MIN)[None]
+    spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
+                     masks=(MaskTerm(kind="add", operand=0),))
+    args = tmr.mask_key_ranges(spec, mask, triton_hytopk.score_bound(spec, q, k, w))
+    assert args[-1].tolist() == [0]
+    run_exact(q, k, w, [mask], topk, spec, config=HyTopKConfig(block_m=16, block_n=16))
+
+
 def test_hidden_value_flag_bound():
     spec = ScoreSpec(epilogue=(("mul", 0.5), ("relu",)), reduce="weighted_sum", post=(("mul", 2.0), ("mask", 0)),
                      masks=(MaskTerm(kind="range", hi=0, mode="add", value=-1e9),))
@@ -376,8 +487,11 @@ def test_finite_range_term_rules():
 
     add = MaskTerm(kind="range", hi=0, mode="add", value=FINFO_MIN)
     fill = MaskTerm(kind="range", hi=0, mode="fill", value=-1e4)
-    assert cg.finite_range_term(spec((("mask", 0),), (add,))) == (0, FINFO_MIN, True)
-    assert cg.finite_range_term(spec((("mul", 2.0), ("mask", 0)), (fill,))) == (0, -1e4, False)
+    assert cg.finite_range_term(spec((("mask", 0),), (add,))) == (0, FINFO_MIN, add_limit(FINFO_MIN))
+    assert cg.finite_range_term(spec((("mul", 2.0), ("mask", 0)), (fill,))) == (0, -1e4, 5e3)
+    assert cg.finite_range_term(spec((("mask", 0),), (MaskTerm(kind="range", hi=0, value=5.0),))) is None  # v >= 0
+    assert cg.finite_range_term(spec((("mask", 0),), (MaskTerm(kind="range", hi=0, mode="add", value=1.0),))) is None
+    assert cg.finite_range_term(spec((("mask", 0),), (add,), epilogue=(("mod", "softcap"),))) is None  # no bound
     assert cg.finite_range_term(spec((("mask", 0), ("mul", 2.0)), (add,))) is None  # not the last step
     assert cg.finite_range_term(spec((("mask", 0), ("mask", 1)), (add, fill))) is None  # two mask steps
     assert cg.finite_range_term(spec((("mask", 0),), (add,), score_dtype="bfloat16")) is None
@@ -1119,6 +1233,16 @@ def test_gpu_finite_hidden_value_same_selection(cuda):
         assert torch.equal(i, i_inf), mode
         assert torch.equal(v, torch.where(torch.isneginf(v_inf), fmin, v_inf)), mode
         assert (v[0, 10, 11:] == fmin).all()
+    # the same masks as tensors (HF's runtime attention_mask; triton_mask_ranges gives each
+    # row its visible range, and hidden tiles are skipped): additive finfo.min, bool -inf fill
+    visible = torch.arange(T, device=cuda)[None, :] <= torch.arange(S, device=cuda)[:, None]
+    for kind in ("add", "fill"):
+        term = MaskTerm(kind="add", operand=0) if kind == "add" else MaskTerm(kind="fill", operand=0, value=-math.inf)
+        mt = torch.where(visible, 0.0, fmin)[None] if kind == "add" else ~visible[None]
+        ts = dataclasses.replace(spec, masks=(term,))
+        v, i = hytopk_triton(q, k, w, [mt], topk, ts, return_values=True)
+        assert torch.equal(i, i_inf), kind
+        assert torch.equal(v, torch.where(torch.isneginf(v_inf), fmin, v_inf) if kind == "add" else v_inf), kind
 
 
 @pytest.mark.gpu

@@ -1,0 +1,105 @@
+"""Each row's visible key range, read off a mask tensor before the HyTopK launch.
+
+A mask that reaches the op as a tensor (HF's runtime ``attention_mask``, Megatron's mask
+argument) hides keys the kernel can only see by reading the tensor, so it used to score
+every key of every row. For a spec whose only mask step is such a tensor
+(``spec.tensor_mask_term``), this pass gives each row (b, s) the range [lo, hi) outside
+which every key is hidden, with one hidden value for the whole tensor: the fill value of a
+bool mask, or the smallest value v_h of an additive one (-inf, or the dtype's finfo.min).
+The kernel then skips key tiles outside the rows' ranges exactly as it skips a range mask's
+(tile skipping and fillers, ``triton_codegen``), and still applies the tensor per key inside
+them. For an additive mask a hidden key scores fl(s + v_h), which is v_h only while |s| is
+small enough; ``mask_key_ranges`` checks that bound on the device, and the kernel skips
+nothing when it fails.
+
+The pass reads the tensor twice (its minimum, then the ranges): S x T elements, what the
+kernel itself would read to apply it in full.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .spec import ScoreSpec, SpecError, tensor_mask_term
+
+
+@triton.jit
+def _visible_range_kernel(M, stride_b, stride_s, stride_t, VH, RLO, RHI, S, T,
+                          ADD: tl.constexpr, WHERE: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per row (b, s): the first and last visible key, scanned BLOCK at a time
+    row = tl.program_id(0)
+    b = row // S
+    s = row - b * S
+    base = M + b.to(tl.int64) * stride_b + s.to(tl.int64) * stride_s
+    first = tl.zeros([], dtype=tl.int32) + T
+    last = tl.zeros([], dtype=tl.int32) - 1
+    if ADD:
+        vh = tl.load(VH)
+    for t0 in range(0, T, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        ok = t < T
+        x = tl.load(base + t.to(tl.int64) * stride_t, mask=ok, other=0)
+        if ADD:
+            vis = x.to(tl.float32) != vh  # (NaN is visible: never skipped)
+        else:
+            vis = (x != 0) != WHERE  # fill: hidden where the bool equals WHERE
+        vis = vis & ok
+        first = tl.minimum(first, tl.min(tl.where(vis, t, T), axis=0))
+        last = tl.maximum(last, tl.max(tl.where(vis, t, -1), axis=0))
+    tl.store(RLO + row, first)
+    tl.store(RHI + row, last + 1)
+
+
+def visible_ranges_reference(m: torch.Tensor, add: bool, where: bool, vh: Optional[torch.Tensor]):
+    """The same ranges with torch ops ([B, S, T] temporaries: tests only)."""
+    B, S, T = m.shape
+    vis = (m.float() != vh) if add else ((m != 0) != where)
+    t = torch.arange(T, device=m.device)
+    first = torch.where(vis, t, T).amin(-1).to(torch.int32)
+    last = torch.where(vis, t, -1).amax(-1).to(torch.int32)
+    return first, last + 1
+
+
+def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound: Optional[torch.Tensor]) -> List:
+    """Launch arguments for the kernel's ``RLO, RHI`` (then ``FILLV`` for an additive mask,
+    ``SKIPF`` when the term needs a bound): int32 [B, S] ranges and their strides, the
+    hidden value (fp32 [1]) and the skip flag (int32 [1]). ``m`` is the mask operand as a [B, S, T] view (bool masks as uint8);
+    ``bound``: a float64 0-d bound on every score's magnitude (``score_bound``), when the
+    term needs one."""
+    j, needs_bound = tensor_mask_term(spec)
+    term = spec.masks[j]
+    B, S, T = m.shape
+    add = term.kind == "add"
+    rlo = torch.empty((B, S), dtype=torch.int32, device=m.device)
+    rhi = torch.empty((B, S), dtype=torch.int32, device=m.device)
+    if T >= 2**31 - 1:
+        raise SpecError(f"T={T}: a mask tensor's key ranges are int32")
+    if needs_bound and bound is None:
+        raise SpecError("internal: this mask tensor needs a score bound")
+    if add:
+        vh = m.amin().float().reshape(1)  # the hidden value: -inf, finfo.min, ...
+        a = vh.abs()
+        gap = a - torch.nextafter(a, torch.zeros_like(a))
+        # fl(s + v_h) == v_h, below every visible score, for |s| < gap / 4 (v_h finite; the
+        # spacing toward zero), and for every finite s (v_h = -inf)
+        limit = torch.where(torch.isneginf(vh), math.inf, gap.double() / 4)
+        # (v_h >= 0: hidden keys would not lie below visible ones; NaN compares false; an
+        # infinite bound never passes)
+        flag = ((bound < limit) & (vh < 0) & torch.isfinite(bound)).to(torch.int32)
+    else:
+        vh = rlo  # (an unused pointer)
+        if needs_bound:  # a finite fill value v < 0: below every visible score while |s| < |v| / 2
+            flag = (bound < -term.value / 2).to(torch.int32).reshape(1)
+    if B * S:
+        _visible_range_kernel[(B * S,)](m, m.stride(0), m.stride(1), m.stride(2), vh, rlo, rhi, S, T,
+                                        ADD=add, WHERE=bool(term.where), BLOCK=1024)
+    out = [rlo, rlo.stride(0), rlo.stride(1), rhi, rhi.stride(0), rhi.stride(1)]
+    if add:
+        out.append(vh)
+    if needs_bound:
+        out.append(flag)
+    return out
