@@ -18,6 +18,7 @@ import torch
 from .reference import check_operands, index_dtype
 from .spec import ScoreSpec, SpecError, dtype_of, finite_range_term, tensor_mask_term
 from .triton_codegen import _interpreting, check_interpreter_mode, load_kernel, weight_scale
+from .score_bound import score_bound_flag
 from .triton_mask_ranges import mask_key_ranges
 from .triton_sort_rows import NETWORKS as SORT_NETWORKS, sort_rows_
 
@@ -211,63 +212,12 @@ def _table_view(t: torch.Tensor, B: int, S: int, T: int, what: str) -> torch.Ten
         raise SpecError(f"{what} of shape {tuple(t.shape)} does not broadcast to [B, S, T] = {(B, S, T)}") from None
 
 
-_FP16_MAX = 65504.0
-_BF16_SAFE = 3.38e38  # below bf16's largest finite (3.3895e38): a value past it may round to inf
-_FP32_SAFE = 3.4e38
-
-
-def score_bound(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
-    """A float64 0-d tensor on q's device bounding |score| before the spec's last post step
-    (its mask), or inf when some step could overflow or the inputs are not finite.
-
-    D max|q| max|k| for a logit (1% over: the fp32 accumulation's error and every later
-    relative rounding), then each epilogue step, H max|w| (or H) for the head reduction,
-    then the post steps before the last. Every intermediate bound must stay below the
-    range of the dtype it is held in (fp32; fp16 / bf16 at a ``round`` step or for the
-    logits), else the result is inf. ``w`` is the caller's weights (not the launch's, which
-    may have an epilogue ``mul`` folded in). Computed on the device (``aminmax``: no copy, no
-    host sync). Only for specs whose steps ``spec._BOUNDED_STEPS`` lists."""
-
-    def max_abs(t):
-        if t.numel() == 0:
-            return torch.zeros((), dtype=torch.float64, device=q.device)
-        lo, hi = torch.aminmax(t)
-        return torch.maximum(lo.double().abs(), hi.double().abs())
-
-    def capped(m, top):  # inf once m could exceed what the step's dtype holds (NaN stays NaN)
-        return torch.where(m < top, m, torch.where(torch.isnan(m), m, math.inf))
-
-    H, D = q.shape[2], q.shape[3]
-    m = capped(max_abs(q) * max_abs(k) * D * 1.01, _FP32_SAFE)
-    if spec.logit_dtype in ("float16", "bfloat16"):
-        m = capped(m, _FP16_MAX if spec.logit_dtype == "float16" else _BF16_SAFE)
-    for step in (*spec.epilogue, "reduce", *spec.post[:-1]):
-        if step == "reduce":
-            m = m * H * (max_abs(w) if spec.reduce == "weighted_sum" else 1.0)
-        elif step[0] == "mul":
-            m = m * abs(step[1])
-        elif step[0] == "div":
-            m = m / abs(step[1]) if step[1] != 0 else m * math.inf
-        elif step[0] == "add":
-            m = m + abs(step[1])
-        elif step[0] == "sigmoid":
-            # |sigmoid| <= 1 for finite inputs; an overflowed or NaN bound stays what it is
-            m = torch.where(torch.isfinite(m), torch.ones_like(m), m)
-        elif step[0] == "round":
-            m = capped(m, {"float16": _FP16_MAX, "bfloat16": _BF16_SAFE}.get(step[1], _FP32_SAFE))
-        elif step[0] not in ("relu", "neg"):
-            raise SpecError(f"internal: no magnitude bound for step {step!r}")
-        m = capped(m, _FP32_SAFE)
-    return m
-
-
 def hidden_value_flag(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
-    """int32 [1] on q's device: 1 when ``score_bound`` proves that every key the spec's
-    finite range term (``finite_range_term``) hides holds exactly its value v, below every
-    visible score (|s| < the term's limit), so the kernel may skip hidden tiles; else 0
-    (huge or non-finite inputs: the kernel then scores every tile)."""
+    """``score_bound_flag`` for the spec's finite range term (``finite_range_term``): 1 when
+    every key it hides holds exactly its value v, below every visible score, so the kernel
+    may skip hidden tiles; else 0 (the kernel then scores every tile)."""
     _, _, limit = finite_range_term(spec)
-    return (score_bound(spec, q, k, w) < limit).to(torch.int32).reshape(1)
+    return score_bound_flag(spec, q, k, w, limit=limit)
 
 
 def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S: int, T: int, device,
@@ -546,7 +496,7 @@ def hytopk_triton(
         mview = _table_view(masks[term.operand], B, S, T, f"mask operand {term.operand}")
         if mview.dtype == torch.bool:
             mview = mview.view(torch.uint8)
-        ranges = mask_key_ranges(spec, mview, score_bound(spec, q, k, w_caller) if tmt[1] else None)
+        ranges = mask_key_ranges(spec, mview, lambda **lim: score_bound_flag(spec, q, k, w_caller, **lim))
 
     def outputs_for(r0, r1):
         # where a launch over query rows [r0, r1) writes: its slice of the indices, and the

@@ -18,7 +18,7 @@ kernel itself would read to apply it in full.
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import triton
@@ -64,12 +64,12 @@ def visible_ranges_reference(m: torch.Tensor, add: bool, where: bool, vh: Option
     return first, last + 1
 
 
-def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound: Optional[torch.Tensor]) -> List:
+def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound_flag: Callable[..., torch.Tensor]) -> List:
     """Launch arguments for the kernel's ``RLO, RHI`` (then ``FILLV`` for an additive mask,
     ``SKIPF`` when the term needs a bound): int32 [B, S] ranges and their strides, the
-    hidden value (fp32 [1]) and the skip flag (int32 [1]). ``m`` is the mask operand as a [B, S, T] view (bool masks as uint8);
-    ``bound``: a float64 0-d bound on every score's magnitude (``score_bound``), when the
-    term needs one."""
+    hidden value (fp32 [1]) and the skip flag (int32 [1]). ``m`` is the mask operand as a
+    [B, S, T] view (bool masks as uint8). ``bound_flag(limit=... | hidden=...)``: the
+    launch's ``score_bound.score_bound_flag`` for its operands."""
     j, needs_bound = tensor_mask_term(spec)
     term = spec.masks[j]
     B, S, T = m.shape
@@ -78,22 +78,13 @@ def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound: Optional[torch.Tens
     rhi = torch.empty((B, S), dtype=torch.int32, device=m.device)
     if T >= 2**31 - 1:
         raise SpecError(f"T={T}: a mask tensor's key ranges are int32")
-    if needs_bound and bound is None:
-        raise SpecError("internal: this mask tensor needs a score bound")
-    if add:
-        vh = m.amin().float().reshape(1)  # the hidden value: -inf, finfo.min, ...
-        a = vh.abs()
-        gap = a - torch.nextafter(a, torch.zeros_like(a))
-        # fl(s + v_h) == v_h, below every visible score, for |s| < gap / 4 (v_h finite; the
-        # spacing toward zero), and for every finite s (v_h = -inf)
-        limit = torch.where(torch.isneginf(vh), math.inf, gap.double() / 4)
-        # (v_h >= 0: hidden keys would not lie below visible ones; NaN compares false; an
-        # infinite bound never passes)
-        flag = ((bound < limit) & (vh < 0) & torch.isfinite(bound)).to(torch.int32)
+    if add:  # the hidden value: the tensor's smallest (-inf, finfo.min, ...)
+        vh = m.amin().float().reshape(1) if m.numel() else torch.full((1,), math.nan, device=m.device)
+        flag = bound_flag(hidden=vh)
     else:
         vh = rlo  # (an unused pointer)
         if needs_bound:  # a finite fill value v < 0: below every visible score while |s| < |v| / 2
-            flag = (bound < -term.value / 2).to(torch.int32).reshape(1)
+            flag = bound_flag(limit=-term.value / 2)
     if B * S:
         _visible_range_kernel[(B * S,)](m, m.stride(0), m.stride(1), m.stride(2), vh, rlo, rhi, S, T,
                                         ADD=add, WHERE=bool(term.where), BLOCK=1024)

@@ -40,6 +40,7 @@ from hyscale_compile.lowerings import triton_codegen as cg
 from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec, SpecError, add_limit, dtype_of
 from hyscale_compile.lowerings import triton_hytopk
 from hyscale_compile.lowerings.triton_hytopk import HyTopKConfig, hytopk_triton
+from hyscale_compile.lowerings.score_bound import score_bound_flag
 
 DSA = ScoreSpec(
     name="dsa",
@@ -436,8 +437,7 @@ def test_mask_tensor_key_ranges(interpret, form):
     tm = cg.tensor_mask_term(spec)
     assert tm == (0, form != "fill_bool_ninf")
     m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    bound = triton_hytopk.score_bound(spec, q, k, w)
-    args = tmr.mask_key_ranges(spec, m, bound if tm[1] else None)
+    args = tmr.mask_key_ranges(spec, m, lambda **lim: score_bound_flag(spec, q, k, w, **lim))
     vh = args[6] if form.startswith("add") else None
     lo_ref, hi_ref = tmr.visible_ranges_reference(m, form.startswith("add"), True, vh)
     assert torch.equal(args[0], lo_ref) and torch.equal(args[3], hi_ref)
@@ -463,12 +463,13 @@ def test_mask_tensor_with_huge_scores_is_not_skipped(interpret):
     mask = torch.where(torch.arange(T)[None, :] <= torch.arange(S)[:, None] + (T - S), 0.0, FINFO_MIN)[None]
     spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
                      masks=(MaskTerm(kind="add", operand=0),))
-    args = tmr.mask_key_ranges(spec, mask, triton_hytopk.score_bound(spec, q, k, w))
+    args = tmr.mask_key_ranges(spec, mask, lambda **lim: score_bound_flag(spec, q, k, w, **lim))
     assert args[-1].tolist() == [0]
     run_exact(q, k, w, [mask], topk, spec, config=HyTopKConfig(block_m=16, block_n=16))
 
 
-def test_hidden_value_flag_bound():
+@pytest.mark.interpret
+def test_hidden_value_flag_bound(interpret):
     spec = ScoreSpec(epilogue=(("mul", 0.5), ("relu",)), reduce="weighted_sum", post=(("mul", 2.0), ("mask", 0)),
                      masks=(MaskTerm(kind="range", hi=0, mode="add", value=-1e9),))
     q, k, w = torch.full((1, 3, 4, 8), 0.5), torch.full((1, 5, 1, 8), 0.25), torch.full((1, 3, 4), 0.5)
