@@ -176,3 +176,68 @@ def test_ws_calibration_compiles_for_sm90(tmp_path, variant, env_extra, max_spil
     assert 0 < rep["regs"] <= 255 and rep.get("spill_st", 0) <= max_spill, line
     assert sass["wgmma"] >= 8 * min_wgmma and sass["loop_spill"] == 0, line
     assert shared <= 232448, line  # one program per SM: at most the H200's 227 KiB per block
+
+
+_MASK_KERNELS = r"""
+import dataclasses, math, os, sys
+sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks")); sys.path.insert(0, sys.argv[1])
+import torch
+import inspect_hytopk as ih
+from triton.runtime import driver
+driver.set_active(ih._Sm90())
+from hyscale_compile.lowerings import score_bound as sb, triton_hytopk as th, triton_mask_ranges as tmr
+from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec, tensor_mask_term
+
+f32, bf, i32 = torch.empty(1), torch.empty(1, dtype=torch.bfloat16), torch.empty(1, dtype=torch.int32)
+for weighted, hidden in ((True, False), (True, True), (False, True)):
+    sb._bound_flag_kernel.warmup(bf, bf, bf, bf, f32, f32, f32, i32, 129.3, 0.088, 0.0, 64.0, 3e38, -math.inf,
+                                 1.0, 0.0, math.inf, WEIGHTED=weighted, FROM_HIDDEN=hidden, grid=(1,))
+    print("bound", weighted, hidden)
+S, H, D, TOPK = 4096, 64, 128, 2048
+for add, dt in ((True, torch.float32), (True, torch.bfloat16), (False, torch.uint8)):
+    m = torch.empty(1, S, S, dtype=dt)
+    tmr._visible_range_kernel.warmup(m, S * S, S, 1, f32, i32, i32, S, S, ADD=add, WHERE=True, BLOCK=1024, grid=(1,))
+    print("ranges", add, dt)
+
+# the HyTopK kernel for HF's masks; the launch's device pre-passes are stubbed (CPU tensors)
+th.score_bound_flag = lambda *a, **kw: torch.ones(1, dtype=torch.int32)
+def ranges(spec, m, bound_flag):
+    B, S_, T = m.shape
+    j, needs_bound = tensor_mask_term(spec)
+    out = [torch.zeros(B, S_, dtype=torch.int32), S_, 1, torch.full((B, S_), T, dtype=torch.int32), S_, 1]
+    return out + ([torch.zeros(1)] if spec.masks[j].kind == "add" else []) + ([i32] if needs_bound else [])
+th.mask_key_ranges = ranges
+q, k, w = torch.empty(1, S, H, D, dtype=torch.bfloat16), torch.empty(1, S, 1, D, dtype=torch.bfloat16), torch.empty(1, S, H)
+hi = torch.arange(1, S + 1).view(1, S)
+fmin = torch.finfo(torch.float32).min
+ep = (("mul", D ** -0.5), ("relu",))
+for name, term, masks in (
+        ("range_add_finfo", MaskTerm(kind="range", hi=0, mode="add", value=fmin), [hi]),
+        ("range_fill_finfo", MaskTerm(kind="range", hi=0, mode="fill", value=fmin), [hi]),
+        ("tensor_add", MaskTerm(kind="add", operand=0), [torch.empty(1, S, S)]),
+        ("tensor_fill", MaskTerm(kind="fill", operand=0, value=-math.inf), [torch.empty(1, S, S, dtype=torch.bool)])):
+    spec = ScoreSpec(epilogue=ep, post=(("mask", 0),), masks=(term,))
+    cfg = dataclasses.replace(th.default_config(S, S, TOPK, torch.device("cuda"), True, D, H, tma=True), num_programs=264)
+    ck = th.hytopk_triton(q, k, w, masks, TOPK, spec, config=cfg,
+                          _launcher=lambda kern, args, launch: kern.warmup(*args, grid=(1,), **launch))
+    print("hytopk", name, ck.metadata.shared)
+"""
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
+def test_mask_kernels_compile_for_sm90(tmp_path):
+    # Session 15's kernels (docs/kernel-design.md v24/v25): the score bound, a mask tensor's
+    # key ranges, and the HyTopK kernel for HF's finite masks and for mask tensors, whose
+    # shared memory must still let two programs share an SM
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    out = subprocess.run([sys.executable, "-c", _MASK_KERNELS, ROOT], capture_output=True, text=True, env=env,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    lines = out.stdout.splitlines()
+    print("\n".join(lines))
+    assert sum(ln.startswith("bound") for ln in lines) == 3 and sum(ln.startswith("ranges") for ln in lines) == 3
+    shared = {ln.split()[1]: int(ln.split()[2]) for ln in lines if ln.startswith("hytopk")}
+    assert set(shared) == {"range_add_finfo", "range_fill_finfo", "tensor_add", "tensor_fill"}, lines
+    assert all(0 < s <= 115712 for s in shared.values()), shared
