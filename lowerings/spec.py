@@ -403,3 +403,16 @@ def tensor_mask_term(spec: ScoreSpec) -> Optional[tuple]:
     if any(s[0] not in _BOUNDED_STEPS for s in (*spec.epilogue, *spec.post[:-1])):
         return None
     return j, True
+
+
+def tile_skipping(spec: ScoreSpec) -> str:
+    """How a kernel for ``spec`` treats key tiles a mask hides (for the diagnostics)."""
+    if skippable_mask_terms(spec):
+        return "hidden key tiles skipped"
+    if finite_range_term(spec) is not None:
+        return "hidden key tiles skipped while a per-call bound on the scores holds"
+    if tensor_mask_term(spec) is not None:
+        return "key tiles outside each row's visible range skipped (read off the mask tensor per call)"
+    if spec.masks:
+        return "every key tile scored: the mask cannot prove a tile hidden"
+    return ""

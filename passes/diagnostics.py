@@ -35,6 +35,7 @@ class SiteRecord:
     # topk(sorted=True) whose order nothing reads (passes/order.py): the ops its outputs
     # end in; the op was then called with sorted=False
     sort_elided: str = ""
+    tiles: str = ""  # how the kernel treats key tiles the mask hides (spec.tile_skipping)
     table_consumers: List[str] = dataclasses.field(default_factory=list)
     graph: str = ""  # "forward"/"joint"/"inference"
     # joint graphs whose top-k values carry gradient: "sparse" (at the k selected keys) or
@@ -54,6 +55,8 @@ class SiteRecord:
                 vals += f" (unsorted: nothing reads the order; its uses end in {self.sort_elided})"
             elif not self.sorted:
                 vals += " (unsorted)"
+            if self.tiles:
+                extra += f"; {self.tiles}"
             if self.backward == "sparse":
                 extra += "; backward: sparse, at the k selected keys"
             elif self.backward:

@@ -21,6 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from . import diagnostics, score_mods
 from .canonicalize import GraphFacts, Unsupported, analyse_site, shape_of
 from .table_select import score_contraction, select_from_table
+from ..lowerings.spec import tile_skipping
 from .order import order_unread
 from .rewrite import apply_match
 from .sparse_backward import rewrite_backward
@@ -126,7 +127,7 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
             diagnostics.SiteRecord(
                 node=tk.name, source=line, rewritten=True, variant=m.spec.name, k=m.k_arg if not isinstance(m.k_arg, fx.Node) else str(m.k_arg.meta.get("val", m.k_arg)),
                 sizes={k: v for k, v in m.sizes.items()}, spec=m.spec.describe(), values_used=m.values_used,
-                sorted=m.sorted, sort_elided=m.sort_elided,
+                sorted=m.sorted, sort_elided=m.sort_elided, tiles=tile_skipping(m.spec),
                 table_consumers=m.other_consumers, graph=graph_kind, backward=backward,
             )
         )

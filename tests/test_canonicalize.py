@@ -278,6 +278,19 @@ def test_tril_triu_of_bool_ones_is_a_key_range(name):
     with torch.no_grad():
         report = hyscale_compile.explain(case.fn, *case.args)
     assert report.rewritten and all(s.spec.endswith("mask:range") for s in report.rewritten), str(report)
+    assert all(s.line().endswith("; hidden key tiles skipped") for s in report.rewritten), str(report)
+
+
+@pytest.mark.parametrize("name,tiles", [
+    ("hf_v32_grad_additive_finfo", "hidden key tiles skipped while a per-call bound on the scores holds"),
+    ("hf_runtime_attention_mask_4d", "key tiles outside each row's visible range skipped"),
+    ("v4_official_einsum_triu", "hidden key tiles skipped"),
+])
+def test_diagnostics_say_how_hidden_tiles_are_treated(name, tiles):
+    case = FORMS[name](fresh_seed(name) % 1000)
+    with torch.no_grad():
+        report = hyscale_compile.explain(case.fn, *case.args)
+    assert report.rewritten and all(tiles in s.line() for s in report.rewritten), str(report)
 
 
 def test_mask_and_with_a_false_tensor_is_not_a_range():
