@@ -338,6 +338,15 @@ def skippable_mask_terms(spec: ScoreSpec) -> List[int]:
 _BOUNDED_STEPS = ("mul", "div", "add", "relu", "neg", "sigmoid", "round")
 
 
+def _sole_last_mask(spec: ScoreSpec) -> Optional[int]:
+    """The mask index of the spec's last post step when it is the only mask step and the
+    scores are fp32 (what hidden-tile skipping by a finite value or a mask tensor needs)."""
+    mask_steps = [i for i, s in enumerate(spec.post) if s[0] == "mask"]
+    if spec.score_dtype != "float32" or mask_steps != [len(spec.post) - 1]:
+        return None
+    return spec.post[-1][1]
+
+
 def finite_range_term(spec: ScoreSpec) -> Optional[tuple]:
     """(j, v, limit) for a range term ``spec.masks[j]`` whose hidden keys hold one finite
     value v below every visible score, once the launch has checked that every score's
@@ -351,12 +360,9 @@ def finite_range_term(spec: ScoreSpec) -> Optional[tuple]:
     while |s| < |v| / 2 (half: slack for the bound's rounding). mode "add": a hidden key is
     fl(s + v), which is v (and below every visible s) only while |s| < ``add_limit(v)``.
     """
-    if skippable_mask_terms(spec) or spec.score_dtype != "float32":
+    j = _sole_last_mask(spec)
+    if j is None or skippable_mask_terms(spec):
         return None
-    mask_steps = [i for i, s in enumerate(spec.post) if s[0] == "mask"]
-    if mask_steps != [len(spec.post) - 1]:
-        return None
-    j = spec.post[-1][1]
     term = spec.masks[j]
     if term.kind != "range" or not math.isfinite(term.value) or (term.lo is None and term.hi is None):
         return None
@@ -385,16 +391,13 @@ def tensor_mask_term(spec: ScoreSpec) -> Optional[tuple]:
     Same shape rules as ``finite_range_term`` (the spec's only mask step and its last post
     step, fp32 scores, no range term). "fill" with -inf: keys outside a row's range are
     -inf. "fill" with a finite v < 0: they are v, below every visible score once a bound on
-    |s| (``needs_bound``) says |s| < |v|. "add": they hold fl(s + v_h), v_h being the
+    |s| (``needs_bound``) says |s| < |v| / 2. "add": they hold fl(s + v_h), v_h being the
     tensor's smallest value, which is v_h (and below every visible score) only while |s| <
     ``add_limit(v_h)``.
     """
-    if spec.score_dtype != "float32" or any(t.kind == "range" for t in spec.masks):
+    j = _sole_last_mask(spec)
+    if j is None or any(t.kind == "range" for t in spec.masks):
         return None
-    mask_steps = [i for i, s in enumerate(spec.post) if s[0] == "mask"]
-    if mask_steps != [len(spec.post) - 1]:
-        return None
-    j = spec.post[-1][1]
     term = spec.masks[j]
     if term.kind == "fill" and term.value == -math.inf:
         return j, False
