@@ -465,36 +465,32 @@ def main():
                 row(S, inp, "hyscale-compile", ms, peak, ok,
                     f"whole sequence, {calls['n']} generated-kernel launches; compile+first {first:.0f} ms")
                 del idx
-            for name, elide in (("hyscale-compile:mask", True), ("hyscale-compile:mask:sorted", False)):
+            # HF's consumer through the backend (iid, S <= 32K: the outputs are S^2 bytes)
+            pos = torch.arange(S, device="cuda")
+            finfo_mask = lambda: torch.where(pos[None, :] <= pos[:, None], 0.0,  # noqa: E731
+                                             torch.finfo(torch.float32).min)[None, None]
+            for name, fn, extra, opts in (
+                    ("hyscale-compile:mask", hf_indexer_mask, lambda: pos, {"hyscale.elide_sort": True}),
+                    ("hyscale-compile:mask:sorted", hf_indexer_mask, lambda: pos, {"hyscale.elide_sort": False}),
+                    ("hyscale-compile:mask-input", hf_indexer_mask_input, finfo_mask, {})):
                 if name in skip or inp != "iid" or S > 32768:
                     continue
                 from hyscale_compile.passes import diagnostics
 
                 torch._dynamo.reset()
                 diagnostics.clear()
-                hf_m = torch.compile(hf_indexer_mask, backend="hyscale", options={"hyscale.elide_sort": elide})
-                qpos = torch.arange(S, device="cuda")
-                ms, peak, mask, first = measure(lambda: hf_m(q, k, w, qpos), args.reps)
+                arg = extra()
+                compiled = torch.compile(fn, backend="hyscale", options=opts)
+                ms, peak, mask, first = measure(lambda: compiled(q, k, w, arg), args.reps)
                 sites = [r for r in diagnostics.records() if r.rewritten]
                 how = ", ".join("sort dropped" if r.sort_elided else "sorted" if r.sorted else "unsorted" for r in sites)
+                what = ("returns the [S, S] bool mask" if fn is hf_indexer_mask else
+                        f"attention_mask a [1, 1, S, S] fp32 input ({arg.numel() * 4 / 2**30:.1f} GiB, not counted "
+                        f"in the peak); {sites[0].spec if sites else ''}")
                 row(S, inp, name, ms, peak, check_rows(MaskPicks(mask), q, k, w, rows),
-                    f"whole sequence, returns the [S, S] bool mask; {len(sites)} site(s): {how or 'none rewritten'}; "
+                    f"whole sequence, {what}; {len(sites)} site(s): {how or 'none rewritten'}; "
                     f"compile+first {first:.0f} ms")
-                del mask
-            if "hyscale-compile:mask-input" not in skip and inp == "iid" and S <= 32768:
-                from hyscale_compile.passes import diagnostics
-
-                torch._dynamo.reset()
-                diagnostics.clear()
-                pos = torch.arange(S, device="cuda")
-                am = torch.where(pos[None, :] <= pos[:, None], 0.0, torch.finfo(torch.float32).min)[None, None]
-                hf_i = torch.compile(hf_indexer_mask_input, backend="hyscale")
-                ms, peak, mask, first = measure(lambda: hf_i(q, k, w, am), args.reps)
-                sites = [r for r in diagnostics.records() if r.rewritten]
-                row(S, inp, "hyscale-compile:mask-input", ms, peak, check_rows(MaskPicks(mask), q, k, w, rows),
-                    f"attention_mask a [1, 1, S, S] fp32 input ({am.numel() * 4 / 2**30:.1f} GiB, not counted in the "
-                    f"peak); {len(sites)} site(s): {sites[0].spec if sites else 'none rewritten'}; compile+first {first:.0f} ms")
-                del mask, am
+                del mask, arg
             del q, k, w
             torch.cuda.empty_cache()
     if args.million and not late("S=1M"):

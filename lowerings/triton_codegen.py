@@ -212,6 +212,22 @@ def _render_row_bounds(spec: ScoreSpec) -> str:
     return "\n".join(lines)
 
 
+def _narrow_lines(lo, hi, ok: str = "") -> List[str]:
+    """key_lo / key_hi narrowed by per-row bounds ``lo`` / ``hi`` (variable names, or None)
+    over the block's rows; with ``ok`` (a scalar condition), only where it holds.
+    Padding rows contribute nothing: their lo is taken as T, their hi as 0."""
+    lines = []
+    for var, bound, red, other, widest, pick in (("key_lo", lo, "tl.min", "T", "0", "tl.maximum"),
+                                                 ("key_hi", hi, "tl.max", "0", "T", "tl.minimum")):
+        if bound is None:
+            continue
+        val = f"{red}(tl.where(row_ok, {bound}, {other}), axis=0)"
+        if ok:
+            val = f"tl.where({ok}, {val}, {widest})"
+        lines.append(f"{var} = {pick}({var}, {val})")
+    return lines
+
+
 def _render_skip_bounds(spec: ScoreSpec) -> str:
     """Block-level facts from the skippable range terms.
 
@@ -222,11 +238,7 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
     lines = ["key_lo = tl.zeros([], dtype=tl.int64)", "key_hi = tl.zeros([], dtype=tl.int64) + T"]
     for j in skippable_mask_terms(spec):
         term = spec.masks[j]
-        if term.lo is not None:
-            # padding rows contribute nothing: their lo is taken as +T (hides everything)
-            lines.append(f"key_lo = tl.maximum(key_lo, tl.min(tl.where(row_ok, lo{j}, T), axis=0))")
-        if term.hi is not None:
-            lines.append(f"key_hi = tl.minimum(key_hi, tl.max(tl.where(row_ok, hi{j}, 0), axis=0))")
+        lines += _narrow_lines(f"lo{j}" if term.lo is not None else None, f"hi{j}" if term.hi is not None else None)
     tmt = tensor_mask_term(spec)
     if tmt is not None:
         # a mask tensor: each row's visible key range, read off the tensor before the launch
@@ -235,11 +247,8 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
         # == v). Inside, the tensor still applies per key.
         lines.append("rlo = tl.load(RLO + b64 * stride_rlo_b + rows64 * stride_rlo_s, mask=row_ok, other=T).to(tl.int64)")
         lines.append("rhi = tl.load(RHI + b64 * stride_rhi_b + rows64 * stride_rhi_s, mask=row_ok, other=0).to(tl.int64)")
-        ok = "(tl.load(SKIPF) != 0)" if tmt[1] else "True"
-        add = spec.masks[tmt[0]].kind == "add"
-        lines.append(f"key_lo = tl.maximum(key_lo, tl.where({ok}, tl.min(tl.where(row_ok, rlo, T), axis=0), 0))")
-        lines.append(f"key_hi = tl.minimum(key_hi, tl.where({ok}, tl.max(tl.where(row_ok, rhi, 0), axis=0), T))")
-        if add:
+        lines += _narrow_lines("rlo", "rhi", "(tl.load(SKIPF) != 0)" if tmt[1] else "")
+        if spec.masks[tmt[0]].kind == "add":
             lines.append("fill_v = tl.load(FILLV)")
             lines.append("fill_hi = _pack(fill_v, tl.zeros([], dtype=tl.int64)) >> 32")
     fin = finite_range_term(spec)
@@ -249,11 +258,8 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
         # skipped like -inf ones, fillers of value v
         j = fin[0]
         term = spec.masks[j]
-        ok = "(tl.load(SKIPF) != 0)"
-        if term.lo is not None:
-            lines.append(f"key_lo = tl.maximum(key_lo, tl.where({ok}, tl.min(tl.where(row_ok, lo{j}, T), axis=0), 0))")
-        if term.hi is not None:
-            lines.append(f"key_hi = tl.minimum(key_hi, tl.where({ok}, tl.max(tl.where(row_ok, hi{j}, 0), axis=0), T))")
+        lines += _narrow_lines(f"lo{j}" if term.lo is not None else None, f"hi{j}" if term.hi is not None else None,
+                               "(tl.load(SKIPF) != 0)")
     # the per-element compares in the tile loop use the key type (int32 when T allows);
     # clamping to [0, T] keeps every compare with a key in [0, T) the same
     for j, term in enumerate(spec.masks):
@@ -393,6 +399,7 @@ def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = 
     """
     spec.validate(num_mask_operands=num_masks)
     mask_args = _mask_args(spec)
+    fill_v, fill_hi = _filler(spec)
     subs = {
         "VERSION": str(CODEGEN_VERSION),
         "SPEC_JSON": spec.to_json(),
@@ -409,8 +416,8 @@ def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = 
         "SCORE_MASK_ARGS": "".join(f"{a}, " for a in _score_mask_args(spec)),
         "ROW_BOUNDS": _indent(_render_row_bounds(spec), 8) or "        pass",
         "SKIP_BOUNDS": _indent(_render_skip_bounds(spec), 8),
-        "FILL_V": _filler(spec)[0],
-        "FILL_HI": _filler(spec)[1],
+        "FILL_V": fill_v,
+        "FILL_HI": fill_hi,
         "REDUCE": _indent(_render_reduce(spec), 8),
         "POST": _indent(_render_post(spec), 4) or "    pass",
         "ROW_BOUND_ARGS_DEF": "".join(f"{r}{j}, " for j, t in enumerate(spec.masks) if t.kind == "range"

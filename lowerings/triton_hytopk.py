@@ -222,7 +222,7 @@ def hidden_value_flag(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Opti
 
 def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S: int, T: int, device,
                       r0: int = 0, r1: Optional[int] = None, skip_flag: Optional[torch.Tensor] = None,
-                      ranges: Optional[list] = None) -> list:
+                      ranges=None) -> list:
     """Pointer/stride arguments in the order ``triton_codegen._mask_args`` declares them, for
     query rows [r0, r1); then ``skip_flag`` (``hidden_value_flag``) or the mask tensor's key
     ranges (``triton_mask_ranges.mask_key_ranges``, all rows), when the spec reads them."""
@@ -267,9 +267,9 @@ def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S:
     if tensor_mask_term(spec) is not None:
         if ranges is None:
             raise SpecError("internal: the spec's mask tensor needs mask_key_ranges")
-        rlo, _, _, rhi, _, _, *rest = ranges
-        rlo, rhi = rlo[:, rows], rhi[:, rows]
-        args += [rlo, rlo.stride(0), rlo.stride(1), rhi, rhi.stride(0), rhi.stride(1), *rest]
+        rlo, rhi = ranges.lo[:, rows], ranges.hi[:, rows]
+        args += [rlo, rlo.stride(0), rlo.stride(1), rhi, rhi.stride(0), rhi.stride(1)]
+        args += [t for t in (ranges.hidden, ranges.flag) if t is not None]
     return args
 
 

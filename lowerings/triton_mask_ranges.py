@@ -18,7 +18,7 @@ kernel itself would read to apply it in full.
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -64,12 +64,21 @@ def visible_ranges_reference(m: torch.Tensor, add: bool, where: bool, vh: Option
     return first, last + 1
 
 
-def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound_flag: Callable[..., torch.Tensor]) -> List:
-    """Launch arguments for the kernel's ``RLO, RHI`` (then ``FILLV`` for an additive mask,
-    ``SKIPF`` when the term needs a bound): int32 [B, S] ranges and their strides, the
-    hidden value (fp32 [1]) and the skip flag (int32 [1]). ``m`` is the mask operand as a
-    [B, S, T] view (bool masks as uint8). ``bound_flag(limit=... | hidden=...)``: the
-    launch's ``score_bound.score_bound_flag`` for its operands."""
+class MaskRanges(NamedTuple):
+    """What ``mask_key_ranges`` reads off a mask tensor, for the kernel's ``RLO, RHI``
+    (then ``FILLV``, ``SKIPF`` where the spec declares them)."""
+
+    lo: torch.Tensor  # int32 [B, S]: each row's first visible key (T: none)
+    hi: torch.Tensor  # int32 [B, S]: one past its last visible key (0: none)
+    hidden: Optional[torch.Tensor]  # fp32 [1]: an additive mask's hidden value (its smallest)
+    flag: Optional[torch.Tensor]  # int32 [1]: the bound's verdict, when the term needs one
+
+
+def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound_flag: Callable[..., torch.Tensor]) -> MaskRanges:
+    """Each row's visible key range of the spec's mask tensor ``m`` (a [B, S, T] view, bool
+    masks as uint8), its hidden value, and whether the kernel may skip outside the ranges.
+    ``bound_flag(limit=... | hidden=...)``: the launch's ``score_bound.score_bound_flag``
+    for its operands."""
     j, needs_bound = tensor_mask_term(spec)
     term = spec.masks[j]
     B, S, T = m.shape
@@ -78,19 +87,13 @@ def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound_flag: Callable[..., 
     rhi = torch.empty((B, S), dtype=torch.int32, device=m.device)
     if T >= 2**31 - 1:
         raise SpecError(f"T={T}: a mask tensor's key ranges are int32")
+    vh = flag = None
     if add:  # the hidden value: the tensor's smallest (-inf, finfo.min, ...)
         vh = m.amin().float().reshape(1) if m.numel() else torch.full((1,), math.nan, device=m.device)
         flag = bound_flag(hidden=vh)
-    else:
-        vh = rlo  # (an unused pointer)
-        if needs_bound:  # a finite fill value v < 0: below every visible score while |s| < |v| / 2
-            flag = bound_flag(limit=-term.value / 2)
+    elif needs_bound:  # a finite fill value v < 0: below every visible score while |s| < |v| / 2
+        flag = bound_flag(limit=-term.value / 2)
     if B * S:
-        _visible_range_kernel[(B * S,)](m, m.stride(0), m.stride(1), m.stride(2), vh, rlo, rhi, S, T,
-                                        ADD=add, WHERE=bool(term.where), BLOCK=1024)
-    out = [rlo, rlo.stride(0), rlo.stride(1), rhi, rhi.stride(0), rhi.stride(1)]
-    if add:
-        out.append(vh)
-    if needs_bound:
-        out.append(flag)
-    return out
+        _visible_range_kernel[(B * S,)](m, m.stride(0), m.stride(1), m.stride(2), rlo if vh is None else vh,
+                                        rlo, rhi, S, T, ADD=add, WHERE=bool(term.where), BLOCK=1024)
+    return MaskRanges(rlo, rhi, vh, flag)

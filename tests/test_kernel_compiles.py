@@ -204,8 +204,8 @@ th.score_bound_flag = lambda *a, **kw: torch.ones(1, dtype=torch.int32)
 def ranges(spec, m, bound_flag):
     B, S_, T = m.shape
     j, needs_bound = tensor_mask_term(spec)
-    out = [torch.zeros(B, S_, dtype=torch.int32), S_, 1, torch.full((B, S_), T, dtype=torch.int32), S_, 1]
-    return out + ([torch.zeros(1)] if spec.masks[j].kind == "add" else []) + ([i32] if needs_bound else [])
+    return tmr.MaskRanges(torch.zeros(B, S_, dtype=torch.int32), torch.full((B, S_), T, dtype=torch.int32),
+                          torch.zeros(1) if spec.masks[j].kind == "add" else None, i32 if needs_bound else None)
 th.mask_key_ranges = ranges
 q, k, w = torch.empty(1, S, H, D, dtype=torch.bfloat16), torch.empty(1, S, 1, D, dtype=torch.bfloat16), torch.empty(1, S, H)
 hi = torch.arange(1, S + 1).view(1, S)

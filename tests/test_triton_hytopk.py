@@ -341,14 +341,19 @@ def test_finite_hidden_value_skips_like_inf(interpret, mode, value, skips):
             assert (vals[0, s, s + 1:] == torch.tensor(value, dtype=torch.float32)).all()
 
 
+def _scaled_int_operands(seed, power):
+    """(B, S, T, topk, q, k, w): small-integer operands with q and k scaled by 2**power
+    (exact), for scores large enough that a finite hidden value stops being safe."""
+    B, S, T, H, D, topk = 1, 32, 48, 2, 16, 24
+    q, k, w = int_operands(_gen(seed), B, S, T, H, 1, D, torch.float32)
+    return B, S, T, topk, q * 2.0**power, k * 2.0**power, w
+
+
 @pytest.mark.interpret
 def test_finite_add_mask_with_huge_scores_is_not_skipped(interpret):
     # Scores near 1e37: s + finfo.min is no longer finfo.min (it is -inf below, larger
     # above), so the launch's bound must refuse the skip and the kernel score every key.
-    g = _gen(68)
-    B, S, T, H, D, topk = 1, 32, 48, 2, 16, 24
-    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32)
-    q, k = q * 2.0**60, k * 2.0**60  # exact: powers of two
+    B, S, T, topk, q, k, w = _scaled_int_operands(68, 60)
     spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
                      masks=(MaskTerm(kind="range", hi=0, mode="add", value=FINFO_MIN),))
     assert triton_hytopk.hidden_value_flag(spec, q, k, w).tolist() == [0]
@@ -362,10 +367,7 @@ def test_finite_fill_below_visible_scores_is_not_skipped(interpret):
     # masked_fill(hidden, -1e9) with visible scores far below -1e9 (signed weights, large
     # operands): hidden keys beat visible ones, so keys past a row's range must compete;
     # the bound (|s| < 1e9) refuses the skip, and the answer takes hidden keys of any index.
-    g = _gen(69)
-    B, S, T, H, D, topk = 1, 32, 48, 2, 16, 24
-    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32)
-    q, k = q * 2.0**20, k * 2.0**20
+    B, S, T, topk, q, k, w = _scaled_int_operands(69, 20)
     spec = ScoreSpec(reduce="weighted_sum", post=(("mask", 0),),
                      masks=(MaskTerm(kind="range", hi=0, mode="fill", value=-1e9),))
     assert triton_hytopk.hidden_value_flag(spec, q, k, w).tolist() == [0]
@@ -437,13 +439,12 @@ def test_mask_tensor_key_ranges(interpret, form):
     tm = cg.tensor_mask_term(spec)
     assert tm == (0, form != "fill_bool_ninf")
     m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    args = tmr.mask_key_ranges(spec, m, lambda **lim: score_bound_flag(spec, q, k, w, **lim))
-    vh = args[6] if form.startswith("add") else None
-    lo_ref, hi_ref = tmr.visible_ranges_reference(m, form.startswith("add"), True, vh)
-    assert torch.equal(args[0], lo_ref) and torch.equal(args[3], hi_ref)
-    assert args[0][1, 2].item() == T and args[3][1, 2].item() == 0  # a padded row: empty
+    r = tmr.mask_key_ranges(spec, m, lambda **lim: score_bound_flag(spec, q, k, w, **lim))
+    lo_ref, hi_ref = tmr.visible_ranges_reference(m, form.startswith("add"), True, r.hidden)
+    assert torch.equal(r.lo, lo_ref) and torch.equal(r.hi, hi_ref)
+    assert r.lo[1, 2].item() == T and r.hi[1, 2].item() == 0  # a padded row: empty
     if tm[1]:
-        assert args[-1].tolist() == [1]
+        assert r.flag.tolist() == [1]
     vals, idx = run_exact(q, k, w, [mask], topk, spec, config=HyTopKConfig(block_m=16, block_n=16))
     # padded rows: every key hidden, the k smallest indices at the hidden value
     assert idx[1, 2].tolist() == list(range(topk))
@@ -456,15 +457,12 @@ def test_mask_tensor_with_huge_scores_is_not_skipped(interpret):
     # an additive finfo.min tensor with scores near 1e37: the bound refuses the skip
     from hyscale_compile.lowerings import triton_mask_ranges as tmr
 
-    g = _gen(71)
-    B, S, T, H, D, topk = 1, 32, 48, 2, 16, 24
-    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32)
-    q, k = q * 2.0**60, k * 2.0**60
+    B, S, T, topk, q, k, w = _scaled_int_operands(71, 60)
     mask = torch.where(torch.arange(T)[None, :] <= torch.arange(S)[:, None] + (T - S), 0.0, FINFO_MIN)[None]
     spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
                      masks=(MaskTerm(kind="add", operand=0),))
-    args = tmr.mask_key_ranges(spec, mask, lambda **lim: score_bound_flag(spec, q, k, w, **lim))
-    assert args[-1].tolist() == [0]
+    r = tmr.mask_key_ranges(spec, mask, lambda **lim: score_bound_flag(spec, q, k, w, **lim))
+    assert r.flag.tolist() == [0]
     run_exact(q, k, w, [mask], topk, spec, config=HyTopKConfig(block_m=16, block_n=16))
 
 
