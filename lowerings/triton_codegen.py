@@ -37,7 +37,7 @@ from .spec import ScoreSpec, SpecError, finite_range_term, skippable_mask_terms,
 
 # Bumped whenever the template changes in a way the hash of the source would not show
 # (it always does today: the version is part of the source text).
-CODEGEN_VERSION = 11
+CODEGEN_VERSION = 12
 
 _MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
 _LOCK = threading.Lock()
@@ -115,6 +115,8 @@ def _mask_args(spec: ScoreSpec) -> List[str]:
     tmt = tensor_mask_term(spec)
     if tmt is not None:  # each row's visible key range of the mask tensor (triton_mask_ranges)
         args += ["RLO", "stride_rlo_b", "stride_rlo_s", "RHI", "stride_rhi_b", "stride_rhi_s"]
+        # and its first run of neutral keys, where the tile loop does not read the tensor (v26)
+        args += ["NLO", "stride_nlo_b", "stride_nlo_s", "NHI", "stride_nhi_b", "stride_nhi_s"]
         if spec.masks[tmt[0]].kind == "add":
             args.append("FILLV")  # the additive tensor's hidden value (its smallest)
         if tmt[1]:
@@ -209,7 +211,24 @@ def _render_row_bounds(spec: ScoreSpec) -> str:
                 f"{role}{j} = tl.load({ptr} + b64 * stride_{role}{j}_b + rows64 * stride_{role}{j}_s, "
                 f"mask=row_ok, other={default}).to(tl.int64)"
             )
+    tmt = tensor_mask_term(spec)
+    if tmt is not None:
+        # the mask tensor's first neutral run per row (triton_mask_ranges): padding rows
+        # read nothing anyway (their keys are never ok)
+        for role in ("nlo", "nhi"):
+            lines.append(f"{role}{tmt[0]} = tl.load({role.upper()} + b64 * stride_{role}_b + rows64 * stride_{role}_s, "
+                         "mask=row_ok, other=0).to(tl.int64)")
     return "\n".join(lines)
+
+
+def _row_bound_args(spec: ScoreSpec) -> str:
+    """The per-row bounds ``_score_tile`` takes, loaded once per row block (``_render_row_bounds``)."""
+    names = [f"{r}{j}" for j, t in enumerate(spec.masks) if t.kind == "range"
+             for r, bnd in (("lo", t.lo), ("hi", t.hi)) if bnd is not None]
+    tmt = tensor_mask_term(spec)
+    if tmt is not None:
+        names += [f"nlo{tmt[0]}", f"nhi{tmt[0]}"]
+    return "".join(f"{n}, " for n in names)
 
 
 def _narrow_lines(lo, hi, ok: str = "") -> List[str]:
@@ -267,12 +286,15 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
             for role, bound in (("lo", term.lo), ("hi", term.hi)):
                 if bound is not None:
                     lines.append(f"{role}{j} = _as_key({role}{j}, T, IDX32)")
+    if tmt is not None:
+        lines += [f"{role}{tmt[0]} = _as_key({role}{tmt[0]}, T, IDX32)" for role in ("nlo", "nhi")]
     return "\n".join(lines)
 
 
 def _render_post(spec: ScoreSpec) -> str:
     """Post steps on the reduced [BLOCK_N, BLOCK_M] score ``y`` (keys x rows; inlined in _score_tile)."""
     lines = []
+    tmt = tensor_mask_term(spec)
     for i, step in enumerate(spec.post):
         if step[0] != "mask":
             lines += _elementwise_lines("y", step, fast_relu=_zero_sign_blind(spec.post[i + 1:]))
@@ -280,9 +302,15 @@ def _render_post(spec: ScoreSpec) -> str:
         j = step[1]
         term = spec.masks[j]
         if term.kind in ("add", "fill"):
+            load_ok, other = "ok", "0"
+            if tmt is not None and tmt[0] == j:
+                # v26: not read on the row's first neutral run, where it would change nothing:
+                # the load's "other" is the neutral value (an additive 0, a fill's visible side)
+                lines.append(f"mread{j} = ok & ((keys[:, None] < nlo{j}[None, :]) | (keys[:, None] >= nhi{j}[None, :]))")
+                load_ok, other = f"mread{j}", "0" if term.kind == "add" or term.where else "1"
             lines.append(
                 f"m{j} = tl.load(M{j} + (b64 * stride_m{j}_b + rows64[None, :] * stride_m{j}_s "
-                f"+ keys[:, None].to(tl.int64) * stride_m{j}_t), mask=ok, other=0)"
+                f"+ keys[:, None].to(tl.int64) * stride_m{j}_t), mask={load_ok}, other={other})"
             )
             if term.kind == "add":
                 lines.append(f"y = y + m{j}.to(tl.float32)  # fp32 + bf16/fp16 mask: exact upcast, as torch promotes")
@@ -420,8 +448,7 @@ def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = 
         "FILL_HI": fill_hi,
         "REDUCE": _indent(_render_reduce(spec), 8),
         "POST": _indent(_render_post(spec), 4) or "    pass",
-        "ROW_BOUND_ARGS_DEF": "".join(f"{r}{j}, " for j, t in enumerate(spec.masks) if t.kind == "range"
-                                      for r, bnd in (("lo", t.lo), ("hi", t.hi)) if bnd is not None),
+        "ROW_BOUND_ARGS_DEF": _row_bound_args(spec),
     }
     src = _KERNEL_TEMPLATE
     for key, val in subs.items():

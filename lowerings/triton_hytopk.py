@@ -267,8 +267,9 @@ def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S:
     if tensor_mask_term(spec) is not None:
         if ranges is None:
             raise SpecError("internal: the spec's mask tensor needs mask_key_ranges")
-        rlo, rhi = ranges.lo[:, rows], ranges.hi[:, rows]
-        args += [rlo, rlo.stride(0), rlo.stride(1), rhi, rhi.stride(0), rhi.stride(1)]
+        for t in (ranges.lo, ranges.hi, ranges.nlo, ranges.nhi):
+            t = t[:, rows]
+            args += [t, t.stride(0), t.stride(1)]
         args += [t for t in (ranges.hidden, ranges.flag) if t is not None]
     return args
 

@@ -8,7 +8,8 @@ which every key is hidden, with one hidden value for the whole tensor: the fill 
 bool mask, or the smallest value v_h of an additive one (-inf, or the dtype's finfo.min).
 The kernel then skips key tiles outside the rows' ranges exactly as it skips a range mask's
 (tile skipping and fillers, ``triton_codegen``), and still applies the tensor per key inside
-them. For an additive mask a hidden key scores fl(s + v_h), which is v_h only while |s| is
+them, except on each row's first run of neutral keys (an additive 0, a bool mask's visible
+polarity: HF's causal rows are one such run), where it does not read the tensor at all. For an additive mask a hidden key scores fl(s + v_h), which is v_h only while |s| is
 small enough; ``mask_key_ranges`` checks that bound on the device, and the kernel skips
 nothing when it fails.
 
@@ -28,15 +29,19 @@ from .spec import ScoreSpec, SpecError, tensor_mask_term
 
 
 @triton.jit
-def _visible_range_kernel(M, stride_b, stride_s, stride_t, VH, RLO, RHI, S, T,
+def _visible_range_kernel(M, stride_b, stride_s, stride_t, VH, RLO, RHI, NLO, NHI, S, T,
                           ADD: tl.constexpr, WHERE: tl.constexpr, BLOCK: tl.constexpr):
-    # one program per row (b, s): the first and last visible key, scanned BLOCK at a time
+    # one program per row (b, s), scanned BLOCK keys at a time: the first and last visible
+    # key, and the row's first run of neutral keys [nlo, nhi) (keys the mask leaves as they
+    # are: an additive 0, a fill's visible polarity), where the kernel need not read it
     row = tl.program_id(0)
     b = row // S
     s = row - b * S
     base = M + b.to(tl.int64) * stride_b + s.to(tl.int64) * stride_s
     first = tl.zeros([], dtype=tl.int32) + T
     last = tl.zeros([], dtype=tl.int32) - 1
+    nlo = tl.zeros([], dtype=tl.int32) + T
+    nhi = tl.zeros([], dtype=tl.int32) + T
     if ADD:
         vh = tl.load(VH)
     for t0 in range(0, T, BLOCK):
@@ -45,13 +50,23 @@ def _visible_range_kernel(M, stride_b, stride_s, stride_t, VH, RLO, RHI, S, T,
         x = tl.load(base + t.to(tl.int64) * stride_t, mask=ok, other=0)
         if ADD:
             vis = x.to(tl.float32) != vh  # (NaN is visible: never skipped)
+            neutral = x.to(tl.float32) == 0.0  # y + 0.0 is y (+-0 aside, which _pack erases)
         else:
             vis = (x != 0) != WHERE  # fill: hidden where the bool equals WHERE
+            neutral = vis
         vis = vis & ok
+        neutral = neutral & ok
         first = tl.minimum(first, tl.min(tl.where(vis, t, T), axis=0))
         last = tl.maximum(last, tl.max(tl.where(vis, t, -1), axis=0))
+        # the run starts at the first neutral key and ends at the first key after it that
+        # is not neutral; blocks come in key order, so once it has ended it stays
+        nlo = tl.minimum(nlo, tl.min(tl.where(neutral, t, T), axis=0))
+        end = tl.min(tl.where(ok & ~neutral & (t > nlo), t, T), axis=0)
+        nhi = tl.where(nhi < T, nhi, end)
     tl.store(RLO + row, first)
     tl.store(RHI + row, last + 1)
+    tl.store(NLO + row, nlo)
+    tl.store(NHI + row, tl.maximum(nhi, nlo))
 
 
 def visible_ranges_reference(m: torch.Tensor, add: bool, where: bool, vh: Optional[torch.Tensor]):
@@ -64,6 +79,17 @@ def visible_ranges_reference(m: torch.Tensor, add: bool, where: bool, vh: Option
     return first, last + 1
 
 
+def neutral_runs_reference(m: torch.Tensor, add: bool, where: bool):
+    """Each row's first run of neutral keys [nlo, nhi) as the kernel finds it (tests only):
+    nlo the first neutral key (T: none), nhi the first key after it that is not neutral."""
+    B, S, T = m.shape
+    neutral = (m.float() == 0) if add else ((m != 0) != where)
+    t = torch.arange(T, device=m.device)
+    nlo = torch.where(neutral, t, T).amin(-1)
+    nhi = torch.where(~neutral & (t > nlo[..., None]), t, T).amin(-1)
+    return nlo.to(torch.int32), nhi.to(torch.int32)
+
+
 class MaskRanges(NamedTuple):
     """What ``mask_key_ranges`` reads off a mask tensor, for the kernel's ``RLO, RHI``
     (then ``FILLV``, ``SKIPF`` where the spec declares them)."""
@@ -72,6 +98,8 @@ class MaskRanges(NamedTuple):
     hi: torch.Tensor  # int32 [B, S]: one past its last visible key (0: none)
     hidden: Optional[torch.Tensor]  # fp32 [1]: an additive mask's hidden value (its smallest)
     flag: Optional[torch.Tensor]  # int32 [1]: the bound's verdict, when the term needs one
+    nlo: torch.Tensor  # int32 [B, S]: the row's first neutral run [nlo, nhi), where the
+    nhi: torch.Tensor  # kernel skips reading the mask (v26)
 
 
 def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound_flag: Callable[..., torch.Tensor]) -> MaskRanges:
@@ -85,6 +113,8 @@ def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound_flag: Callable[..., 
     add = term.kind == "add"
     rlo = torch.empty((B, S), dtype=torch.int32, device=m.device)
     rhi = torch.empty((B, S), dtype=torch.int32, device=m.device)
+    nlo = torch.empty((B, S), dtype=torch.int32, device=m.device)
+    nhi = torch.empty((B, S), dtype=torch.int32, device=m.device)
     if T >= 2**31 - 1:
         raise SpecError(f"T={T}: a mask tensor's key ranges are int32")
     vh = flag = None
@@ -95,5 +125,5 @@ def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound_flag: Callable[..., 
         flag = bound_flag(limit=-term.value / 2)
     if B * S:
         _visible_range_kernel[(B * S,)](m, m.stride(0), m.stride(1), m.stride(2), rlo if vh is None else vh,
-                                        rlo, rhi, S, T, ADD=add, WHERE=bool(term.where), BLOCK=1024)
-    return MaskRanges(rlo, rhi, vh, flag)
+                                        rlo, rhi, nlo, nhi, S, T, ADD=add, WHERE=bool(term.where), BLOCK=1024)
+    return MaskRanges(rlo, rhi, vh, flag, nlo, nhi)

@@ -196,7 +196,7 @@ for weighted, hidden in ((True, False), (True, True), (False, True)):
 S, H, D, TOPK = 4096, 64, 128, 2048
 for add, dt in ((True, torch.float32), (True, torch.bfloat16), (False, torch.uint8)):
     m = torch.empty(1, S, S, dtype=dt)
-    tmr._visible_range_kernel.warmup(m, S * S, S, 1, f32, i32, i32, S, S, ADD=add, WHERE=True, BLOCK=1024, grid=(1,))
+    tmr._visible_range_kernel.warmup(m, S * S, S, 1, f32, i32, i32, i32, i32, S, S, ADD=add, WHERE=True, BLOCK=1024, grid=(1,))
     print("ranges", add, dt)
 
 # the HyTopK kernel for HF's masks; the launch's device pre-passes are stubbed (CPU tensors)
@@ -204,8 +204,9 @@ th.score_bound_flag = lambda *a, **kw: torch.ones(1, dtype=torch.int32)
 def ranges(spec, m, bound_flag):
     B, S_, T = m.shape
     j, needs_bound = tensor_mask_term(spec)
-    return tmr.MaskRanges(torch.zeros(B, S_, dtype=torch.int32), torch.full((B, S_), T, dtype=torch.int32),
-                          torch.zeros(1) if spec.masks[j].kind == "add" else None, i32 if needs_bound else None)
+    lo, hi = torch.zeros(B, S_, dtype=torch.int32), torch.full((B, S_), T, dtype=torch.int32)
+    return tmr.MaskRanges(lo, hi, torch.zeros(1) if spec.masks[j].kind == "add" else None,
+                          i32 if needs_bound else None, lo, hi)
 th.mask_key_ranges = ranges
 q, k, w = torch.empty(1, S, H, D, dtype=torch.bfloat16), torch.empty(1, S, 1, D, dtype=torch.bfloat16), torch.empty(1, S, H)
 hi = torch.arange(1, S + 1).view(1, S)

@@ -443,6 +443,12 @@ def test_mask_tensor_key_ranges(interpret, form):
     lo_ref, hi_ref = tmr.visible_ranges_reference(m, form.startswith("add"), True, r.hidden)
     assert torch.equal(r.lo, lo_ref) and torch.equal(r.hi, hi_ref)
     assert r.lo[1, 2].item() == T and r.hi[1, 2].item() == 0  # a padded row: empty
+    # the first neutral run, where the kernel does not read the tensor (v26): it ends at the
+    # hole in row 30 and, for an additive mask, at the -2.0 of key 40
+    nlo_ref, nhi_ref = tmr.neutral_runs_reference(m, form.startswith("add"), True)
+    assert torch.equal(r.nlo, nlo_ref) and torch.equal(r.nhi, nhi_ref)
+    assert (r.nlo[0, 30].item(), r.nhi[0, 30].item()) == (0, 10)
+    assert (r.nlo[1, 45].item(), r.nhi[1, 45].item()) == (5, 40 if form.startswith("add") else 46)
     if tm[1]:
         assert r.flag.tolist() == [1]
     vals, idx = run_exact(q, k, w, [mask], topk, spec, config=HyTopKConfig(block_m=16, block_n=16))
