@@ -40,6 +40,7 @@ from .spec import ScoreSpec, SpecError, finite_range_term, skippable_mask_terms,
 CODEGEN_VERSION = 12
 
 _MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
+_KERNEL_FN_CACHE: Dict[tuple, object] = {}
 _LOCK = threading.Lock()
 
 
@@ -518,11 +519,26 @@ def write_source(src: str) -> str:
     return path
 
 
+def _mod_bodies(spec: ScoreSpec) -> tuple:
+    """The generated lines of the registered score mods the spec calls: re-registering a
+    mod under the same name changes the kernel, so it is part of ``load_kernel``'s key."""
+    from . import mods
+
+    return tuple((st[1], tuple(mods.get(st[1]).triton_lines), tuple(mods.get(st[1]).interp_lines))
+                 for st in tuple(spec.epilogue) + tuple(spec.post) if st[0] == "mod")
+
+
 def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel"):
     """The generated kernel for ``spec`` (a JITFunction, or an InterpretedFunction under
-    ``TRITON_INTERPRET=1``). Modules are cached per (source, interpret mode) in-process."""
-    src = render_kernel_source(spec, num_masks, kernel_name=kernel_name)
+    ``TRITON_INTERPRET=1``). Modules are cached per (source, interpret mode) in-process,
+    and the lookup per (spec, mods, mode): rendering the source takes ~0.6 ms of host time,
+    more than a whole 8K launch's GPU time once was (docs/kernel-design.md, session 16)."""
     interp = _interpreting()
+    fast_key = (spec, num_masks, kernel_name, interp, _mod_bodies(spec))
+    fn = _KERNEL_FN_CACHE.get(fast_key)
+    if fn is not None:
+        return fn
+    src = render_kernel_source(spec, num_masks, kernel_name=kernel_name)
     key = (src, interp)
     with _LOCK:
         mod = _MODULE_CACHE.get(key)
@@ -539,7 +555,8 @@ def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_k
                 sys.modules.pop(mod_name, None)
                 raise
             _MODULE_CACHE[key] = mod
-    return getattr(mod, kernel_name)
+        fn = _KERNEL_FN_CACHE[fast_key] = getattr(mod, kernel_name)
+    return fn
 
 
 # ---------------------------------------------------------------------------------------

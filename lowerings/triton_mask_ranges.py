@@ -9,12 +9,14 @@ bool mask, or the smallest value v_h of an additive one (-inf, or the dtype's fi
 The kernel then skips key tiles outside the rows' ranges exactly as it skips a range mask's
 (tile skipping and fillers, ``triton_codegen``), and still applies the tensor per key inside
 them, except on each row's first run of neutral keys (an additive 0, a bool mask's visible
-polarity: HF's causal rows are one such run), where it does not read the tensor at all. For an additive mask a hidden key scores fl(s + v_h), which is v_h only while |s| is
+polarity: HF's causal rows are one such run), where it does not read the tensor at all.
+For an additive mask a hidden key scores fl(s + v_h), which is v_h only while |s| is
 small enough; ``mask_key_ranges`` checks that bound on the device, and the kernel skips
 nothing when it fails.
 
-The pass reads the tensor twice (its minimum, then the ranges): S x T elements, what the
-kernel itself would read to apply it in full.
+The pass reads the tensor once (each row's minimum, ranges and neutral run together), then
+reduces the rows' minima to the hidden value: S x T elements, what the kernel itself would
+read to apply it in full.
 """
 from __future__ import annotations
 
@@ -29,11 +31,15 @@ from .spec import ScoreSpec, SpecError, tensor_mask_term
 
 
 @triton.jit
-def _visible_range_kernel(M, stride_b, stride_s, stride_t, VH, RLO, RHI, NLO, NHI, S, T,
+def _visible_range_kernel(M, stride_b, stride_s, stride_t, RLO, RHI, NLO, NHI, RMIN, S, T,
                           ADD: tl.constexpr, WHERE: tl.constexpr, BLOCK: tl.constexpr):
-    # one program per row (b, s), scanned BLOCK keys at a time: the first and last visible
-    # key, and the row's first run of neutral keys [nlo, nhi) (keys the mask leaves as they
-    # are: an additive 0, a fill's visible polarity), where the kernel need not read it
+    # One program per row (b, s), scanned BLOCK keys at a time, in one read of the row:
+    # - fill (bool) masks: the first and last visible key;
+    # - additive masks: the row's minimum (NaN if it holds one) and the first and last key
+    #   that differ from it (mask_key_ranges turns them into the visible range once the
+    #   tensor's minimum, the hidden value, is known: before, a separate pass read it);
+    # - both: the row's first run of neutral keys [nlo, nhi) (an additive 0, a fill's
+    #   visible polarity), where the HyTopK kernel need not read the mask (v26).
     row = tl.program_id(0)
     b = row // S
     s = row - b * S
@@ -42,22 +48,31 @@ def _visible_range_kernel(M, stride_b, stride_s, stride_t, VH, RLO, RHI, NLO, NH
     last = tl.zeros([], dtype=tl.int32) - 1
     nlo = tl.zeros([], dtype=tl.int32) + T
     nhi = tl.zeros([], dtype=tl.int32) + T
-    if ADD:
-        vh = tl.load(VH)
+    run_min = tl.zeros([], dtype=tl.float32) + float("inf")
+    nan = tl.zeros([], dtype=tl.int32)
     for t0 in range(0, T, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
         ok = t < T
         x = tl.load(base + t.to(tl.int64) * stride_t, mask=ok, other=0)
         if ADD:
-            vis = x.to(tl.float32) != vh  # (NaN is visible: never skipped)
-            neutral = x.to(tl.float32) == 0.0  # y + 0.0 is y (+-0 aside, which _pack erases)
+            xf = x.to(tl.float32)
+            nan = tl.maximum(nan, tl.max((ok & (xf != xf)).to(tl.int32), axis=0))
+            new_min = tl.minimum(run_min, tl.min(tl.where(ok & (xf == xf), xf, float("inf")), axis=0))
+            # keys that differ from the running minimum (NaN does); when the minimum drops,
+            # every earlier key differs from it
+            ne = ok & (xf != new_min)
+            b_first = tl.min(tl.where(ne, t, T), axis=0)
+            b_last = tl.max(tl.where(ne, t, -1), axis=0)
+            dropped = new_min < run_min
+            first = tl.where(dropped, tl.where(t0 > 0, 0, b_first), tl.minimum(first, b_first))
+            last = tl.where(dropped, tl.maximum(t0 - 1, b_last), tl.maximum(last, b_last))
+            run_min = new_min
+            neutral = ok & (xf == 0.0)  # y + 0.0 is y (+-0 aside, which _pack erases)
         else:
-            vis = (x != 0) != WHERE  # fill: hidden where the bool equals WHERE
+            vis = ok & ((x != 0) != WHERE)  # fill: hidden where the bool equals WHERE
+            first = tl.minimum(first, tl.min(tl.where(vis, t, T), axis=0))
+            last = tl.maximum(last, tl.max(tl.where(vis, t, -1), axis=0))
             neutral = vis
-        vis = vis & ok
-        neutral = neutral & ok
-        first = tl.minimum(first, tl.min(tl.where(vis, t, T), axis=0))
-        last = tl.maximum(last, tl.max(tl.where(vis, t, -1), axis=0))
         # the run starts at the first neutral key and ends at the first key after it that
         # is not neutral; blocks come in key order, so once it has ended it stays
         nlo = tl.minimum(nlo, tl.min(tl.where(neutral, t, T), axis=0))
@@ -67,6 +82,8 @@ def _visible_range_kernel(M, stride_b, stride_s, stride_t, VH, RLO, RHI, NLO, NH
     tl.store(RHI + row, last + 1)
     tl.store(NLO + row, nlo)
     tl.store(NHI + row, tl.maximum(nhi, nlo))
+    if ADD:
+        tl.store(RMIN + row, tl.where(nan != 0, float("nan"), run_min))
 
 
 def visible_ranges_reference(m: torch.Tensor, add: bool, where: bool, vh: Optional[torch.Tensor]):
@@ -88,6 +105,9 @@ def neutral_runs_reference(m: torch.Tensor, add: bool, where: bool):
     nlo = torch.where(neutral, t, T).amin(-1)
     nhi = torch.where(~neutral & (t > nlo[..., None]), t, T).amin(-1)
     return nlo.to(torch.int32), nhi.to(torch.int32)
+
+
+_BLOCK = 1024  # keys per step of the scan (tests make it small to cross blocks)
 
 
 class MaskRanges(NamedTuple):
@@ -118,12 +138,22 @@ def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound_flag: Callable[..., 
     if T >= 2**31 - 1:
         raise SpecError(f"T={T}: a mask tensor's key ranges are int32")
     vh = flag = None
-    if add:  # the hidden value: the tensor's smallest (-inf, finfo.min, ...)
-        vh = m.amin().float().reshape(1) if m.numel() else torch.full((1,), math.nan, device=m.device)
+    if B * S:
+        rmin = torch.empty((B, S), dtype=torch.float32, device=m.device) if add else rlo
+        _visible_range_kernel[(B * S,)](m, m.stride(0), m.stride(1), m.stride(2), rlo, rhi, nlo, nhi, rmin, S, T,
+                                        ADD=add, WHERE=bool(term.where), BLOCK=_BLOCK)
+    if add:
+        # the hidden value: the tensor's smallest (-inf, finfo.min, ...; NaN if it holds
+        # one). A row is hidden where it holds that value: rows whose own minimum is larger
+        # (or NaN) hide nothing
+        if m.numel():
+            vh = rmin.amin().reshape(1)
+            same = rmin == vh
+            rlo = torch.where(same, rlo, 0)
+            rhi = torch.where(same, rhi, T)
+        else:
+            vh = torch.full((1,), math.nan, device=m.device)
         flag = bound_flag(hidden=vh)
     elif needs_bound:  # a finite fill value v < 0: below every visible score while |s| < |v| / 2
         flag = bound_flag(limit=-term.value / 2)
-    if B * S:
-        _visible_range_kernel[(B * S,)](m, m.stride(0), m.stride(1), m.stride(2), rlo if vh is None else vh,
-                                        rlo, rhi, nlo, nhi, S, T, ADD=add, WHERE=bool(term.where), BLOCK=1024)
     return MaskRanges(rlo, rhi, vh, flag, nlo, nhi)

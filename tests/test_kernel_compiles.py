@@ -196,7 +196,7 @@ for weighted, hidden in ((True, False), (True, True), (False, True)):
 S, H, D, TOPK = 4096, 64, 128, 2048
 for add, dt in ((True, torch.float32), (True, torch.bfloat16), (False, torch.uint8)):
     m = torch.empty(1, S, S, dtype=dt)
-    tmr._visible_range_kernel.warmup(m, S * S, S, 1, f32, i32, i32, i32, i32, S, S, ADD=add, WHERE=True, BLOCK=1024, grid=(1,))
+    tmr._visible_range_kernel.warmup(m, S * S, S, 1, i32, i32, i32, i32, f32, S, S, ADD=add, WHERE=True, BLOCK=1024, grid=(1,))
     print("ranges", add, dt)
 
 # the HyTopK kernel for HF's masks; the launch's device pre-passes are stubbed (CPU tensors)

@@ -194,3 +194,21 @@ def test_gpu_kernel_with_registered_mods(cuda, registered):
     registered("softcap8", lambda s: 8.0 * torch.tanh(s / 8.0))
     registered("softplus", F.softplus)
     _kernel_case("cuda", fresh_seed("gpu_kernel_mods"))
+
+
+def test_kernel_lookup_follows_a_replaced_mod(registered, kernel_cache):
+    # load_kernel caches its lookup per spec (the source render costs host time on every
+    # launch); a mod re-registered under the same name must still get its own kernel
+    from hyscale_compile.lowerings import triton_codegen as cg
+
+    registered("cache_probe", lambda s: torch.tanh(s) * 5.0)
+    spec = ScoreSpec(epilogue=(("mod", "cache_probe"),), reduce="sum")
+    first = cg.load_kernel(spec, 0)
+    assert cg.load_kernel(spec, 0) is first
+    register_score_mod("cache_probe", lambda s: torch.tanh(s) * 7.0, replace=True)
+    second = cg.load_kernel(spec, 0)
+    assert second is not first
+    assert cg.load_kernel(spec, 0) is second
+    src = cg.render_kernel_source(spec, 0)
+    epilogue = src.split("def _epilogue")[1].split("return x")[0]
+    assert "* 7.0" in epilogue and "* 5.0" not in epilogue

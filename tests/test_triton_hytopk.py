@@ -459,6 +459,43 @@ def test_mask_tensor_key_ranges(interpret, form):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mask_key_ranges_one_scan(interpret, monkeypatch, dtype):
+    # The pass reads an additive tensor once: each row's minimum and the keys that differ
+    # from it, scanned in blocks (here of 16 keys, so a row's minimum can drop in a later
+    # block), then the rows' minima give the hidden value. Ranges and neutral runs equal
+    # the torch references, which take the tensor's minimum first.
+    from hyscale_compile.lowerings import triton_mask_ranges as tmr
+
+    monkeypatch.setattr(tmr, "_BLOCK", 16)
+    g = _gen(72)
+    B, S, T = 2, 7, 70
+    m = torch.where(torch.rand(B, S, T, generator=g) < 0.3, FINFO_MIN, 0.0)
+    m[0, 0] = 0.0                      # nothing hidden
+    m[0, 1, :40] = -1.0                # the row's own minimum is not the tensor's: all visible
+    m[0, 2] = 0.0
+    m[0, 2, 50] = FINFO_MIN            # the minimum drops in a late block
+    m[0, 3] = FINFO_MIN                # everything hidden
+    m[0, 4, :20] = math.inf            # +inf, then the minimum
+    m[1, 5, 33:] = -2.0                # a neutral run ended by another visible value
+    m = m.to(dtype)
+    spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
+                     masks=(MaskTerm(kind="add", operand=0),))
+    q, k, w = int_operands(g, B, S, T, 2, 1, 16, torch.float32)
+    r = tmr.mask_key_ranges(spec, m, lambda **lim: score_bound_flag(spec, q, k, w, **lim))
+    assert r.hidden.tolist() == [m.float().amin().item()]
+    lo_ref, hi_ref = tmr.visible_ranges_reference(m, True, True, r.hidden)
+    assert torch.equal(r.lo, lo_ref) and torch.equal(r.hi, hi_ref)
+    assert torch.equal(torch.stack((r.nlo, r.nhi)), torch.stack(tmr.neutral_runs_reference(m, True, True)))
+    assert (r.lo[0, 2].item(), r.hi[0, 2].item()) == (0, T) and (r.lo[0, 3].item(), r.hi[0, 3].item()) == (T, 0)
+    # a NaN anywhere: the hidden value is NaN, every row all visible, and no skip
+    m[1, 6, 3] = math.nan
+    r = tmr.mask_key_ranges(spec, m, lambda **lim: score_bound_flag(spec, q, k, w, **lim))
+    assert math.isnan(r.hidden.item()) and r.flag.tolist() == [0]
+    assert (r.lo == 0).all() and (r.hi == T).all()
+
+
+@pytest.mark.interpret
 def test_mask_tensor_with_huge_scores_is_not_skipped(interpret):
     # an additive finfo.min tensor with scores near 1e37: the bound refuses the skip
     from hyscale_compile.lowerings import triton_mask_ranges as tmr
