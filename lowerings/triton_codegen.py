@@ -222,16 +222,13 @@ def _render_row_bounds(spec: ScoreSpec) -> str:
     return "\n".join(lines)
 
 
-def _row_bound_args(spec: ScoreSpec, sample: bool = False) -> str:
-    """The per-row bounds ``_score_tile`` takes, loaded once per row block (``_render_row_bounds``);
-    ``sample``: as the presample loop passes them."""
+def _row_bound_args(spec: ScoreSpec) -> str:
+    """The per-row bounds ``_score_tile`` takes, loaded once per row block (``_render_row_bounds``)."""
     names = [f"{r}{j}" for j, t in enumerate(spec.masks) if t.kind == "range"
              for r, bnd in (("lo", t.lo), ("hi", t.hi)) if bnd is not None]
     tmt = tensor_mask_term(spec)
     if tmt is not None:
-        # the block's common neutral run of the mask tensor; the sampled tiles (strided
-        # keys) always read the tensor: T and 0 make every tile fall outside the run
-        names += ["T", "0"] if sample else [f"mlo{tmt[0]}", f"mhi{tmt[0]}"]
+        names += [f"nlo{tmt[0]}", f"nhi{tmt[0]}"]
     return "".join(f"{n}, " for n in names)
 
 
@@ -291,10 +288,7 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
                 if bound is not None:
                     lines.append(f"{role}{j} = _as_key({role}{j}, T, IDX32)")
     if tmt is not None:
-        # v26: the neutral run every row of the block shares; tiles inside it skip the mask
-        j = tmt[0]
-        lines.append(f"mlo{j} = _as_key(tl.max(tl.where(row_ok, nlo{j}, 0), axis=0), T, IDX32)")
-        lines.append(f"mhi{j} = _as_key(tl.min(tl.where(row_ok, nhi{j}, T), axis=0), T, IDX32)")
+        lines += [f"{role}{tmt[0]} = _as_key({role}{tmt[0]}, T, IDX32)" for role in ("nlo", "nhi")]
     return "\n".join(lines)
 
 
@@ -309,22 +303,21 @@ def _render_post(spec: ScoreSpec) -> str:
         j = step[1]
         term = spec.masks[j]
         if term.kind in ("add", "fill"):
-            body = [
+            load_ok, other = "ok", "0"
+            if tmt is not None and tmt[0] == j:
+                # v26: not read on the row's first neutral run, where it would change nothing:
+                # the load's "other" is the neutral value (an additive 0, a fill's visible side)
+                lines.append(f"mread{j} = ok & ((keys[:, None] < nlo{j}[None, :]) | (keys[:, None] >= nhi{j}[None, :]))")
+                load_ok, other = f"mread{j}", "0" if term.kind == "add" or term.where else "1"
+            lines.append(
                 f"m{j} = tl.load(M{j} + (b64 * stride_m{j}_b + rows64[None, :] * stride_m{j}_s "
-                f"+ keys[:, None].to(tl.int64) * stride_m{j}_t), mask=ok, other=0)"
-            ]
+                f"+ keys[:, None].to(tl.int64) * stride_m{j}_t), mask={load_ok}, other={other})"
+            )
             if term.kind == "add":
-                body.append(f"y = y + m{j}.to(tl.float32)  # fp32 + bf16/fp16 mask: exact upcast, as torch promotes")
+                lines.append(f"y = y + m{j}.to(tl.float32)  # fp32 + bf16/fp16 mask: exact upcast, as torch promotes")
             else:
                 cond = f"m{j} != 0" if term.where else f"m{j} == 0"
-                body.append(f"y = tl.where({cond}, {_lit(term.value)}, y)")
-            if tmt is not None and tmt[0] == j:
-                # v26: a tile inside the neutral run every row of the block shares is not
-                # read: the mask leaves its scores as they are (an additive 0: y + 0.0 is y,
-                # +-0 aside, which _pack erases; a fill's visible side)
-                lines.append(f"if (t_tile < mlo{j}) | (t_tile + BLOCK_N > mhi{j}):")
-                body = ["    " + ln for ln in body]
-            lines += body
+                lines.append(f"y = tl.where({cond}, {_lit(term.value)}, y)")
         else:
             parts = []
             if term.lo is not None:
@@ -457,7 +450,6 @@ def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = 
         "REDUCE": _indent(_render_reduce(spec), 8),
         "POST": _indent(_render_post(spec), 4) or "    pass",
         "ROW_BOUND_ARGS_DEF": _row_bound_args(spec),
-        "ROW_BOUND_ARGS_SAMPLE": _row_bound_args(spec, sample=True),
     }
     src = _KERNEL_TEMPLATE
     for key, val in subs.items():
@@ -1152,7 +1144,7 @@ def {{KERNEL_NAME}}(
                         kt, qb0, wv_s,
                         Q, K, W, {{SCORE_MASK_ARGS}}
                         stride_qh, stride_qd, stride_kt, stride_kh, stride_wh,
-                        {{ROW_BOUND_ARGS_SAMPLE}}
+                        {{ROW_BOUND_ARGS_DEF}}
                         b64, rows64, row_ok, q_col_off, w_col_off, col_ok, k_base, t_s, s_offs, keys_s, key_ok,
                         offs_d, d_ok, T,
                         HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32, W_AT == 2,

@@ -107,10 +107,7 @@ def neutral_runs_reference(m: torch.Tensor, add: bool, where: bool):
     return nlo.to(torch.int32), nhi.to(torch.int32)
 
 
-# keys per step of the scan, at most (tests make it small to cross blocks). The scan's six
-# reductions per step cost more than its loads at 1,024 keys (H200, fp32 [32K, 32K]:
-# 1.87 ms, ~2.3 TB/s); fewer, longer steps amortize them.
-_BLOCK = 4096
+_BLOCK = 1024  # keys per step of the scan (tests make it small to cross blocks)
 
 
 class MaskRanges(NamedTuple):
@@ -144,8 +141,7 @@ def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound_flag: Callable[..., 
     if B * S:
         rmin = torch.empty((B, S), dtype=torch.float32, device=m.device) if add else rlo
         _visible_range_kernel[(B * S,)](m, m.stride(0), m.stride(1), m.stride(2), rlo, rhi, nlo, nhi, rmin, S, T,
-                                        ADD=add, WHERE=bool(term.where),
-                                        BLOCK=min(_BLOCK, max(16, triton.next_power_of_2(T))))
+                                        ADD=add, WHERE=bool(term.where), BLOCK=_BLOCK)
     if add:
         # the hidden value: the tensor's smallest (-inf, finfo.min, ...; NaN if it holds
         # one). A row is hidden where it holds that value: rows whose own minimum is larger
