@@ -228,7 +228,7 @@ def _row_bound_args(spec: ScoreSpec) -> str:
              for r, bnd in (("lo", t.lo), ("hi", t.hi)) if bnd is not None]
     tmt = tensor_mask_term(spec)
     if tmt is not None:
-        names += [f"nlo{tmt[0]}", f"nhi{tmt[0]}"]
+        names += [f"mlo{tmt[0]}", f"mhi{tmt[0]}"]
     return "".join(f"{n}, " for n in names)
 
 
@@ -288,7 +288,11 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
                 if bound is not None:
                     lines.append(f"{role}{j} = _as_key({role}{j}, T, IDX32)")
     if tmt is not None:
-        lines += [f"{role}{tmt[0]} = _as_key({role}{tmt[0]}, T, IDX32)" for role in ("nlo", "nhi")]
+        # the neutral run every row of the block shares (scalars: per-row vectors held
+        # through the tile loop spilled, v26c)
+        j = tmt[0]
+        lines.append(f"mlo{j} = _as_key(tl.max(tl.where(row_ok, nlo{j}, 0), axis=0), T, IDX32)")
+        lines.append(f"mhi{j} = _as_key(tl.min(tl.where(row_ok, nhi{j}, T), axis=0), T, IDX32)")
     return "\n".join(lines)
 
 
@@ -307,7 +311,7 @@ def _render_post(spec: ScoreSpec) -> str:
             if tmt is not None and tmt[0] == j:
                 # v26: not read on the row's first neutral run, where it would change nothing:
                 # the load's "other" is the neutral value (an additive 0, a fill's visible side)
-                lines.append(f"mread{j} = ok & ((keys[:, None] < nlo{j}[None, :]) | (keys[:, None] >= nhi{j}[None, :]))")
+                lines.append(f"mread{j} = ok & ((keys[:, None] < mlo{j}) | (keys[:, None] >= mhi{j}))")
                 load_ok, other = f"mread{j}", "0" if term.kind == "add" or term.where else "1"
             lines.append(
                 f"m{j} = tl.load(M{j} + (b64 * stride_m{j}_b + rows64[None, :] * stride_m{j}_s "
