@@ -2,6 +2,7 @@
 
     python benchmarks/calibrate_sort.py [--rows 32768,131072] [--k 2048]
     python benchmarks/calibrate_sort.py --modes lib --warps 1,2,4   # tl.sort vs minmax network
+    python benchmarks/calibrate_sort.py --modes lib --networks minmax,transpose --warps 2   # v27 A/B
 
 HyTopK sorts each row's k keys at the end of its row block, inside the fused kernel, where
 two programs of 255 registers share an SM and the sort's shuffles and barriers wait with
@@ -18,9 +19,10 @@ builds them ((order-kept fp32 score bits) << 32 | (2^32 - 1 - index)); per confi
 * copy     the packed form's traffic without the sort (the memory floor of a second pass)
 * packed, n rows/program  (``--rows-per-program 2,4``) one ``tl.sort`` over [n, k]
 * lib      the library's kernel (``lowerings/triton_sort_rows``), split form, once per
-           network in ``--networks`` (default both: "tl.sort" and "minmax", the library's
-           default, triton_keys._sort_desc_minmax), on the same rows: the A/B of the two networks
-           (``--modes lib`` times only these)
+           network in ``--networks`` (default "tl.sort" and "minmax", the library's default,
+           triton_keys._sort_desc_minmax; also "transpose", _sort_desc_transpose), on the
+           same rows: the A/B of the networks (``--modes lib`` times only these and the
+           32-bit bound)
 * 32-bit network + gather only  the network on 32-bit keys ((shifted score) << log2(k) |
            position) and one gather by position: not exact (keys whose shifted scores are
            equal stay in position order), a bound on what a 32-bit network could save;
@@ -128,9 +130,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rows-per-program", default="1", help="also sort 2, 4, ... rows per program (packed form)")
     ap.add_argument("--data", default="tail,relu")
     ap.add_argument("--modes", default="packed,split,copy,lib", help="which forms to time")
-    ap.add_argument("--networks", default="tl.sort,minmax", help="lib: sort_rows_'s networks to time")
+    ap.add_argument("--networks", default="tl.sort,minmax",
+                    help=f"lib: sort_rows_'s networks to time, of {list(lib.NETWORKS)}")
     args = ap.parse_args(argv)
     modes = set(args.modes.split(","))
+    bad = [n for n in args.networks.split(",") if n not in lib.NETWORKS]
+    if bad:  # (before any device time is spent)
+        ap.error(f"--networks: {bad} not in {list(lib.NETWORKS)}")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     k = args.k

@@ -103,8 +103,9 @@ class HyTopKConfig:
     # The bitonic network of the final sort (inside the fused kernel one row at a time, or
     # triton_sort_rows' for "after"; sort_rows > 1 always uses tl.sort over [rows, k]):
     # "minmax" (its in-register steps once per pair: 8.84 -> 6.82 ms for the rows' sort at
-    # 128K, v20) or "tl.sort" (Triton's, per element at every step). The same order
-    # either way. None: "minmax".
+    # 128K, v20), "tl.sort" (Triton's, per element at every step) or "transpose" (every
+    # step once per pair, keys moved through shared memory; v27, not measured). The same
+    # order every way. None: "minmax".
     sort_network: Optional[str] = None
     # Sampled threshold estimate (v23, docs/kernel-design.md): a row block with at least 3k
     # keys to score first scores every presample-th of them (a key stride; raised to

@@ -72,12 +72,13 @@ def _log2c(n):
 
 
 @triton.jit
-def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, REG_BITS: tl.constexpr):
+def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, KNOWN: tl.constexpr):
     # One compare-exchange step of the bitonic network (stage s, flat index bit j < s) done
     # once per pair: the halves a (bit j = 0) and b (bit j = 1) split apart (register-only
     # where bit j is a register bit), one 64-bit compare, the larger key to a and the
     # smaller to b, or the reverse where bit s of the flat index is set (the stage's
-    # ascending blocks; in the last stage, s = log2(N), every block descends).
+    # ascending blocks; in the last stage, s = log2(N), every block descends). KNOWN: bit s
+    # is a register bit (or s = log2(N)), so each pair's direction is known at compile time.
     A: tl.constexpr = N >> (j + 1)
     B: tl.constexpr = 1 << j
     a, b = tl.split(tl.permute(tl.reshape(x, [A, 2, B]), [0, 2, 1]))
@@ -87,7 +88,7 @@ def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, REG_BITS: tl.c
     else:
         c = a > b
     hi = tl.where(c, a, b)
-    if s < REG_BITS or s == _log2c(N):
+    if KNOWN:
         # the direction known at compile time: LLVM would make the two selects max.s64 and
         # min.s64, which ptxas compares twice; the xor keeps the one compare
         lo = a ^ b ^ hi
@@ -96,6 +97,12 @@ def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, REG_BITS: tl.c
         # the second select needs fewer registers than the xor (1 warp: 165 against 255)
         lo = tl.where(c, b, a)
     return tl.reshape(tl.permute(tl.join(hi, lo), [0, 2, 1]), [N])
+
+
+@triton.constexpr_function
+def _minmax_known(s, reg_bits, log_n):
+    # after _low_bits_in_registers the low reg_bits flat bits are register bits
+    return int(s) < int(reg_bits) or int(s) == int(log_n)
 
 
 @triton.jit
@@ -133,9 +140,131 @@ def _sort_desc_minmax(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.const
         for i in tl.static_range(s):
             if (s * (s - 1)) // 2 + i != SKIP:
                 if s - 1 - i < REG_BITS:
-                    keys = _cx_reg(keys, N, s - 1 - i, s, REG_BITS)
+                    keys = _cx_reg(keys, N, s - 1 - i, s, _minmax_known(s, REG_BITS, LOG_N))
                 else:
                     keys = _cx_xor(keys, N, s - 1 - i, s)
+    return keys
+
+
+# The transpose network: the same bitonic network (the same steps in the same order, so the
+# same output bits), every step once per pair in registers (_cx_reg). A step whose bit j is
+# a lane or warp bit in the current layout is preceded by a move (_move_bits): the keys go
+# through shared memory into a layout whose register bits are the next REG_BITS distinct
+# bits the network works on, so that the next steps are register steps (docs/kernel-design.md
+# v27). 2,048 keys, 2 warps: 11 moves replace minmax's 21 per-element steps across lanes
+# and warps (1,344 shuffles per thread -> 32).
+
+@triton.constexpr_function
+def _transpose_plan(log_n, reg_bits):
+    # Per step t of the network (stage s = 1..log_n, bit j = s-1..0): (order, known). order,
+    # where the step needs a move first: the flat bits as the dims of the moved hypercube,
+    # register bits first, then warp bits, lane bits last (_move_bits); () where bit j is
+    # already a register bit. known: bit s is a register bit (or s = log_n) at that step.
+    # The window (register bits) after a move is the next reg_bits distinct bits the steps
+    # use: the longest run of register steps any window gives (a greedy choice is optimal
+    # when every move costs the same). Lane and warp slots keep their bits where they can,
+    # and a bit leaving the registers takes the slot of one entering them, the warp slots
+    # going to the bits used last, so that fewer moves cross warps (a barrier).
+    log_n = int(log_n)
+    w = min(max(1, int(reg_bits)), log_n)  # (a step needs its bit in registers: at least one)
+    steps = [(s, s - 1 - i) for s in range(1, log_n + 1) for i in range(s)]
+    regs = list(range(w))           # register bits, the layout's basis 0 first
+    others = list(range(w, log_n))  # lane bits (basis 0 first), then warp bits (the
+    # layout _low_bits_in_registers leaves: register bits lowest, then lanes, then warps)
+    plan = []
+    for t in range(len(steps)):
+        s = steps[t][0]
+        j = steps[t][1]
+        order = ()
+        if j not in regs:
+            later = [st[1] for st in steps[t:]]
+            nxt = []
+            for b in later:
+                if b not in nxt and len(nxt) < w:
+                    nxt.append(b)
+            for b in regs:  # the network's last steps: keep register bits rather than move more
+                if b not in nxt and len(nxt) < w:
+                    nxt.append(b)
+            # bits leaving the registers, the one used last (or never) first
+            leaving = sorted([b for b in regs if b not in nxt],
+                             key=lambda b: -(later.index(b) if b in later else len(later) + b))
+            slots = sorted([k for k in range(len(others)) if others[k] in nxt], reverse=True)
+            for k in range(len(slots)):
+                others[slots[k]] = leaving[k]
+            regs = nxt[::-1]
+            order = tuple(regs[::-1]) + tuple(others[::-1])
+        else:
+            regs = [j] + [b for b in regs if b != j]  # (the step's join makes bit j basis 0)
+        plan.append((order, s == log_n or s in regs))
+    return tuple(plan)
+
+
+@triton.constexpr_function
+def _tp_order(log_n, reg_bits, t):
+    return _transpose_plan(log_n, reg_bits)[int(t)][0]
+
+
+@triton.constexpr_function
+def _tp_moves(log_n, reg_bits, t):
+    return len(_transpose_plan(log_n, reg_bits)[int(t)][0]) > 0
+
+
+@triton.constexpr_function
+def _tp_known(log_n, reg_bits, t):
+    return _transpose_plan(log_n, reg_bits)[int(t)][1]
+
+
+@triton.constexpr_function
+def _cube(n):
+    return tuple([2] * int(n))
+
+
+@triton.constexpr_function
+def _dims_of(log_n, order):
+    # hypercube dims for flat bits `order` (dim d of tl.reshape(x, [2] * log_n) is bit
+    # log_n-1-d); a constexpr so that `.value` is the tuple both compiled and interpreted
+    return tl.constexpr(tuple(int(log_n) - 1 - b for b in order))
+
+
+@triton.constexpr_function
+def _undims_of(log_n, order):
+    order = list(order)
+    return tl.constexpr(tuple(order.index(int(log_n) - 1 - k) for k in range(int(log_n))))
+
+
+@triton.jit
+def _move_bits(x, N: tl.constexpr, ORDER: tl.constexpr):
+    # The same keys [N], moved through shared memory so that flat bits ORDER[:REG_BITS] are
+    # register bits, then the warp bits, the last five lane bits. Triton has no explicit
+    # layout conversion; this makes one. `anchor` (all true) is a reorderable reshape, which
+    # Triton's layout pass takes as an anchor: it keeps the default layout of its shape (a
+    # [2, ..., 2] blocked layout: slowest dims in registers, fastest dims in lanes), and the
+    # select takes the layout of its nearest anchor, so the keys, viewed as that hypercube
+    # with dims ORDER, are converted into it (one ttg.convert_layout). LLVM folds the
+    # always-true select away. The order of the keys is unchanged: a reorder of an all-true
+    # mask is the same mask; only the layout moves (test_kernel_compiles counts the
+    # conversions and shuffles, which show it if the layout pass stops doing this).
+    LOG_N: tl.constexpr = _log2c(N)
+    h = tl.permute(tl.reshape(x, _cube(LOG_N)), _dims_of(LOG_N, ORDER).value)
+    anchor = tl.reshape(tl.arange(0, N) >= 0, _cube(LOG_N), can_reorder=True)
+    h = tl.where(anchor, h, EMPTY)
+    return tl.reshape(tl.permute(h, _undims_of(LOG_N, ORDER).value), [N])
+
+
+@triton.jit
+def _sort_desc_transpose(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.constexpr, SKIP: tl.constexpr = -1):
+    # keys [N] in descending order by _sort_desc_minmax's network, every step once per pair
+    # (_cx_reg), with a move (_move_bits) before each step whose bit is not a register bit
+    # (_transpose_plan). REG_BITS: the register bits per thread (N / threads), as minmax.
+    # SKIP (tests only): the index of one compare-exchange step left out (its move kept).
+    keys = _low_bits_in_registers(keys, N, R)
+    LOG_N: tl.constexpr = _log2c(N)
+    for s in tl.static_range(1, LOG_N + 1):
+        for i in tl.static_range(s):
+            if _tp_moves(LOG_N, REG_BITS, (s * (s - 1)) // 2 + i):
+                keys = _move_bits(keys, N, _tp_order(LOG_N, REG_BITS, (s * (s - 1)) // 2 + i))
+            if (s * (s - 1)) // 2 + i != SKIP:
+                keys = _cx_reg(keys, N, s - 1 - i, s, _tp_known(LOG_N, REG_BITS, (s * (s - 1)) // 2 + i))
     return keys
 
 
@@ -150,8 +279,12 @@ def _reg_bits(n, r):
 @triton.jit
 def _sort_desc_by(keys, N: tl.constexpr, R: tl.constexpr, NETWORK: tl.constexpr):
     # keys [N] descending by NETWORK: 0 tl.sort's bitonic network (_sort_desc), 1 the same
-    # network with its in-register steps once per pair (_sort_desc_minmax). Same order.
+    # network with its in-register steps once per pair (_sort_desc_minmax), 2 the same
+    # network with every step in registers after moves through shared memory
+    # (_sort_desc_transpose). Same order.
     if NETWORK == 1:
         return _sort_desc_minmax(keys, N, R, _reg_bits(N, R))
+    elif NETWORK == 2:
+        return _sort_desc_transpose(keys, N, R, _reg_bits(N, R))
     else:
         return _sort_desc(keys, N, R)

@@ -38,7 +38,7 @@ def _sort_rows_kernel(IDX, VAL, K: tl.constexpr, K_P2: tl.constexpr, R: tl.const
         tl.store(VAL + row * K + offs, _unpack_value(keys), mask=ok)
 
 
-NETWORKS = {"tl.sort": 0, "minmax": 1}
+NETWORKS = {"tl.sort": 0, "minmax": 1, "transpose": 2}
 
 
 def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True, *,
@@ -48,10 +48,13 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     ``write_values=False`` leaves ``vals`` unsorted (a workspace). Both contiguous, one
     shape, on one device (CUDA, or CPU under TRITON_INTERPRET=1). ``num_warps``
     (benchmarks): None, the measured default. ``network``: "tl.sort" (triton's bitonic
-    sort, per element at every step) or "minmax" (triton_keys._sort_desc_minmax: the
-    same network, its in-register steps once per pair); both give the same order. H200,
-    2,048 keys, 2 warps: 8.84 -> 6.82 ms for 131,072 rows, 2.19 -> 1.72 for 32,768 (1 warp
-    10.86 -> 7.93, 4 warps 12.01 -> 9.83; benchmarks/calibrate_sort.py --modes lib)."""
+    sort, per element at every step), "minmax" (triton_keys._sort_desc_minmax: the
+    same network, its in-register steps once per pair) or "transpose"
+    (triton_keys._sort_desc_transpose: every step once per pair, the keys moved through
+    shared memory instead of shuffled; not yet measured on a GPU); all give the same
+    order. H200, 2,048 keys, 2 warps: 8.84 -> 6.82 ms for 131,072 rows, 2.19 -> 1.72 for
+    32,768 (1 warp 10.86 -> 7.93, 4 warps 12.01 -> 9.83; benchmarks/calibrate_sort.py
+    --modes lib)."""
     if network not in NETWORKS:
         raise ValueError(f"sort_rows_: network={network!r}; expected one of {sorted(NETWORKS)}")
     if idx.shape != vals.shape:

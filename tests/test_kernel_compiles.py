@@ -121,7 +121,9 @@ for name, net in NETWORKS.items():
     sass = ih.sass_counts(ck.asm["cubin"], bindir)[1]
     isetp = sum(1 for ln in sass.splitlines() if "ISETP" in ln)
     lds = sum(1 for ln in sass.splitlines() if " LDS" in ln)
-    print(name, isetp, lds, ih.ptxas_report(ck.asm["ptx"], bindir).get("spill_st", 0))
+    shfl = sum(1 for ln in sass.splitlines() if "SHFL" in ln)
+    cvt = ck.asm["ttgir"].count("ttg.convert_layout")
+    print(name, isetp, lds, ih.ptxas_report(ck.asm["ptx"], bindir).get("spill_st", 0), shfl, cvt)
 """
 
 
@@ -130,7 +132,11 @@ def test_sort_rows_minmax_network_compiles_for_sm90(tmp_path):
     # The rows' sort kernel at the DSA row length (2,048 keys, 2 warps): the minmax network
     # (docs/kernel-design.md v20) compares each in-register pair once, so it has about half
     # tl.sort's 64-bit compares (2,786 against 5,456 ISETP when measured), and its pair
-    # splitting stays in registers (no shared-memory loads beyond tl.sort's)
+    # splitting stays in registers (no shared-memory loads beyond tl.sort's). The transpose
+    # network (v27) compares every pair once (2,131 ISETP) and moves the keys through shared
+    # memory instead of shuffling them (32 shuffles against 1,344): its moves are the only
+    # layout conversions besides the store's (if the layout pass stopped honouring the
+    # anchor, the splits would convert at most steps and the shuffles or converts would show)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     out = subprocess.run([sys.executable, "-c", _SORT_ROWS_SASS, ROOT], capture_output=True, text=True, env=env,
@@ -138,9 +144,14 @@ def test_sort_rows_minmax_network_compiles_for_sm90(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     counts = {ln.split()[0]: [int(x) for x in ln.split()[1:]] for ln in out.stdout.splitlines() if ln.strip()}
     print(counts)
-    (isetp_old, lds_old, _), (isetp_new, lds_new, spill) = counts["tl.sort"], counts["minmax"]
+    (isetp_old, lds_old, _, _, _), (isetp_new, lds_new, spill, shfl, _) = counts["tl.sort"], counts["minmax"]
     assert isetp_new < 0.6 * isetp_old, counts
     assert lds_new <= lds_old and spill == 0, counts
+    from hyscale_compile.lowerings.triton_keys import _transpose_plan
+    isetp_tp, _, spill_tp, shfl_tp, cvt_tp = counts["transpose"]
+    moves = sum(1 for order, _ in _transpose_plan(11, 5) if order)
+    assert isetp_tp < 0.8 * isetp_new and shfl_tp <= 64 < shfl and spill_tp == 0, counts
+    assert cvt_tp <= moves + 1, counts
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")

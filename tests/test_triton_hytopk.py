@@ -675,11 +675,11 @@ def test_bitonic_sort_with_register_bits_low(interpret):
     g = _gen(181)
     B, S, T, H, D, topk = 1, 3, 700, 2, 16, 300
     q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32, lo=-2, hi=3, w_hi=2)
-    # both networks of the bitonic sort (sort_network: "minmax", the default, pairs its
-    # in-register steps; "tl.sort" is Triton's)
+    # the networks of the bitonic sort (sort_network: "minmax", the default, pairs its
+    # in-register steps; "tl.sort" is Triton's; "transpose" moves keys into registers)
     outs = [run_exact(q, k, w, [], topk, ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum"),
                       config=HyTopKConfig(block_m=4, block_n=32, sort=sort, sort_network=net))
-            for sort, net in (("rank", None), ("bitonic", None), ("bitonic", "tl.sort"))]
+            for sort, net in (("rank", None), ("bitonic", None), ("bitonic", "tl.sort"), ("bitonic", "transpose"))]
     assert_same_bits(outs)
     assert (outs[0][0][0, :, 1:] == outs[0][0][0, :, :-1]).any(), "the case should have ties"
 

@@ -1,8 +1,9 @@
 """lowerings/triton_sort_rows.py: rows of (index, value) pairs sorted in place by (value
 desc, index asc), against two stable torch sorts. Interpreter tests (small rows) and one
-GPU test at the DSA row length. Both networks (``network="tl.sort"`` and ``"minmax"``,
-triton_keys._sort_desc_minmax) are checked; the minmax network also on raw int64 keys
-against torch.sort, with each of its steps left out in turn."""
+GPU test at the DSA row length. The three networks (``network="tl.sort"``, ``"minmax"``,
+triton_keys._sort_desc_minmax, and ``"transpose"``, triton_keys._sort_desc_transpose) are
+checked; minmax and transpose also on raw int64 keys against torch.sort, with each of
+their steps left out in turn, and the transpose network's plan of moves on its own."""
 from __future__ import annotations
 
 import math
@@ -13,7 +14,7 @@ import triton
 import triton.language as tl
 
 from hyscale_compile.lowerings import triton_codegen as cg
-from hyscale_compile.lowerings.triton_keys import EMPTY, _sort_desc_minmax
+from hyscale_compile.lowerings.triton_keys import EMPTY, _sort_desc_minmax, _sort_desc_transpose, _transpose_plan
 from hyscale_compile.lowerings.triton_sort_rows import sort_rows_, sort_rows_reference
 
 EMPTY_KEY = EMPTY.value
@@ -25,12 +26,17 @@ def _interpreting():
 
 
 @triton.jit
-def _minmax_kernel(X, Y, K: tl.constexpr, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.constexpr,
-                   SKIP: tl.constexpr):
-    # one row of K int64 keys, padded with EMPTY to N, sorted descending by the minmax network
+def _network_kernel(X, Y, K: tl.constexpr, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.constexpr,
+                    SKIP: tl.constexpr, NETWORK: tl.constexpr):
+    # one row of K int64 keys, padded with EMPTY to N, sorted descending by the minmax (1) or
+    # the transpose (2) network
     offs = tl.arange(0, N)
     x = tl.load(X + tl.program_id(0) * K + offs, mask=offs < K, other=EMPTY)
-    tl.store(Y + tl.program_id(0) * N + offs, _sort_desc_minmax(x, N, R, REG_BITS, SKIP))
+    if NETWORK == 2:
+        y = _sort_desc_transpose(x, N, R, REG_BITS, SKIP)
+    else:
+        y = _sort_desc_minmax(x, N, R, REG_BITS, SKIP)
+    tl.store(Y + tl.program_id(0) * N + offs, y)
 
 
 def _int64_keys(seed, rows, k):
@@ -44,11 +50,19 @@ def _int64_keys(seed, rows, k):
     return torch.where(pick >= 2 * pool.numel(), small, keys)
 
 
-def _minmax_sort(keys, n, R, reg_bits, skip=-1):
+def _network_sort(keys, n, R, reg_bits, skip=-1, network=1):
     rows, k = keys.shape
     out = torch.empty(rows, n, dtype=torch.int64)
-    _minmax_kernel[(rows,)](keys, out, k, n, R, reg_bits, skip)
+    _network_kernel[(rows,)](keys, out, k, n, R, reg_bits, skip, network)
     return out
+
+
+def _minmax_sort(keys, n, R, reg_bits, skip=-1):
+    return _network_sort(keys, n, R, reg_bits, skip, network=1)
+
+
+def _transpose_sort(keys, n, R, reg_bits, skip=-1):
+    return _network_sort(keys, n, R, reg_bits, skip, network=2)
 
 
 def _want(keys, n):
@@ -118,7 +132,7 @@ def test_sort_rows_bad_input():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("network", ["tl.sort", "minmax"])
+@pytest.mark.parametrize("network", ["tl.sort", "minmax", "transpose"])
 def test_gpu_sort_rows_dsa_length(network):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -172,4 +186,108 @@ def test_sort_rows_minmax_network(k, num_warps):
     _check(idx, vals, idx0, vals0)
     idx2, vals2 = idx0.clone(), vals0.clone()
     sort_rows_(idx2, vals2, network="tl.sort", num_warps=num_warps)
+    assert torch.equal(idx2, idx) and torch.equal(vals2.view(torch.int32), vals.view(torch.int32))
+
+
+def _replay_plan(log_n, reg_bits):
+    # the transpose plan's layouts step by step: (moves, per step (register bits, known))
+    w = min(max(1, reg_bits), log_n)
+    regs, others, moves, seen = set(range(w)), list(range(w, log_n)), 0, []
+    steps = [(st, st - 1 - i) for st in range(1, log_n + 1) for i in range(st)]
+    for (st, j), (order, known) in zip(steps, _transpose_plan(log_n, reg_bits)):
+        if order:
+            moves += 1
+            assert sorted(order) == list(range(log_n)), order
+            new_regs, new_others = set(order[:w]), list(order[w:])[::-1]
+            # bits that stay outside the registers keep their lane / warp slot
+            for k, b in enumerate(others):
+                if b not in new_regs:
+                    assert new_others[k] == b, (order, others)
+            regs, others = new_regs, new_others
+        assert j in regs, f"step (s={st}, j={j}) with bit {j} outside the registers {sorted(regs)}"
+        assert known == (st == log_n or st in regs)
+        seen.append((frozenset(regs), known))
+    return moves, seen
+
+
+@pytest.mark.parametrize("log_n,reg_bits,moves", [
+    (11, 5, 11),  # 2,048 keys, 2 warps: 11 moves for minmax's 21 steps across lanes / warps
+    (11, 6, 8),   # 1 warp
+    (11, 4, 14),  # 4 warps
+    (6, 2, 9), (6, 3, 5), (6, 6, 0), (3, 1, 5), (1, 1, 0), (0, 0, 0),
+])
+def test_transpose_plan(log_n, reg_bits, moves):
+    # every step's bit is a register bit when it runs, each move keeps the bits it does not
+    # bring into registers where they were, "known" says whether bit s is a register bit, and
+    # the number of moves (each a pass through shared memory) is the greedy optimum
+    assert _replay_plan(log_n, reg_bits)[0] == moves
+
+
+def test_transpose_plan_fewest_moves():
+    # no schedule of register windows needs fewer moves than the plan (exhaustive over
+    # window choices for small networks: breadth-first over the windows after each move)
+    import itertools
+    for log_n, w in [(4, 1), (4, 2), (5, 2), (5, 3), (6, 3)]:
+        steps = [st - 1 - i for st in range(1, log_n + 1) for i in range(st)]
+        best, frontier = None, {(0, frozenset(range(w)))}  # (next step, window) after `moves` moves
+        for moves in range(len(steps) + 1):
+            nxt = set()
+            for t, win in frontier:
+                while t < len(steps) and steps[t] in win:
+                    t += 1
+                if t == len(steps):
+                    best = moves
+                    break
+                nxt.update((t, frozenset(c)) for c in itertools.combinations(range(log_n), w) if steps[t] in c)
+            if best is not None:
+                break
+            frontier = nxt
+        assert _replay_plan(log_n, w)[0] == best, (log_n, w)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("k,n,R,reg_bits", [
+    (2048, 2048, 8, 5),   # the 2-warp launch: 11 moves
+    (2048, 2048, 16, 6),  # 1 warp
+    (1500, 2048, 4, 4),   # 4 warps, a row padded with EMPTY
+    (45, 64, 1, 2),       # not a power of two; a move every few steps
+    (64, 64, 2, 3),
+    (64, 64, 2, 6),       # every step in registers, no move
+    (64, 64, 1, 0),       # one register bit: a move before most steps
+    (1, 1, 1, 0),
+    (3, 4, 1, 2),
+])
+def test_transpose_network_matches_torch_sort(k, n, R, reg_bits):
+    _interpreting()
+    keys = _int64_keys(700 + k + reg_bits, 3, k)
+    assert torch.equal(_transpose_sort(keys, n, R, reg_bits), _want(keys, n))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("reg_bits", [2, 3])
+def test_transpose_network_every_step_needed(reg_bits):
+    # with any one compare-exchange of the 21 (n = 64) left out (its move kept), some row
+    # comes out in the wrong order
+    _interpreting()
+    n = 64
+    assert _replay_plan(6, reg_bits)[0] > 0  # (moves happen: the test covers them)
+    keys = _int64_keys(800 + reg_bits, 6, n)
+    want = _want(keys, n)
+    assert torch.equal(_transpose_sort(keys, n, 2, reg_bits), want)
+    for step in range(6 * 7 // 2):
+        assert not torch.equal(_transpose_sort(keys, n, 2, reg_bits, skip=step), want), f"step {step} changed nothing"
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("k,num_warps", [(1, 1), (37, 1), (300, 2), (512, 4), (2048, 2)])
+def test_sort_rows_transpose_network(k, num_warps):
+    # the library kernel with network="transpose": the reference order, and bit-identical
+    # to the minmax network (num_warps sets the register bits the launch assumes)
+    _interpreting()
+    idx0, vals0 = _rows(900 + k, 2, k, torch.int32)
+    idx, vals = idx0.clone(), vals0.clone()
+    sort_rows_(idx, vals, num_warps=num_warps, network="transpose")
+    _check(idx, vals, idx0, vals0)
+    idx2, vals2 = idx0.clone(), vals0.clone()
+    sort_rows_(idx2, vals2, network="minmax", num_warps=num_warps)
     assert torch.equal(idx2, idx) and torch.equal(vals2.view(torch.int32), vals.view(torch.int32))
