@@ -104,8 +104,10 @@ class HyTopKConfig:
     # triton_sort_rows' for "after"; sort_rows > 1 always uses tl.sort over [rows, k]):
     # "minmax" (its in-register steps once per pair: 8.84 -> 6.82 ms for the rows' sort at
     # 128K, v20), "tl.sort" (Triton's, per element at every step) or "transpose" (every
-    # step once per pair, keys moved through shared memory; v27, not measured). The same
-    # order every way. None: "minmax".
+    # step once per pair, keys moved through shared memory: 6.80 -> 4.45 ms for the rows'
+    # sort at 128K, v27; it spills inside the fused kernel). The same order every way.
+    # None: "minmax" inside the fused kernel, triton_sort_rows' default (2,048 keys:
+    # "transpose") for "after".
     sort_network: Optional[str] = None
     # Sampled threshold estimate (v23, docs/kernel-design.md): a row block with at least 3k
     # keys to score first scores every presample-th of them (a key stride; raised to
@@ -538,7 +540,9 @@ def hytopk_triton(
             else:
                 _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
             if sort == "after":
-                sort_rows_(idx_t, vals_t, write_values=return_values, network=sort_network)
+                # (the rows' sort kernel has its own default network: "transpose", which
+                # spills inside the fused kernel)
+                sort_rows_(idx_t, vals_t, write_values=return_values, network=cfg.sort_network)
                 if return_values and vals32 is not val_out:
                     val_out[:, r0:r1].copy_(vals_t)
     if sort == "after":

@@ -42,7 +42,7 @@ NETWORKS = {"tl.sort": 0, "minmax": 1, "transpose": 2}
 
 
 def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True, *,
-               num_warps: Optional[int] = None, network: str = "minmax") -> None:
+               num_warps: Optional[int] = None, network: Optional[str] = None) -> None:
     """Sort each row (last dim) of ``idx`` (int32/int64, entries in [0, 2^32)) and its fp32
     ``vals`` in place by (value desc, index asc); -0.0 ties +0.0 and NaN sorts first.
     ``write_values=False`` leaves ``vals`` unsorted (a workspace). Both contiguous, one
@@ -51,11 +51,12 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     sort, per element at every step), "minmax" (triton_keys._sort_desc_minmax: the
     same network, its in-register steps once per pair) or "transpose"
     (triton_keys._sort_desc_transpose: every step once per pair, the keys moved through
-    shared memory instead of shuffled; not yet measured on a GPU); all give the same
-    order. H200, 2,048 keys, 2 warps: 8.84 -> 6.82 ms for 131,072 rows, 2.19 -> 1.72 for
-    32,768 (1 warp 10.86 -> 7.93, 4 warps 12.01 -> 9.83; benchmarks/calibrate_sort.py
-    --modes lib)."""
-    if network not in NETWORKS:
+    shared memory instead of shuffled); all give the same order. None: "transpose" with 4
+    warps from 2,048 keys (padded), else "minmax" with 2. H200, 2,048 keys
+    (benchmarks/calibrate_sort.py --modes lib, session 16): 131,072 rows minmax 6.80 ms at 2
+    warps (9.84 at 4), transpose 4.61 at 2 and 4.45 at 4; 32,768 rows 1.73 (2.48), 1.17
+    and 1.12."""
+    if network is not None and network not in NETWORKS:
         raise ValueError(f"sort_rows_: network={network!r}; expected one of {sorted(NETWORKS)}")
     if idx.shape != vals.shape:
         raise ValueError(f"sort_rows_: idx {tuple(idx.shape)} and vals {tuple(vals.shape)} differ in shape")
@@ -69,11 +70,13 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
         return
     k_p2 = triton.next_power_of_2(k)
     interpret = idx.device.type != "cuda"
-    # 2 warps (the network's low 5 bits in registers): 6.82 ms for 131,072 rows of 2,048
-    # with the minmax network against 9.83 with 4 warps and 7.93 with 1 (H200;
-    # benchmarks/calibrate_sort.py --modes lib)
+    # measured at 2,048 keys (docstring); shorter rows keep the network measured before
+    # (minmax: 2 warps, the network's low 5 bits in registers)
+    wide = k_p2 >= 2048
+    if network is None:
+        network = "transpose" if wide else "minmax"
     if num_warps is None:
-        num_warps = 1 if interpret or k_p2 < 256 else 2
+        num_warps = 1 if interpret or k_p2 < 256 else 4 if wide and network == "transpose" else 2
     elif not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"sort_rows_: num_warps={num_warps!r}; expected a power of two >= 1")
     R = max(1, k_p2 // (128 * num_warps))

@@ -177,13 +177,17 @@ def test_minmax_network_every_step_needed(reg_bits):
 @pytest.mark.interpret
 @pytest.mark.parametrize("k,num_warps", [(1, 1), (37, 1), (300, 2), (512, 4), (2048, 2)])
 def test_sort_rows_minmax_network(k, num_warps):
-    # the library kernel with network="minmax" (the default): the reference order, and
-    # bit-identical to tl.sort's network (num_warps sets the register bits the launch assumes)
+    # the library kernel with network="minmax" (the default below 2,048 keys): the
+    # reference order, and bit-identical to tl.sort's network and to the default's
+    # (num_warps sets the register bits the launch assumes)
     _interpreting()
     idx0, vals0 = _rows(600 + k, 2, k, torch.int32)
     idx, vals = idx0.clone(), vals0.clone()
-    sort_rows_(idx, vals, num_warps=num_warps)
+    sort_rows_(idx, vals, num_warps=num_warps, network="minmax")
     _check(idx, vals, idx0, vals0)
+    idx3, vals3 = idx0.clone(), vals0.clone()
+    sort_rows_(idx3, vals3)
+    assert torch.equal(idx3, idx) and torch.equal(vals3.view(torch.int32), vals.view(torch.int32))
     idx2, vals2 = idx0.clone(), vals0.clone()
     sort_rows_(idx2, vals2, network="tl.sort", num_warps=num_warps)
     assert torch.equal(idx2, idx) and torch.equal(vals2.view(torch.int32), vals.view(torch.int32))
