@@ -57,14 +57,6 @@ def _network_sort(keys, n, R, reg_bits, skip=-1, network=1):
     return out
 
 
-def _minmax_sort(keys, n, R, reg_bits, skip=-1):
-    return _network_sort(keys, n, R, reg_bits, skip, network=1)
-
-
-def _transpose_sort(keys, n, R, reg_bits, skip=-1):
-    return _network_sort(keys, n, R, reg_bits, skip, network=2)
-
-
 def _want(keys, n):
     pad = torch.full((keys.shape[0], n - keys.shape[1]), EMPTY_KEY, dtype=torch.int64)
     return torch.sort(torch.cat([keys, pad], dim=1), dim=1, descending=True).values
@@ -143,56 +135,6 @@ def test_gpu_sort_rows_dsa_length(network):
         _check(idx.cpu(), vals.cpu(), idx0.cpu(), vals0.cpu())
 
 
-@pytest.mark.interpret
-@pytest.mark.parametrize("k,n,R,reg_bits", [
-    (2048, 2048, 8, 5),   # the 2-warp launch: 5 register bits, 5 lane bits, 1 warp bit
-    (2048, 2048, 16, 6),  # 1 warp
-    (1500, 2048, 4, 4),   # 4 warps, a row padded with EMPTY
-    (45, 64, 1, 2),       # not a power of two; most steps per element
-    (64, 64, 2, 6),       # every step in registers
-    (64, 64, 1, 0),       # every step per element
-    (1, 1, 1, 0),
-    (3, 4, 1, 2),
-])
-def test_minmax_network_matches_torch_sort(k, n, R, reg_bits):
-    _interpreting()
-    keys = _int64_keys(400 + k + reg_bits, 3, k)
-    assert torch.equal(_minmax_sort(keys, n, R, reg_bits), _want(keys, n))
-
-
-@pytest.mark.interpret
-@pytest.mark.parametrize("reg_bits", [2, 6])
-def test_minmax_network_every_step_needed(reg_bits):
-    # with any one step of the 21 (n = 64) left out, some row comes out in the wrong order:
-    # the tests above would notice a step the network skipped
-    _interpreting()
-    n = 64
-    keys = _int64_keys(500 + reg_bits, 6, n)
-    want = _want(keys, n)
-    assert torch.equal(_minmax_sort(keys, n, 2, reg_bits), want)
-    for step in range(6 * 7 // 2):
-        assert not torch.equal(_minmax_sort(keys, n, 2, reg_bits, skip=step), want), f"step {step} changed nothing"
-
-
-@pytest.mark.interpret
-@pytest.mark.parametrize("k,num_warps", [(1, 1), (37, 1), (300, 2), (512, 4), (2048, 2)])
-def test_sort_rows_minmax_network(k, num_warps):
-    # the library kernel with network="minmax" (the default below 2,048 keys): the
-    # reference order, and bit-identical to tl.sort's network and to the default's
-    # (num_warps sets the register bits the launch assumes)
-    _interpreting()
-    idx0, vals0 = _rows(600 + k, 2, k, torch.int32)
-    idx, vals = idx0.clone(), vals0.clone()
-    sort_rows_(idx, vals, num_warps=num_warps, network="minmax")
-    _check(idx, vals, idx0, vals0)
-    idx3, vals3 = idx0.clone(), vals0.clone()
-    sort_rows_(idx3, vals3)
-    assert torch.equal(idx3, idx) and torch.equal(vals3.view(torch.int32), vals.view(torch.int32))
-    idx2, vals2 = idx0.clone(), vals0.clone()
-    sort_rows_(idx2, vals2, network="tl.sort", num_warps=num_warps)
-    assert torch.equal(idx2, idx) and torch.equal(vals2.view(torch.int32), vals.view(torch.int32))
-
-
 def _replay_plan(log_n, reg_bits):
     # the transpose plan's layouts step by step: (moves, per step (register bits, known))
     w = min(max(1, reg_bits), log_n)
@@ -250,48 +192,55 @@ def test_transpose_plan_fewest_moves():
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("network", [1, 2])  # minmax, transpose
 @pytest.mark.parametrize("k,n,R,reg_bits", [
-    (2048, 2048, 8, 5),   # the 2-warp launch: 11 moves
+    (2048, 2048, 8, 5),   # the 2-warp launch: 5 register bits, 5 lane bits, 1 warp bit (transpose: 11 moves)
     (2048, 2048, 16, 6),  # 1 warp
     (1500, 2048, 4, 4),   # 4 warps, a row padded with EMPTY
-    (45, 64, 1, 2),       # not a power of two; a move every few steps
+    (45, 64, 1, 2),       # not a power of two; most steps per element (transpose: a move every few steps)
     (64, 64, 2, 3),
-    (64, 64, 2, 6),       # every step in registers, no move
-    (64, 64, 1, 0),       # one register bit: a move before most steps
+    (64, 64, 2, 6),       # every step in registers (no move)
+    (64, 64, 1, 0),       # every step per element (transpose: a move before most steps)
     (1, 1, 1, 0),
     (3, 4, 1, 2),
 ])
-def test_transpose_network_matches_torch_sort(k, n, R, reg_bits):
+def test_network_matches_torch_sort(network, k, n, R, reg_bits):
     _interpreting()
-    keys = _int64_keys(700 + k + reg_bits, 3, k)
-    assert torch.equal(_transpose_sort(keys, n, R, reg_bits), _want(keys, n))
+    keys = _int64_keys(400 + 300 * (network - 1) + k + reg_bits, 3, k)
+    assert torch.equal(_network_sort(keys, n, R, reg_bits, -1, network=network), _want(keys, n))
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("reg_bits", [2, 3])
-def test_transpose_network_every_step_needed(reg_bits):
-    # with any one compare-exchange of the 21 (n = 64) left out (its move kept), some row
-    # comes out in the wrong order
+@pytest.mark.parametrize("network,reg_bits", [(1, 2), (1, 6), (2, 2), (2, 3)])
+def test_network_every_step_needed(network, reg_bits):
+    # with any one compare-exchange of the 21 (n = 64) left out (a transpose network's moves
+    # kept), some row comes out in the wrong order: the tests above would notice a step the
+    # network skipped (network 1: minmax, 2: transpose)
     _interpreting()
     n = 64
-    assert _replay_plan(6, reg_bits)[0] > 0  # (moves happen: the test covers them)
-    keys = _int64_keys(800 + reg_bits, 6, n)
+    if network == 2:
+        assert _replay_plan(6, reg_bits)[0] > 0  # (moves happen: the test covers them)
+    keys = _int64_keys((500 if network == 1 else 800) + reg_bits, 6, n)
     want = _want(keys, n)
-    assert torch.equal(_transpose_sort(keys, n, 2, reg_bits), want)
+    assert torch.equal(_network_sort(keys, n, 2, reg_bits, -1, network=network), want)
     for step in range(6 * 7 // 2):
-        assert not torch.equal(_transpose_sort(keys, n, 2, reg_bits, skip=step), want), f"step {step} changed nothing"
+        got = _network_sort(keys, n, 2, reg_bits, step, network=network)
+        assert not torch.equal(got, want), f"step {step} changed nothing"
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("network,other", [("minmax", "tl.sort"), ("transpose", "minmax")])
 @pytest.mark.parametrize("k,num_warps", [(1, 1), (37, 1), (300, 2), (512, 4), (2048, 2)])
-def test_sort_rows_transpose_network(k, num_warps):
-    # the library kernel with network="transpose": the reference order, and bit-identical
-    # to the minmax network (num_warps sets the register bits the launch assumes)
+def test_sort_rows_network(network, other, k, num_warps):
+    # the library kernel with each network: the reference order, bit-identical to another
+    # network and to the default (transpose from 2,048 keys, minmax below; num_warps sets
+    # the register bits the launch assumes)
     _interpreting()
-    idx0, vals0 = _rows(900 + k, 2, k, torch.int32)
+    idx0, vals0 = _rows(600 + k, 2, k, torch.int32)
     idx, vals = idx0.clone(), vals0.clone()
-    sort_rows_(idx, vals, num_warps=num_warps, network="transpose")
+    sort_rows_(idx, vals, num_warps=num_warps, network=network)
     _check(idx, vals, idx0, vals0)
-    idx2, vals2 = idx0.clone(), vals0.clone()
-    sort_rows_(idx2, vals2, network="minmax", num_warps=num_warps)
-    assert torch.equal(idx2, idx) and torch.equal(vals2.view(torch.int32), vals.view(torch.int32))
+    for kw in (dict(network=other, num_warps=num_warps), {}):
+        idx2, vals2 = idx0.clone(), vals0.clone()
+        sort_rows_(idx2, vals2, **kw)
+        assert torch.equal(idx2, idx) and torch.equal(vals2.view(torch.int32), vals.view(torch.int32)), kw
