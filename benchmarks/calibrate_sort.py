@@ -19,8 +19,9 @@ builds them ((order-kept fp32 score bits) << 32 | (2^32 - 1 - index)); per confi
 * copy     the packed form's traffic without the sort (the memory floor of a second pass)
 * packed, n rows/program  (``--rows-per-program 2,4``) one ``tl.sort`` over [n, k]
 * lib      the library's kernel (``lowerings/triton_sort_rows``), split form, once per
-           network in ``--networks`` (default "tl.sort" and "minmax", the library's default,
-           triton_keys._sort_desc_minmax; also "transpose", _sort_desc_transpose), on the
+           network in ``--networks`` (default "tl.sort" and "minmax",
+           triton_keys._sort_desc_minmax; also "transpose", _sort_desc_transpose, the
+           library's default at 2,048 keys since session 16), on the
            same rows: the A/B of the networks (``--modes lib`` times only these and the
            32-bit bound)
 * 32-bit network + gather only  the network on 32-bit keys ((shifted score) << log2(k) |

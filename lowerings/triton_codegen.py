@@ -538,7 +538,9 @@ def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_k
     and the lookup per (spec, mods, mode): rendering the source takes ~0.6 ms of host time,
     more than a whole 8K launch's GPU time once was (docs/kernel-design.md, session 16)."""
     interp = _interpreting()
-    fast_key = (spec, num_masks, kernel_name, interp, _mod_bodies(spec))
+    # the spec by its JSON: always hashable, keeps -0.0 apart from 0.0 (equal as floats,
+    # rendered differently), and equal NaN constants give equal keys
+    fast_key = (spec.to_json(), num_masks, kernel_name, interp, _mod_bodies(spec))
     fn = _KERNEL_FN_CACHE.get(fast_key)
     if fn is not None:
         return fn

@@ -52,7 +52,7 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     same network, its in-register steps once per pair) or "transpose"
     (triton_keys._sort_desc_transpose: every step once per pair, the keys moved through
     shared memory instead of shuffled); all give the same order. None: "transpose" with 4
-    warps from 2,048 keys (padded), else "minmax" with 2. H200, 2,048 keys
+    warps at 2,048 keys (padded: 1,025-2,048), else "minmax" with 2. H200, 2,048 keys
     (benchmarks/calibrate_sort.py --modes lib, session 16): 131,072 rows minmax 6.80 ms at 2
     warps (9.84 at 4), transpose 4.61 at 2 and 4.45 at 4; 32,768 rows 1.73 (2.48), 1.17
     and 1.12."""
@@ -70,9 +70,9 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
         return
     k_p2 = triton.next_power_of_2(k)
     interpret = idx.device.type != "cuda"
-    # measured at 2,048 keys (docstring); shorter rows keep the network measured before
+    # measured at 2,048 keys (docstring); other lengths keep the network measured before
     # (minmax: 2 warps, the network's low 5 bits in registers)
-    wide = k_p2 >= 2048
+    wide = k_p2 == 2048
     if network is None:
         network = "transpose" if wide else "minmax"
     if num_warps is None:

@@ -116,8 +116,9 @@ driver.set_active(ih._Sm90())
 from hyscale_compile.lowerings.triton_sort_rows import NETWORKS, _sort_rows_kernel
 bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 idx, vals = torch.empty(4, 2048, dtype=torch.int32), torch.empty(4, 2048)
-for name, net in NETWORKS.items():
-    ck = _sort_rows_kernel.warmup(idx, vals, 2048, 2048, 8, True, net, grid=(4,), num_warps=2)
+# each network at 2 warps (R = 8), and the library's default launch at 2,048 keys: transpose, 4 warps (R = 4)
+for name, net, warps in [(n, v, 2) for n, v in NETWORKS.items()] + [("transpose4", NETWORKS["transpose"], 4)]:
+    ck = _sort_rows_kernel.warmup(idx, vals, 2048, 2048, 8 // (warps // 2), True, net, grid=(4,), num_warps=warps)
     sass = ih.sass_counts(ck.asm["cubin"], bindir)[1]
     isetp = sum(1 for ln in sass.splitlines() if "ISETP" in ln)
     lds = sum(1 for ln in sass.splitlines() if " LDS" in ln)
@@ -152,6 +153,11 @@ def test_sort_rows_minmax_network_compiles_for_sm90(tmp_path):
     moves = sum(1 for order, _ in _transpose_plan(11, 5) if order)
     assert isetp_tp < 0.8 * isetp_new and shfl_tp <= 64 < shfl and spill_tp == 0, counts
     assert cvt_tp <= moves + 1, counts
+    # the default launch (4 warps: 4 register bits, its own plan: 14 moves; the indices'
+    # and the values' stores may each add a conversion: 16 when measured)
+    _, _, spill_4, shfl_4, cvt_4 = counts["transpose4"]
+    moves_4 = sum(1 for order, _ in _transpose_plan(11, 4) if order)
+    assert spill_4 == 0 and shfl_4 <= 64 and cvt_4 <= moves_4 + 2, counts
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")

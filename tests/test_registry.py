@@ -212,3 +212,16 @@ def test_kernel_lookup_follows_a_replaced_mod(registered, kernel_cache):
     src = cg.render_kernel_source(spec, 0)
     epilogue = src.split("def _epilogue")[1].split("return x")[0]
     assert "* 7.0" in epilogue and "* 5.0" not in epilogue
+
+
+def test_kernel_lookup_keys_on_the_spec_text(kernel_cache):
+    # specs that compare equal but render differently (0.0 == -0.0) get their own kernels,
+    # and a spec built with lists (unhashable) still loads
+    from hyscale_compile.lowerings import triton_codegen as cg
+
+    pos = ScoreSpec(epilogue=(("relu",),), reduce="sum", post=(("mul", 0.0),))
+    neg = ScoreSpec(epilogue=(("relu",),), reduce="sum", post=(("mul", -0.0),))
+    assert pos == neg and cg.render_kernel_source(pos, 0) != cg.render_kernel_source(neg, 0)
+    assert cg.load_kernel(pos, 0) is not cg.load_kernel(neg, 0)
+    listed = ScoreSpec(epilogue=[("relu",)], reduce="sum")
+    assert cg.load_kernel(listed, 0) is cg.load_kernel(ScoreSpec(epilogue=(("relu",),), reduce="sum"), 0)

@@ -409,7 +409,8 @@ def test_finite_skip_refused_where_unsound(interpret, name):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("form", ["add_fp32_finfo", "add_bf16_finfo", "add_ninf", "fill_bool_ninf", "fill_bool_finite"])
+@pytest.mark.parametrize("form", ["add_fp32_finfo", "add_bf16_finfo", "add_ninf", "fill_bool_ninf", "fill_bool_finite",
+                                  "fill_bool_keep"])
 def test_mask_tensor_key_ranges(interpret, form):
     # A mask tensor (HF's runtime attention_mask: causal + left padding, here also a hole
     # inside some rows): each row's visible key range is read off it before the launch and
@@ -432,20 +433,23 @@ def test_mask_tensor_key_ranges(interpret, form):
         spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
                          masks=(MaskTerm(kind="add", operand=0),))
     else:
-        value = -math.inf if form == "fill_bool_ninf" else -1e4
-        mask = ~visible
+        # fill_bool_keep: HF's polarity, masked_fill(~keep, -inf): hidden where the bool is 0
+        value = -1e4 if form == "fill_bool_finite" else -math.inf
+        where = form != "fill_bool_keep"
+        mask = ~visible if where else visible
         spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
-                         masks=(MaskTerm(kind="fill", operand=0, where=True, value=value),))
+                         masks=(MaskTerm(kind="fill", operand=0, where=where, value=value),))
     tm = cg.tensor_mask_term(spec)
-    assert tm == (0, form != "fill_bool_ninf")
+    assert tm == (0, form not in ("fill_bool_ninf", "fill_bool_keep"))
     m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     r = tmr.mask_key_ranges(spec, m, lambda **lim: score_bound_flag(spec, q, k, w, **lim))
-    lo_ref, hi_ref = tmr.visible_ranges_reference(m, form.startswith("add"), True, r.hidden)
+    where = spec.masks[0].where
+    lo_ref, hi_ref = tmr.visible_ranges_reference(m, form.startswith("add"), where, r.hidden)
     assert torch.equal(r.lo, lo_ref) and torch.equal(r.hi, hi_ref)
     assert r.lo[1, 2].item() == T and r.hi[1, 2].item() == 0  # a padded row: empty
     # the first neutral run, where the kernel does not read the tensor (v26): it ends at the
     # hole in row 30 and, for an additive mask, at the -2.0 of key 40
-    nlo_ref, nhi_ref = tmr.neutral_runs_reference(m, form.startswith("add"), True)
+    nlo_ref, nhi_ref = tmr.neutral_runs_reference(m, form.startswith("add"), where)
     assert torch.equal(r.nlo, nlo_ref) and torch.equal(r.nhi, nhi_ref)
     assert (r.nlo[0, 30].item(), r.nhi[0, 30].item()) == (0, 10)
     assert (r.nlo[1, 45].item(), r.nhi[1, 45].item()) == (5, 40 if form.startswith("add") else 46)
