@@ -198,6 +198,13 @@ def _render_epilogue(spec: ScoreSpec) -> str:
     return "\n".join(lines)
 
 
+def _row_load(var: str, ptr: str, stride: str, other: str) -> str:
+    """``var`` = the block's rows of a per-row [B, S] operand ``ptr`` (strides
+    ``{stride}_b``, ``{stride}_s``), int64, ``other`` for padding rows."""
+    return (f"{var} = tl.load({ptr} + b64 * {stride}_b + rows64 * {stride}_s, "
+            f"mask=row_ok, other={other}).to(tl.int64)")
+
+
 def _render_row_bounds(spec: ScoreSpec) -> str:
     """Per-row lo/hi bounds of range terms, loaded once per row block."""
     lines = []
@@ -206,19 +213,8 @@ def _render_row_bounds(spec: ScoreSpec) -> str:
             continue
         for role, ptr, default in (("lo", f"LO{j}", "0"), ("hi", f"HI{j}", "T")):
             bound = term.lo if role == "lo" else term.hi
-            if bound is None:
-                continue
-            lines.append(
-                f"{role}{j} = tl.load({ptr} + b64 * stride_{role}{j}_b + rows64 * stride_{role}{j}_s, "
-                f"mask=row_ok, other={default}).to(tl.int64)"
-            )
-    tmt = tensor_mask_term(spec)
-    if tmt is not None:
-        # the mask tensor's first neutral run per row (triton_mask_ranges): padding rows
-        # read nothing anyway (their keys are never ok)
-        for role in ("nlo", "nhi"):
-            lines.append(f"{role}{tmt[0]} = tl.load({role.upper()} + b64 * stride_{role}_b + rows64 * stride_{role}_s, "
-                         "mask=row_ok, other=0).to(tl.int64)")
+            if bound is not None:
+                lines.append(_row_load(f"{role}{j}", ptr, f"stride_{role}{j}", default))
     return "\n".join(lines)
 
 
@@ -265,8 +261,8 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
         # (triton_mask_ranges); outside it every key holds the hidden value fill_v (the fill
         # value, or the additive tensor's smallest value when SKIPF's bound proves fl(s + v)
         # == v). Inside, the tensor still applies per key.
-        lines.append("rlo = tl.load(RLO + b64 * stride_rlo_b + rows64 * stride_rlo_s, mask=row_ok, other=T).to(tl.int64)")
-        lines.append("rhi = tl.load(RHI + b64 * stride_rhi_b + rows64 * stride_rhi_s, mask=row_ok, other=0).to(tl.int64)")
+        lines.append(_row_load("rlo", "RLO", "stride_rlo", "T"))
+        lines.append(_row_load("rhi", "RHI", "stride_rhi", "0"))
         lines += _narrow_lines("rlo", "rhi", "(tl.load(SKIPF) != 0)" if tmt[1] else "")
         if spec.masks[tmt[0]].kind == "add":
             lines.append("fill_v = tl.load(FILLV)")
@@ -288,9 +284,12 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
                 if bound is not None:
                     lines.append(f"{role}{j} = _as_key({role}{j}, T, IDX32)")
     if tmt is not None:
-        # the neutral run every row of the block shares (scalars: per-row vectors held
-        # through the tile loop spilled, v26c)
+        # the mask tensor's first neutral run (triton_mask_ranges) every row of the block
+        # shares, where the tile loop does not read it (v26); scalars: per-row vectors held
+        # through the tile loop spilled (v26c)
         j = tmt[0]
+        lines.append(_row_load(f"nlo{j}", "NLO", "stride_nlo", "0"))
+        lines.append(_row_load(f"nhi{j}", "NHI", "stride_nhi", "0"))
         lines.append(f"mlo{j} = _as_key(tl.max(tl.where(row_ok, nlo{j}, 0), axis=0), T, IDX32)")
         lines.append(f"mhi{j} = _as_key(tl.min(tl.where(row_ok, nhi{j}, T), axis=0), T, IDX32)")
     return "\n".join(lines)
@@ -528,8 +527,8 @@ def _mod_bodies(spec: ScoreSpec) -> tuple:
     mod under the same name changes the kernel, so it is part of ``load_kernel``'s key."""
     from . import mods
 
-    return tuple((st[1], tuple(mods.get(st[1]).triton_lines), tuple(mods.get(st[1]).interp_lines))
-                 for st in tuple(spec.epilogue) + tuple(spec.post) if st[0] == "mod")
+    used = [(st[1], mods.get(st[1])) for st in tuple(spec.epilogue) + tuple(spec.post) if st[0] == "mod"]
+    return tuple((name, tuple(m.triton_lines), tuple(m.interp_lines)) for name, m in used)
 
 
 def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel"):

@@ -408,6 +408,22 @@ def test_finite_skip_refused_where_unsound(interpret, name):
     run_exact(q, k, w, masks, 8, spec, config=HyTopKConfig(block_m=16, block_n=16))
 
 
+def _checked_mask_ranges(spec, m, q, k, w):
+    """``mask_key_ranges`` for the spec's mask tensor ``m``, its visible ranges and first
+    neutral runs checked against the torch references (which take the tensor's minimum
+    first)."""
+    from hyscale_compile.lowerings import triton_mask_ranges as tmr
+
+    term = spec.masks[cg.tensor_mask_term(spec)[0]]
+    r = tmr.mask_key_ranges(spec, m, lambda **lim: score_bound_flag(spec, q, k, w, **lim))
+    add = term.kind == "add"
+    lo_ref, hi_ref = tmr.visible_ranges_reference(m, add, term.where, r.hidden)
+    assert torch.equal(r.lo, lo_ref) and torch.equal(r.hi, hi_ref)
+    nlo_ref, nhi_ref = tmr.neutral_runs_reference(m, add, term.where)
+    assert torch.equal(r.nlo, nlo_ref) and torch.equal(r.nhi, nhi_ref)
+    return r
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("form", ["add_fp32_finfo", "add_bf16_finfo", "add_ninf", "fill_bool_ninf", "fill_bool_finite",
                                   "fill_bool_keep"])
@@ -415,8 +431,6 @@ def test_mask_tensor_key_ranges(interpret, form):
     # A mask tensor (HF's runtime attention_mask: causal + left padding, here also a hole
     # inside some rows): each row's visible key range is read off it before the launch and
     # the tiles outside are skipped, fillers of the hidden value; bits equal the reference.
-    from hyscale_compile.lowerings import triton_mask_ranges as tmr
-
     g = _gen(70)
     B, S, T, H, D, topk = 2, 48, 48, 2, 16, 20
     q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32)
@@ -442,15 +456,10 @@ def test_mask_tensor_key_ranges(interpret, form):
     tm = cg.tensor_mask_term(spec)
     assert tm == (0, form not in ("fill_bool_ninf", "fill_bool_keep"))
     m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    r = tmr.mask_key_ranges(spec, m, lambda **lim: score_bound_flag(spec, q, k, w, **lim))
-    where = spec.masks[0].where
-    lo_ref, hi_ref = tmr.visible_ranges_reference(m, form.startswith("add"), where, r.hidden)
-    assert torch.equal(r.lo, lo_ref) and torch.equal(r.hi, hi_ref)
+    r = _checked_mask_ranges(spec, m, q, k, w)
     assert r.lo[1, 2].item() == T and r.hi[1, 2].item() == 0  # a padded row: empty
     # the first neutral run, where the kernel does not read the tensor (v26): it ends at the
     # hole in row 30 and, for an additive mask, at the -2.0 of key 40
-    nlo_ref, nhi_ref = tmr.neutral_runs_reference(m, form.startswith("add"), where)
-    assert torch.equal(r.nlo, nlo_ref) and torch.equal(r.nhi, nhi_ref)
     assert (r.nlo[0, 30].item(), r.nhi[0, 30].item()) == (0, 10)
     assert (r.nlo[1, 45].item(), r.nhi[1, 45].item()) == (5, 40 if form.startswith("add") else 46)
     if tm[1]:
@@ -486,15 +495,12 @@ def test_mask_key_ranges_one_scan(interpret, monkeypatch, dtype):
     spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
                      masks=(MaskTerm(kind="add", operand=0),))
     q, k, w = int_operands(g, B, S, T, 2, 1, 16, torch.float32)
-    r = tmr.mask_key_ranges(spec, m, lambda **lim: score_bound_flag(spec, q, k, w, **lim))
+    r = _checked_mask_ranges(spec, m, q, k, w)
     assert r.hidden.tolist() == [m.float().amin().item()]
-    lo_ref, hi_ref = tmr.visible_ranges_reference(m, True, True, r.hidden)
-    assert torch.equal(r.lo, lo_ref) and torch.equal(r.hi, hi_ref)
-    assert torch.equal(torch.stack((r.nlo, r.nhi)), torch.stack(tmr.neutral_runs_reference(m, True, True)))
     assert (r.lo[0, 2].item(), r.hi[0, 2].item()) == (0, T) and (r.lo[0, 3].item(), r.hi[0, 3].item()) == (T, 0)
     # a NaN anywhere: the hidden value is NaN, every row all visible, and no skip
     m[1, 6, 3] = math.nan
-    r = tmr.mask_key_ranges(spec, m, lambda **lim: score_bound_flag(spec, q, k, w, **lim))
+    r = _checked_mask_ranges(spec, m, q, k, w)
     assert math.isnan(r.hidden.item()) and r.flag.tolist() == [0]
     assert (r.lo == 0).all() and (r.hi == T).all()
 
@@ -502,13 +508,11 @@ def test_mask_key_ranges_one_scan(interpret, monkeypatch, dtype):
 @pytest.mark.interpret
 def test_mask_tensor_with_huge_scores_is_not_skipped(interpret):
     # an additive finfo.min tensor with scores near 1e37: the bound refuses the skip
-    from hyscale_compile.lowerings import triton_mask_ranges as tmr
-
     B, S, T, topk, q, k, w = _scaled_int_operands(71, 60)
     mask = torch.where(torch.arange(T)[None, :] <= torch.arange(S)[:, None] + (T - S), 0.0, FINFO_MIN)[None]
     spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
                      masks=(MaskTerm(kind="add", operand=0),))
-    r = tmr.mask_key_ranges(spec, mask, lambda **lim: score_bound_flag(spec, q, k, w, **lim))
+    r = _checked_mask_ranges(spec, mask, q, k, w)
     assert r.flag.tolist() == [0]
     run_exact(q, k, w, [mask], topk, spec, config=HyTopKConfig(block_m=16, block_n=16))
 
