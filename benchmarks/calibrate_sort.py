@@ -3,6 +3,7 @@
     python benchmarks/calibrate_sort.py [--rows 32768,131072] [--k 2048]
     python benchmarks/calibrate_sort.py --modes lib --warps 1,2,4   # tl.sort vs minmax network
     python benchmarks/calibrate_sort.py --modes lib --networks minmax,transpose --warps 2   # v27 A/B
+    python benchmarks/calibrate_sort.py --modes lib --networks transpose,f64 --warps 2,4   # v28 A/B
 
 HyTopK sorts each row's k keys at the end of its row block, inside the fused kernel, where
 two programs of 255 registers share an SM and the sort's shuffles and barriers wait with
@@ -174,10 +175,12 @@ def main(argv=None) -> int:
             for nw in [int(x) for x in args.warps.split(",")]:
                 R = max(1, k_p2 // (128 * nw))
                 src = idx.clone()
+                bound = int(idx.max()) + 1  # (the f64 network's index check)
                 for network in args.networks.split(","):
                     def fn_lib():
                         src.copy_(idx)  # in place: the timing includes this copy, as split's
-                        lib.sort_rows_(src, val, write_values=False, num_warps=nw, network=network)
+                        lib.sort_rows_(src, val, write_values=False, num_warps=nw, network=network,
+                                       index_bound=bound)
                         return src
                     ms, _, res, _ = bh.measure(fn_lib)
                     ok = "yes" if torch.equal(res, want) else "NO"

@@ -105,7 +105,8 @@ class HyTopKConfig:
     # "minmax" (its in-register steps once per pair: 8.84 -> 6.82 ms for the rows' sort at
     # 128K, v20), "tl.sort" (Triton's, per element at every step) or "transpose" (every
     # step once per pair, keys moved through shared memory: 6.80 -> 4.45 ms for the rows'
-    # sort at 128K, v27; it spills inside the fused kernel). The same order every way.
+    # sort at 128K, v27; it spills inside the fused kernel) or "f64" (the rows' sort only:
+    # transpose with each pair compared as doubles, T <= 2^21, v28). The same order every way.
     # None: "minmax" inside the fused kernel, triton_sort_rows' default (2,048 keys:
     # "transpose") for "after".
     sort_network: Optional[str] = None
@@ -360,6 +361,10 @@ def hytopk_triton(
         sort = "none"  # any order will do: skip the sort
     if sort == "after" and after_rows == 0:  # several batches over the budget: the fused sort
         sort = "rank" if interpret else "bitonic"
+    if sort_network == "f64" and (sort != "after" or T > 1 << 21):
+        # (its keys hold 21 index bits; the fused kernel's keys are _pack's)
+        raise SpecError(f"config.sort_network='f64' sorts only in the rows' sort kernel (sort='after', "
+                        f"here {sort!r}) and for at most {1 << 21} keys (here {T})")
     elif sort == "after" and (cfg.score_only or cfg.profile):  # (benchmarks: the fused kernel alone)
         sort = "none"
     block_d = max(16, _next_pow2(D))
@@ -542,7 +547,7 @@ def hytopk_triton(
             if sort == "after":
                 # (the rows' sort kernel has its own default network: "transpose", which
                 # spills inside the fused kernel)
-                sort_rows_(idx_t, vals_t, write_values=return_values, network=cfg.sort_network)
+                sort_rows_(idx_t, vals_t, write_values=return_values, network=cfg.sort_network, index_bound=T)
                 if return_values and vals32 is not val_out:
                     val_out[:, r0:r1].copy_(vals_t)
     if sort == "after":

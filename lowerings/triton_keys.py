@@ -72,21 +72,26 @@ def _log2c(n):
 
 
 @triton.jit
-def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, KNOWN: tl.constexpr):
+def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, KNOWN: tl.constexpr, F64: tl.constexpr = False):
     # One compare-exchange step of the bitonic network (stage s, flat index bit j < s) done
     # once per pair: the halves a (bit j = 0) and b (bit j = 1) split apart (register-only
     # where bit j is a register bit), one 64-bit compare, the larger key to a and the
     # smaller to b, or the reverse where bit s of the flat index is set (the stage's
     # ascending blocks; in the last stage, s = log2(N), every block descends). KNOWN: bit s
     # is a register bit (or s = log2(N)), so each pair's direction is known at compile time.
+    # F64: the keys are also ordered as doubles (_pack_f64), and compared as doubles.
     A: tl.constexpr = N >> (j + 1)
     B: tl.constexpr = 1 << j
     a, b = tl.split(tl.permute(tl.reshape(x, [A, 2, B]), [0, 2, 1]))
+    if F64:
+        gt = a.to(tl.float64, bitcast=True) > b.to(tl.float64, bitcast=True)
+    else:
+        gt = a > b
     if s < _log2c(N):
         up = ((tl.arange(0, A) >> (s - j - 1)) & 1)[:, None] != 0
-        c = (a > b) != up
+        c = gt != up
     else:
-        c = a > b
+        c = gt
     hi = tl.where(c, a, b)
     if KNOWN:
         # the direction known at compile time: LLVM would make the two selects max.s64 and
@@ -252,11 +257,13 @@ def _move_bits(x, N: tl.constexpr, ORDER: tl.constexpr):
 
 
 @triton.jit
-def _sort_desc_transpose(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.constexpr, SKIP: tl.constexpr = -1):
+def _sort_desc_transpose(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.constexpr, SKIP: tl.constexpr = -1,
+                         F64: tl.constexpr = False):
     # keys [N] in descending order by _sort_desc_minmax's network, every step once per pair
     # (_cx_reg), with a move (_move_bits) before each step whose bit is not a register bit
     # (_transpose_plan). REG_BITS: the register bits per thread (N / threads), as minmax.
     # SKIP (tests only): the index of one compare-exchange step left out (its move kept).
+    # F64: the keys are _pack_f64's, compared as doubles (_sort_desc_f64).
     keys = _low_bits_in_registers(keys, N, R)
     LOG_N: tl.constexpr = _log2c(N)
     for s in tl.static_range(1, LOG_N + 1):
@@ -264,8 +271,49 @@ def _sort_desc_transpose(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.co
             if _tp_moves(LOG_N, REG_BITS, (s * (s - 1)) // 2 + i):
                 keys = _move_bits(keys, N, _tp_order(LOG_N, REG_BITS, (s * (s - 1)) // 2 + i))
             if (s * (s - 1)) // 2 + i != SKIP:
-                keys = _cx_reg(keys, N, s - 1 - i, s, _tp_known(LOG_N, REG_BITS, (s * (s - 1)) // 2 + i))
+                keys = _cx_reg(keys, N, s - 1 - i, s, _tp_known(LOG_N, REG_BITS, (s * (s - 1)) // 2 + i), F64)
     return keys
+
+
+# The f64 network: the transpose network's steps and moves on int64 keys that are also the
+# bits of positive normal doubles, in the same order (_pack_f64: the 32 score bits and 21
+# index bits, so indices < 2^21). Each pair's compare is then one DSETP on the FP64 pipe
+# where an int64 compare takes two ISETP on the integer ALU pipe, which is what the
+# transpose network waits on (docs/kernel-design.md, v28); the selects stay integer.
+# (Not tl.maximum on doubles: sm_90 has no double min/max; ptxas emulates max.f64 with a
+# DSETP, two selects and a NaN fix-up, 18,216 instructions against 7,856.)
+
+INDEX_BITS_F64 = tl.constexpr(21)
+PAD_F64 = tl.constexpr(4611686018427387904)  # the double 2.0 (1 << 62): below every packed key
+
+
+@triton.jit
+def _pack_f64(y, keys):
+    # (value, index) as bit 62 (exponent 0x400 or 0x401: a normal, positive, finite double)
+    # | (the score's order-kept uint32 << 21) | (2^21 - 1 - index); ordered as _pack's key,
+    # both as int64 and as double
+    k = _pack(y, keys)
+    u = (k >> 32) + 2147483648  # the signed high word as its unsigned order, > 0
+    return 4611686018427387904 | (u << 21) | (k & 2097151)
+
+
+@triton.jit
+def _unpack_index_f64(p):
+    return 2097151 - (p & 2097151)
+
+
+@triton.jit
+def _unpack_value_f64(p):
+    hi = (((p >> 21) & 4294967295) - 2147483648).to(tl.int32)
+    b = hi ^ ((hi >> 31) & 0x7FFFFFFF)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sort_desc_f64(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.constexpr, SKIP: tl.constexpr = -1):
+    # keys [N] (_pack_f64; PAD_F64 padding) in descending order: _sort_desc_transpose with
+    # each pair compared as doubles. SKIP (tests only): one step left out (its move kept).
+    return _sort_desc_transpose(keys, N, R, REG_BITS, SKIP, True)
 
 
 @triton.constexpr_function
@@ -281,7 +329,8 @@ def _sort_desc_by(keys, N: tl.constexpr, R: tl.constexpr, NETWORK: tl.constexpr)
     # keys [N] descending by NETWORK: 0 tl.sort's bitonic network (_sort_desc), 1 the same
     # network with its in-register steps once per pair (_sort_desc_minmax), 2 the same
     # network with every step in registers after moves through shared memory
-    # (_sort_desc_transpose). Same order.
+    # (_sort_desc_transpose). Same order. (3, the f64 network, sorts other keys:
+    # _sort_desc_f64.)
     if NETWORK == 1:
         return _sort_desc_minmax(keys, N, R, _reg_bits(N, R))
     elif NETWORK == 2:

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_keys import EMPTY, _pack, _sort_desc_by, _unpack_index, _unpack_value
+from .triton_keys import (EMPTY, INDEX_BITS_F64, PAD_F64, _pack, _pack_f64, _reg_bits, _sort_desc_by, _sort_desc_f64,
+                          _unpack_index, _unpack_index_f64, _unpack_value, _unpack_value_f64)
 
 
 @triton.jit
@@ -31,18 +32,27 @@ def _sort_rows_kernel(IDX, VAL, K: tl.constexpr, K_P2: tl.constexpr, R: tl.const
     ok = offs < K
     idx = tl.load(IDX + row * K + offs, mask=ok, other=0)
     y = tl.load(VAL + row * K + offs, mask=ok, other=0.0)
-    keys = tl.where(ok, _pack(y, idx), EMPTY)
-    keys = _sort_desc_by(keys, K_P2, R, NETWORK)
-    tl.store(IDX + row * K + offs, _unpack_index(keys).to(IDX.dtype.element_ty), mask=ok)
-    if WRITE_VALUES:
-        tl.store(VAL + row * K + offs, _unpack_value(keys), mask=ok)
+    if NETWORK == 3:
+        # the f64 network (indices < 2^21: sort_rows_ checks the caller's bound)
+        keys = tl.where(ok, _pack_f64(y, idx), PAD_F64)
+        keys = _sort_desc_f64(keys, K_P2, R, _reg_bits(K_P2, R))
+        tl.store(IDX + row * K + offs, _unpack_index_f64(keys).to(IDX.dtype.element_ty), mask=ok)
+        if WRITE_VALUES:
+            tl.store(VAL + row * K + offs, _unpack_value_f64(keys), mask=ok)
+    else:
+        keys = tl.where(ok, _pack(y, idx), EMPTY)
+        keys = _sort_desc_by(keys, K_P2, R, NETWORK)
+        tl.store(IDX + row * K + offs, _unpack_index(keys).to(IDX.dtype.element_ty), mask=ok)
+        if WRITE_VALUES:
+            tl.store(VAL + row * K + offs, _unpack_value(keys), mask=ok)
 
 
-NETWORKS = {"tl.sort": 0, "minmax": 1, "transpose": 2}
+NETWORKS = {"tl.sort": 0, "minmax": 1, "transpose": 2, "f64": 3}
 
 
 def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True, *,
-               num_warps: Optional[int] = None, network: Optional[str] = None) -> None:
+               num_warps: Optional[int] = None, network: Optional[str] = None,
+               index_bound: Optional[int] = None) -> None:
     """Sort each row (last dim) of ``idx`` (int32/int64, entries in [0, 2^32)) and its fp32
     ``vals`` in place by (value desc, index asc); -0.0 ties +0.0 and NaN sorts first.
     ``write_values=False`` leaves ``vals`` unsorted (a workspace). Both contiguous, one
@@ -51,7 +61,10 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     sort, per element at every step), "minmax" (triton_keys._sort_desc_minmax: the
     same network, its in-register steps once per pair) or "transpose"
     (triton_keys._sort_desc_transpose: every step once per pair, the keys moved through
-    shared memory instead of shuffled); all give the same order. None: "transpose" with 4
+    shared memory instead of shuffled) or "f64" (triton_keys._sort_desc_f64: the transpose
+    network on keys packed as doubles, each compare-exchange two FP64 min/max; only for
+    indices below 2^21, which the caller vouches for with ``index_bound``, an exclusive
+    bound on the entries of ``idx``); all give the same order. None: "transpose" with 4
     warps at 2,048 keys (padded: 1,025-2,048), else "minmax" with 2. H200, 2,048 keys
     (benchmarks/calibrate_sort.py --modes lib, session 16): 131,072 rows minmax 6.80 ms at 2
     warps (9.84 at 4), transpose 4.61 at 2 and 4.45 at 4; 32,768 rows 1.73 (2.48), 1.17
@@ -64,6 +77,11 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
         raise ValueError(f"sort_rows_: expected int32/int64 indices and fp32 values, got {idx.dtype}, {vals.dtype}")
     if not (idx.is_contiguous() and vals.is_contiguous()) or idx.device != vals.device:
         raise ValueError("sort_rows_: idx and vals must be contiguous and on one device")
+    if index_bound is not None and (not isinstance(index_bound, int) or index_bound < 0):
+        raise ValueError(f"sort_rows_: index_bound={index_bound!r}; expected a non-negative int")
+    if network == "f64" and (index_bound is None or index_bound > 1 << INDEX_BITS_F64.value):
+        raise ValueError(f"sort_rows_: network='f64' packs indices in {INDEX_BITS_F64.value} bits; "
+                         f"index_bound={index_bound!r} must be given and <= {1 << INDEX_BITS_F64.value}")
     k = idx.shape[-1] if idx.dim() else 0
     rows = idx.numel() // k if k else 0
     if rows == 0:
@@ -76,7 +94,7 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     if network is None:
         network = "transpose" if wide else "minmax"
     if num_warps is None:
-        num_warps = 1 if interpret or k_p2 < 256 else 4 if wide and network == "transpose" else 2
+        num_warps = 1 if interpret or k_p2 < 256 else 4 if wide and network in ("transpose", "f64") else 2
     elif not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"sort_rows_: num_warps={num_warps!r}; expected a power of two >= 1")
     R = max(1, k_p2 // (128 * num_warps))

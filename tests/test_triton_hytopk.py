@@ -1253,7 +1253,7 @@ def test_gpu_dsa_shape_bf16(cuda):
     for extra in (dict(sort="bitonic"), dict(sort="bitonic", sort_rows=2), dict(sort="bitonic", sort_rows=4),
                   dict(tma=False, num_stages=3, reread_weights=True),
                   dict(l2_prefetch=4), dict(tma=False, l2_prefetch=2), dict(sort="after"),
-                  dict(sort_network="minmax")):  # (the rows' sort kernel's default is "transpose")
+                  dict(sort_network="minmax"), dict(sort_network="transpose"), dict(sort_network="f64")):
         cfg = dataclasses.replace(default, **extra)
         v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
         assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra

@@ -124,14 +124,14 @@ def test_sort_rows_bad_input():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("network", ["tl.sort", "minmax", "transpose"])
+@pytest.mark.parametrize("network", ["tl.sort", "minmax", "transpose", "f64"])
 def test_gpu_sort_rows_dsa_length(network):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     idx0, vals0 = _rows(311, 64, 2048, torch.int32, "cuda")
-    for num_warps in (None, 1, 4):
+    for num_warps in (None, 1, 2, 4):
         idx, vals = idx0.clone(), vals0.clone()
-        sort_rows_(idx, vals, num_warps=num_warps, network=network)
+        sort_rows_(idx, vals, num_warps=num_warps, network=network, index_bound=4 * 2048)
         _check(idx.cpu(), vals.cpu(), idx0.cpu(), vals0.cpu())
 
 
