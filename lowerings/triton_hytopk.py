@@ -106,9 +106,10 @@ class HyTopKConfig:
     # 128K, v20), "tl.sort" (Triton's, per element at every step) or "transpose" (every
     # step once per pair, keys moved through shared memory: 6.80 -> 4.45 ms for the rows'
     # sort at 128K, v27; it spills inside the fused kernel) or "f64" (the rows' sort only:
-    # transpose with each pair compared as doubles, T <= 2^21, v28). The same order every way.
-    # None: "minmax" inside the fused kernel, triton_sort_rows' default (2,048 keys:
-    # "transpose") for "after".
+    # transpose with each pair compared as doubles, T <= 2^21: 4.45 -> 3.71 ms at 128K,
+    # v28). The same order every way. None: "minmax" inside the fused kernel,
+    # triton_sort_rows' default (2,048 keys: "f64" where T <= 2^21, else "transpose") for
+    # "after".
     sort_network: Optional[str] = None
     # Sampled threshold estimate (v23, docs/kernel-design.md): a row block with at least 3k
     # keys to score first scores every presample-th of them (a key stride; raised to
@@ -545,8 +546,8 @@ def hytopk_triton(
             else:
                 _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
             if sort == "after":
-                # (the rows' sort kernel has its own default network: "transpose", which
-                # spills inside the fused kernel)
+                # (the rows' sort kernel has its own default network: "f64" or "transpose",
+                # which are not for the fused kernel)
                 sort_rows_(idx_t, vals_t, write_values=return_values, network=cfg.sort_network, index_bound=T)
                 if return_values and vals32 is not val_out:
                     val_out[:, r0:r1].copy_(vals_t)

@@ -62,13 +62,16 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     same network, its in-register steps once per pair) or "transpose"
     (triton_keys._sort_desc_transpose: every step once per pair, the keys moved through
     shared memory instead of shuffled) or "f64" (triton_keys._sort_desc_f64: the transpose
-    network on keys packed as doubles, each compare-exchange two FP64 min/max; only for
-    indices below 2^21, which the caller vouches for with ``index_bound``, an exclusive
-    bound on the entries of ``idx``); all give the same order. None: "transpose" with 4
-    warps at 2,048 keys (padded: 1,025-2,048), else "minmax" with 2. H200, 2,048 keys
+    network on keys whose bits are also ordered doubles, each pair compared by one FP64
+    compare instead of two integer ones; only for indices below 2^21, which the caller
+    vouches for with ``index_bound``, an exclusive bound on the entries of ``idx``); all
+    give the same order. None: at 2,048 keys (padded: 1,025-2,048) "f64" where
+    ``index_bound`` <= 2^21, else "transpose", both with 4 warps; below, "minmax" with 2.
+    H200, 2,048 keys
     (benchmarks/calibrate_sort.py --modes lib, session 16): 131,072 rows minmax 6.80 ms at 2
     warps (9.84 at 4), transpose 4.61 at 2 and 4.45 at 4; 32,768 rows 1.73 (2.48), 1.17
-    and 1.12."""
+    and 1.12. Session 17: f64 4.11 (2 warps) and 3.71 (4); 1.04 and 0.94. So the default
+    at 2,048 keys is "f64" with 4 warps where ``index_bound`` allows it, else "transpose"."""
     if network is not None and network not in NETWORKS:
         raise ValueError(f"sort_rows_: network={network!r}; expected one of {sorted(NETWORKS)}")
     if idx.shape != vals.shape:
@@ -92,7 +95,8 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     # (minmax: 2 warps, the network's low 5 bits in registers)
     wide = k_p2 == 2048
     if network is None:
-        network = "transpose" if wide else "minmax"
+        f64_ok = index_bound is not None and index_bound <= 1 << INDEX_BITS_F64.value
+        network = ("f64" if f64_ok else "transpose") if wide else "minmax"
     if num_warps is None:
         num_warps = 1 if interpret or k_p2 < 256 else 4 if wide and network in ("transpose", "f64") else 2
     elif not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):

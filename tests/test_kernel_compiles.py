@@ -116,21 +116,23 @@ driver.set_active(ih._Sm90())
 from hyscale_compile.lowerings.triton_sort_rows import NETWORKS, _sort_rows_kernel
 bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 idx, vals = torch.empty(4, 2048, dtype=torch.int32), torch.empty(4, 2048)
-# each network at 2 warps (R = 8), and the library's default launch at 2,048 keys: transpose, 4 warps (R = 4)
-for name, net, warps in [(n, v, 2) for n, v in NETWORKS.items()] + [("transpose4", NETWORKS["transpose"], 4)]:
+# each network at 2 warps (R = 8), and the library's launches at 2,048 keys: 4 warps (R = 4)
+for name, net, warps in [(n, v, 2) for n, v in NETWORKS.items()] + [("transpose4", NETWORKS["transpose"], 4),
+                                                                   ("f644", NETWORKS["f64"], 4)]:
     ck = _sort_rows_kernel.warmup(idx, vals, 2048, 2048, 8 // (warps // 2), True, net, grid=(4,), num_warps=warps)
     sass = ih.sass_counts(ck.asm["cubin"], bindir)[1]
     isetp = sum(1 for ln in sass.splitlines() if "ISETP" in ln)
     lds = sum(1 for ln in sass.splitlines() if " LDS" in ln)
     shfl = sum(1 for ln in sass.splitlines() if "SHFL" in ln)
     cvt = ck.asm["ttgir"].count("ttg.convert_layout")
-    print(name, isetp, lds, ih.ptxas_report(ck.asm["ptx"], bindir).get("spill_st", 0), shfl, cvt)
+    dsetp = sum(1 for ln in sass.splitlines() if "DSETP" in ln)
+    print(name, isetp, lds, ih.ptxas_report(ck.asm["ptx"], bindir).get("spill_st", 0), shfl, cvt, dsetp)
 """
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
 def test_sort_rows_minmax_network_compiles_for_sm90(tmp_path):
-    # The rows' sort kernel at the DSA row length (2,048 keys, 2 warps): the minmax network
+    # The rows' sort kernel at the DSA row length (2,048 keys, 2 and 4 warps): the minmax network
     # (docs/kernel-design.md v20) compares each in-register pair once, so it has about half
     # tl.sort's 64-bit compares (2,786 against 5,456 ISETP when measured), and its pair
     # splitting stays in registers (no shared-memory loads beyond tl.sort's). The transpose
@@ -145,19 +147,27 @@ def test_sort_rows_minmax_network_compiles_for_sm90(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     counts = {ln.split()[0]: [int(x) for x in ln.split()[1:]] for ln in out.stdout.splitlines() if ln.strip()}
     print(counts)
-    (isetp_old, lds_old, _, _, _), (isetp_new, lds_new, spill, shfl, _) = counts["tl.sort"], counts["minmax"]
+    (isetp_old, lds_old, _, _, _, _), (isetp_new, lds_new, spill, shfl, _, _) = counts["tl.sort"], counts["minmax"]
     assert isetp_new < 0.6 * isetp_old, counts
     assert lds_new <= lds_old and spill == 0, counts
     from hyscale_compile.lowerings.triton_keys import _transpose_plan
-    isetp_tp, _, spill_tp, shfl_tp, cvt_tp = counts["transpose"]
+    isetp_tp, _, spill_tp, shfl_tp, cvt_tp, _ = counts["transpose"]
     moves = sum(1 for order, _ in _transpose_plan(11, 5) if order)
     assert isetp_tp < 0.8 * isetp_new and shfl_tp <= 64 < shfl and spill_tp == 0, counts
     assert cvt_tp <= moves + 1, counts
     # the default launch (4 warps: 4 register bits, its own plan: 14 moves; the indices'
     # and the values' stores may each add a conversion: 16 when measured)
-    _, _, spill_4, shfl_4, cvt_4 = counts["transpose4"]
+    _, _, spill_4, shfl_4, cvt_4, _ = counts["transpose4"]
     moves_4 = sum(1 for order, _ in _transpose_plan(11, 4) if order)
     assert spill_4 == 0 and shfl_4 <= 64 and cvt_4 <= moves_4 + 2, counts
+    # the f64 network (v28, the default launch): the same moves, each pair compared by one
+    # DSETP (66 steps x 8 pairs per thread at 4 warps: 528 when measured; at 2 warps ptxas
+    # repeated 15 of 1,056) and no 64-bit integer compare left (an ISETP per key word, or
+    # max.f64's emulation, two DSETP per pair, would show here)
+    for name, pairs, moves_f in (("f64", 66 * 16, moves), ("f644", 66 * 8, moves_4)):
+        isetp_f, _, spill_f, shfl_f, cvt_f, dsetp_f = counts[name]
+        assert pairs <= dsetp_f <= 1.05 * pairs and isetp_f < 64 and spill_f == 0 and shfl_f <= 64, (name, counts)
+        assert cvt_f <= moves_f + 2, (name, counts)
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")

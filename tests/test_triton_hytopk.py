@@ -739,9 +739,10 @@ def test_sort_after_same_bits(interpret, monkeypatch):
             monkeypatch.setattr(triton_hytopk, "_AFTER_BUDGET", budget)
             got = hytopk_triton(q, k, w, [hi], topk, spec, return_values=True, config=after)
             assert_same_bits([want, got])
-            got = hytopk_triton(q, k, w, [hi], topk, spec, return_values=True,
-                                config=dataclasses.replace(after, sort_network="tl.sort"))
-            assert_same_bits([want, got])
+            for net in ("tl.sort", "f64"):
+                got = hytopk_triton(q, k, w, [hi], topk, spec, return_values=True,
+                                    config=dataclasses.replace(after, sort_network=net))
+                assert_same_bits([want, got])
             if score_dtype == "float32":  # indices only: the values live in the workspace
                 assert torch.equal(hytopk_triton(q, k, w, [hi], topk, spec, config=after), want[1]), budget
     # several batches over the budget: the fused sort instead (same answer; 5 rows, so that
@@ -1097,6 +1098,9 @@ def test_buffer_config_errors(interpret):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(l2_prefetch=2.5))
     with pytest.raises(SpecError, match="sort_network='odd-even'"):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(sort_network="odd-even"))
+    # the f64 network packs 21 index bits and exists only in the rows' sort kernel
+    with pytest.raises(SpecError, match="sort_network='f64' sorts only in the rows' sort kernel.*'bitonic'"):
+        hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(sort="bitonic", sort_network="f64"))
 
 
 @pytest.mark.interpret

@@ -1,9 +1,10 @@
 """lowerings/triton_sort_rows.py: rows of (index, value) pairs sorted in place by (value
 desc, index asc), against two stable torch sorts. Interpreter tests (small rows) and one
-GPU test at the DSA row length. The three networks (``network="tl.sort"``, ``"minmax"``,
-triton_keys._sort_desc_minmax, and ``"transpose"``, triton_keys._sort_desc_transpose) are
-checked; minmax and transpose also on raw int64 keys against torch.sort, with each of
-their steps left out in turn, and the transpose network's plan of moves on its own."""
+GPU test at the DSA row length. The four networks (``network="tl.sort"``, ``"minmax"``,
+triton_keys._sort_desc_minmax, ``"transpose"``, triton_keys._sort_desc_transpose, and
+``"f64"``, _sort_desc_f64) are checked; minmax, transpose and f64 also on raw int64 keys
+against torch.sort, with each of their steps left out in turn, and the transpose
+network's plan of moves on its own."""
 from __future__ import annotations
 
 import math
@@ -14,10 +15,12 @@ import triton
 import triton.language as tl
 
 from hyscale_compile.lowerings import triton_codegen as cg
-from hyscale_compile.lowerings.triton_keys import EMPTY, _sort_desc_minmax, _sort_desc_transpose, _transpose_plan
+from hyscale_compile.lowerings.triton_keys import (EMPTY, PAD_F64, _sort_desc_f64, _sort_desc_minmax,
+                                                   _sort_desc_transpose, _transpose_plan)
 from hyscale_compile.lowerings.triton_sort_rows import sort_rows_, sort_rows_reference
 
 EMPTY_KEY = EMPTY.value
+PAD_KEY = PAD_F64.value
 
 
 def _interpreting():
@@ -28,14 +31,18 @@ def _interpreting():
 @triton.jit
 def _network_kernel(X, Y, K: tl.constexpr, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.constexpr,
                     SKIP: tl.constexpr, NETWORK: tl.constexpr):
-    # one row of K int64 keys, padded with EMPTY to N, sorted descending by the minmax (1) or
-    # the transpose (2) network
+    # one row of K int64 keys, padded with EMPTY (PAD_F64 for network 3) to N, sorted
+    # descending by the minmax (1), the transpose (2) or the f64 (3) network
     offs = tl.arange(0, N)
-    x = tl.load(X + tl.program_id(0) * K + offs, mask=offs < K, other=EMPTY)
-    if NETWORK == 2:
-        y = _sort_desc_transpose(x, N, R, REG_BITS, SKIP)
+    if NETWORK == 3:
+        x = tl.load(X + tl.program_id(0) * K + offs, mask=offs < K, other=PAD_F64)
+        y = _sort_desc_f64(x, N, R, REG_BITS, SKIP)
     else:
-        y = _sort_desc_minmax(x, N, R, REG_BITS, SKIP)
+        x = tl.load(X + tl.program_id(0) * K + offs, mask=offs < K, other=EMPTY)
+        if NETWORK == 2:
+            y = _sort_desc_transpose(x, N, R, REG_BITS, SKIP)
+        else:
+            y = _sort_desc_minmax(x, N, R, REG_BITS, SKIP)
     tl.store(Y + tl.program_id(0) * N + offs, y)
 
 
@@ -50,6 +57,22 @@ def _int64_keys(seed, rows, k):
     return torch.where(pick >= 2 * pool.numel(), small, keys)
 
 
+def _f64_keys(seed, rows, k):
+    # keys as _pack_f64 makes them (bit 62 | 53 low bits: the bits of positive normal
+    # doubles): many ties, the extremes, neighbours one apart, wide random keys
+    g = torch.Generator().manual_seed(seed)
+    top = (1 << 53) - 1
+    pool = torch.tensor([1, top, top - 1, 1 << 21, (1 << 21) - 1, 1 << 52, (1 << 52) - 1, 5, 6])
+    pick = torch.randint(0, 3 * pool.numel(), (rows, k), generator=g)
+    wide = torch.randint(1, 1 << 53, (rows, k), generator=g)
+    keys = torch.where(pick < pool.numel(), pool[pick.clamp(max=pool.numel() - 1)], wide)
+    return PAD_KEY | keys
+
+
+def _keys_for(network, seed, rows, k):
+    return _f64_keys(seed, rows, k) if network == 3 else _int64_keys(seed, rows, k)
+
+
 def _network_sort(keys, n, R, reg_bits, skip=-1, network=1):
     rows, k = keys.shape
     out = torch.empty(rows, n, dtype=torch.int64)
@@ -57,8 +80,8 @@ def _network_sort(keys, n, R, reg_bits, skip=-1, network=1):
     return out
 
 
-def _want(keys, n):
-    pad = torch.full((keys.shape[0], n - keys.shape[1]), EMPTY_KEY, dtype=torch.int64)
+def _want(keys, n, network=1):
+    pad = torch.full((keys.shape[0], n - keys.shape[1]), PAD_KEY if network == 3 else EMPTY_KEY, dtype=torch.int64)
     return torch.sort(torch.cat([keys, pad], dim=1), dim=1, descending=True).values
 
 
@@ -121,6 +144,33 @@ def test_sort_rows_bad_input():
         sort_rows_(idx, vals, num_warps=3)
     with pytest.raises(ValueError, match="network='bitonic'"):
         sort_rows_(idx, vals, network="bitonic")
+    # the f64 network holds 21 index bits: the caller must bound the indices
+    with pytest.raises(ValueError, match="index_bound=None must be given"):
+        sort_rows_(idx, vals, network="f64")
+    with pytest.raises(ValueError, match="index_bound=2097153"):
+        sort_rows_(idx, vals, network="f64", index_bound=(1 << 21) + 1)
+    with pytest.raises(ValueError, match="index_bound=-1"):
+        sort_rows_(idx, vals, index_bound=-1)
+
+
+@pytest.mark.interpret
+def test_sort_rows_f64_index_range():
+    # the f64 network at the ends of its index range (0 and 2^21 - 1, ties between them) and
+    # the default's choice: f64 for index_bound <= 2^21, transpose above; the same bits
+    _interpreting()
+    k = 2048
+    g = torch.Generator().manual_seed(2021)
+    idx0 = torch.stack([torch.randperm(1 << 21, generator=g)[:k] for _ in range(2)]).to(torch.int32)
+    idx0[:, :3] = torch.tensor([0, (1 << 21) - 1, (1 << 21) - 2], dtype=torch.int32)
+    vals0 = torch.randint(-2, 3, (2, k), generator=g).float()  # (ties across the whole index range)
+    vals0[:, :3] = torch.tensor([1.0, 1.0, 1.0])
+    idx, vals = idx0.clone(), vals0.clone()
+    sort_rows_(idx, vals, network="f64", index_bound=1 << 21, num_warps=4)
+    _check(idx, vals, idx0, vals0)
+    for bound in (1 << 21, (1 << 21) + 1):
+        idx2, vals2 = idx0.clone(), vals0.clone()
+        sort_rows_(idx2, vals2, index_bound=bound, num_warps=4)
+        assert torch.equal(idx2, idx) and torch.equal(vals2.view(torch.int32), vals.view(torch.int32)), bound
 
 
 @pytest.mark.gpu
@@ -192,7 +242,7 @@ def test_transpose_plan_fewest_moves():
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("network", [1, 2])  # minmax, transpose
+@pytest.mark.parametrize("network", [1, 2, 3])  # minmax, transpose, f64
 @pytest.mark.parametrize("k,n,R,reg_bits", [
     (2048, 2048, 8, 5),   # the 2-warp launch: 5 register bits, 5 lane bits, 1 warp bit (transpose: 11 moves)
     (2048, 2048, 16, 6),  # 1 warp
@@ -206,22 +256,22 @@ def test_transpose_plan_fewest_moves():
 ])
 def test_network_matches_torch_sort(network, k, n, R, reg_bits):
     _interpreting()
-    keys = _int64_keys(400 + 300 * (network - 1) + k + reg_bits, 3, k)
-    assert torch.equal(_network_sort(keys, n, R, reg_bits, -1, network=network), _want(keys, n))
+    keys = _keys_for(network, 400 + 300 * (network - 1) + k + reg_bits, 3, k)
+    assert torch.equal(_network_sort(keys, n, R, reg_bits, -1, network=network), _want(keys, n, network))
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("network,reg_bits", [(1, 2), (1, 6), (2, 2), (2, 3)])
+@pytest.mark.parametrize("network,reg_bits", [(1, 2), (1, 6), (2, 2), (2, 3), (3, 2)])
 def test_network_every_step_needed(network, reg_bits):
     # with any one compare-exchange of the 21 (n = 64) left out (a transpose network's moves
     # kept), some row comes out in the wrong order: the tests above would notice a step the
-    # network skipped (network 1: minmax, 2: transpose)
+    # network skipped (network 1: minmax, 2: transpose, 3: f64)
     _interpreting()
     n = 64
-    if network == 2:
+    if network >= 2:
         assert _replay_plan(6, reg_bits)[0] > 0  # (moves happen: the test covers them)
-    keys = _int64_keys((500 if network == 1 else 800) + reg_bits, 6, n)
-    want = _want(keys, n)
+    keys = _keys_for(network, (500 if network == 1 else 800 + 50 * network) + reg_bits, 6, n)
+    want = _want(keys, n, network)
     assert torch.equal(_network_sort(keys, n, 2, reg_bits, -1, network=network), want)
     for step in range(6 * 7 // 2):
         got = _network_sort(keys, n, 2, reg_bits, step, network=network)
@@ -229,18 +279,18 @@ def test_network_every_step_needed(network, reg_bits):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("network,other", [("minmax", "tl.sort"), ("transpose", "minmax")])
+@pytest.mark.parametrize("network,other", [("minmax", "tl.sort"), ("transpose", "minmax"), ("f64", "transpose")])
 @pytest.mark.parametrize("k,num_warps", [(1, 1), (37, 1), (300, 2), (512, 4), (2048, 2)])
 def test_sort_rows_network(network, other, k, num_warps):
     # the library kernel with each network: the reference order, bit-identical to another
-    # network and to the default (transpose from 2,048 keys, minmax below; num_warps sets
-    # the register bits the launch assumes)
+    # network and to the default (f64 or transpose from 2,048 keys, minmax below; num_warps
+    # sets the register bits the launch assumes)
     _interpreting()
     idx0, vals0 = _rows(600 + k, 2, k, torch.int32)
     idx, vals = idx0.clone(), vals0.clone()
-    sort_rows_(idx, vals, num_warps=num_warps, network=network)
+    sort_rows_(idx, vals, num_warps=num_warps, network=network, index_bound=4 * k)
     _check(idx, vals, idx0, vals0)
-    for kw in (dict(network=other, num_warps=num_warps), {}):
+    for kw in (dict(network=other, num_warps=num_warps), {}, dict(index_bound=4 * k)):
         idx2, vals2 = idx0.clone(), vals0.clone()
         sort_rows_(idx2, vals2, **kw)
         assert torch.equal(idx2, idx) and torch.equal(vals2.view(torch.int32), vals.view(torch.int32)), kw
