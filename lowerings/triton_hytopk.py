@@ -106,9 +106,9 @@ class HyTopKConfig:
     # 128K, v20), "tl.sort" (Triton's, per element at every step) or "transpose" (every
     # step once per pair, keys moved through shared memory: 6.80 -> 4.45 ms for the rows'
     # sort at 128K, v27; it spills inside the fused kernel) or "f64" (the rows' sort only:
-    # transpose with each pair compared as doubles, T <= 2^21: 4.45 -> 3.71 ms at 128K,
+    # transpose with each pair compared as doubles, T <= 2^20: 4.45 -> 3.71 ms at 128K,
     # v28). The same order every way. None: "minmax" inside the fused kernel,
-    # triton_sort_rows' default (2,048 keys: "f64" where T <= 2^21, else "transpose") for
+    # triton_sort_rows' default (2,048 keys: "f64" where T <= 2^20, else "transpose") for
     # "after".
     sort_network: Optional[str] = None
     # Sampled threshold estimate (v23, docs/kernel-design.md): a row block with at least 3k
@@ -362,10 +362,10 @@ def hytopk_triton(
         sort = "none"  # any order will do: skip the sort
     if sort == "after" and after_rows == 0:  # several batches over the budget: the fused sort
         sort = "rank" if interpret else "bitonic"
-    if sort_network == "f64" and (sort != "after" or T > 1 << 21):
-        # (its keys hold 21 index bits; the fused kernel's keys are _pack's)
+    if sort_network == "f64" and (sort != "after" or T > 1 << 20):
+        # (its keys hold 20 index bits; the fused kernel's keys are _pack's)
         raise SpecError(f"config.sort_network='f64' sorts only in the rows' sort kernel (sort='after', "
-                        f"here {sort!r}) and for at most {1 << 21} keys (here {T})")
+                        f"here {sort!r}) and for at most {1 << 20} keys (here {T})")
     elif sort == "after" and (cfg.score_only or cfg.profile):  # (benchmarks: the fused kernel alone)
         sort = "none"
     block_d = max(16, _next_pow2(D))

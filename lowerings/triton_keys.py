@@ -84,7 +84,9 @@ def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, KNOWN: tl.cons
     B: tl.constexpr = 1 << j
     a, b = tl.split(tl.permute(tl.reshape(x, [A, 2, B]), [0, 2, 1]))
     if F64:
-        gt = a.to(tl.float64, bitcast=True) > b.to(tl.float64, bitcast=True)
+        af = a.to(tl.float64, bitcast=True)
+        bf = b.to(tl.float64, bitcast=True)
+        gt = af > bf
     else:
         gt = a > b
     if s < _log2c(N):
@@ -93,7 +95,12 @@ def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, KNOWN: tl.cons
     else:
         c = gt
     hi = tl.where(c, a, b)
-    if KNOWN:
+    if F64:
+        # the other key by two FP64 adds instead of two integer selects or xors (balancing
+        # the ALU and FP64 pipes): every _pack_f64 key is a double in [2, 4), so a - b is
+        # exact (Sterbenz) and (a - hi) + b is exactly b where hi = a, a where hi = b
+        lo = ((af - hi.to(tl.float64, bitcast=True)) + bf).to(tl.int64, bitcast=True)
+    elif KNOWN:
         # the direction known at compile time: LLVM would make the two selects max.s64 and
         # min.s64, which ptxas compares twice; the xor keeps the one compare
         lo = a ^ b ^ hi
@@ -276,35 +283,36 @@ def _sort_desc_transpose(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.co
 
 
 # The f64 network: the transpose network's steps and moves on int64 keys that are also the
-# bits of positive normal doubles, in the same order (_pack_f64: the 32 score bits and 21
-# index bits, so indices < 2^21). Each pair's compare is then one DSETP on the FP64 pipe
-# where an int64 compare takes two ISETP on the integer ALU pipe, which is what the
-# transpose network waits on (docs/kernel-design.md, v28); the selects stay integer.
-# (Not tl.maximum on doubles: sm_90 has no double min/max; ptxas emulates max.f64 with a
-# DSETP, two selects and a NaN fix-up, 18,216 instructions against 7,856.)
+# bits of doubles in [2, 4), in the same order (_pack_f64: the 32 score bits and 20 index
+# bits, so indices < 2^20). Each pair's compare is then one DSETP on the FP64 pipe, where
+# an int64 compare takes two ISETP on the integer ALU pipe, which is what the transpose
+# network waits on; and the pair's second key comes from two exact FP64 adds instead of two
+# integer selects (docs/kernel-design.md, v28 and v28b). (Not tl.maximum on doubles: sm_90
+# has no double min/max; ptxas emulates max.f64 with a DSETP, two selects and a NaN fix-up,
+# 18,216 instructions against 7,856.)
 
-INDEX_BITS_F64 = tl.constexpr(21)
+INDEX_BITS_F64 = tl.constexpr(20)
 PAD_F64 = tl.constexpr(4611686018427387904)  # the double 2.0 (1 << 62): below every packed key
 
 
 @triton.jit
 def _pack_f64(y, keys):
-    # (value, index) as bit 62 (exponent 0x400 or 0x401: a normal, positive, finite double)
-    # | (the score's order-kept uint32 << 21) | (2^21 - 1 - index); ordered as _pack's key,
-    # both as int64 and as double
+    # (value, index) as 0x400 << 52 (the exponent of [2, 4): a normal, positive, finite
+    # double) | (the score's order-kept uint32 << 20) | (2^20 - 1 - index); ordered as
+    # _pack's key, both as int64 and as double
     k = _pack(y, keys)
     u = (k >> 32) + 2147483648  # the signed high word as its unsigned order, > 0
-    return 4611686018427387904 | (u << 21) | (k & 2097151)
+    return 4611686018427387904 | (u << 20) | (k & 1048575)
 
 
 @triton.jit
 def _unpack_index_f64(p):
-    return 2097151 - (p & 2097151)
+    return 1048575 - (p & 1048575)
 
 
 @triton.jit
 def _unpack_value_f64(p):
-    hi = (((p >> 21) & 4294967295) - 2147483648).to(tl.int32)
+    hi = (((p >> 20) & 4294967295) - 2147483648).to(tl.int32)
     b = hi ^ ((hi >> 31) & 0x7FFFFFFF)
     return b.to(tl.float32, bitcast=True)
 

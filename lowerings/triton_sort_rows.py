@@ -33,7 +33,7 @@ def _sort_rows_kernel(IDX, VAL, K: tl.constexpr, K_P2: tl.constexpr, R: tl.const
     idx = tl.load(IDX + row * K + offs, mask=ok, other=0)
     y = tl.load(VAL + row * K + offs, mask=ok, other=0.0)
     if NETWORK == 3:
-        # the f64 network (indices < 2^21: sort_rows_ checks the caller's bound)
+        # the f64 network (indices < 2^20: sort_rows_ checks the caller's bound)
         keys = tl.where(ok, _pack_f64(y, idx), PAD_F64)
         keys = _sort_desc_f64(keys, K_P2, R, _reg_bits(K_P2, R))
         tl.store(IDX + row * K + offs, _unpack_index_f64(keys).to(IDX.dtype.element_ty), mask=ok)
@@ -63,10 +63,10 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     (triton_keys._sort_desc_transpose: every step once per pair, the keys moved through
     shared memory instead of shuffled) or "f64" (triton_keys._sort_desc_f64: the transpose
     network on keys whose bits are also ordered doubles, each pair compared by one FP64
-    compare instead of two integer ones; only for indices below 2^21, which the caller
+    compare instead of two integer ones; only for indices below 2^20, which the caller
     vouches for with ``index_bound``, an exclusive bound on the entries of ``idx``); all
     give the same order. None: at 2,048 keys (padded: 1,025-2,048) "f64" where
-    ``index_bound`` <= 2^21, else "transpose", both with 4 warps; below, "minmax" with 2.
+    ``index_bound`` <= 2^20, else "transpose", both with 4 warps; below, "minmax" with 2.
     H200, 2,048 keys
     (benchmarks/calibrate_sort.py --modes lib, session 16): 131,072 rows minmax 6.80 ms at 2
     warps (9.84 at 4), transpose 4.61 at 2 and 4.45 at 4; 32,768 rows 1.73 (2.48), 1.17

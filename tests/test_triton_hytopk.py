@@ -1098,7 +1098,7 @@ def test_buffer_config_errors(interpret):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(l2_prefetch=2.5))
     with pytest.raises(SpecError, match="sort_network='odd-even'"):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(sort_network="odd-even"))
-    # the f64 network packs 21 index bits and exists only in the rows' sort kernel
+    # the f64 network packs 20 index bits and exists only in the rows' sort kernel
     with pytest.raises(SpecError, match="sort_network='f64' sorts only in the rows' sort kernel.*'bitonic'"):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(sort="bitonic", sort_network="f64"))
 

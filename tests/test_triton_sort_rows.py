@@ -58,13 +58,13 @@ def _int64_keys(seed, rows, k):
 
 
 def _f64_keys(seed, rows, k):
-    # keys as _pack_f64 makes them (bit 62 | 53 low bits: the bits of positive normal
-    # doubles): many ties, the extremes, neighbours one apart, wide random keys
+    # keys as _pack_f64 makes them (bit 62 | 52 low bits: the bits of doubles in [2, 4)):
+    # many ties, the extremes, neighbours one apart, wide random keys
     g = torch.Generator().manual_seed(seed)
-    top = (1 << 53) - 1
-    pool = torch.tensor([1, top, top - 1, 1 << 21, (1 << 21) - 1, 1 << 52, (1 << 52) - 1, 5, 6])
+    top = (1 << 52) - 1
+    pool = torch.tensor([1, top, top - 1, 1 << 20, (1 << 20) - 1, 1 << 51, (1 << 51) - 1, 5, 6])
     pick = torch.randint(0, 3 * pool.numel(), (rows, k), generator=g)
-    wide = torch.randint(1, 1 << 53, (rows, k), generator=g)
+    wide = torch.randint(1, 1 << 52, (rows, k), generator=g)
     keys = torch.where(pick < pool.numel(), pool[pick.clamp(max=pool.numel() - 1)], wide)
     return PAD_KEY | keys
 
@@ -144,30 +144,30 @@ def test_sort_rows_bad_input():
         sort_rows_(idx, vals, num_warps=3)
     with pytest.raises(ValueError, match="network='bitonic'"):
         sort_rows_(idx, vals, network="bitonic")
-    # the f64 network holds 21 index bits: the caller must bound the indices
+    # the f64 network holds 20 index bits: the caller must bound the indices
     with pytest.raises(ValueError, match="index_bound=None must be given"):
         sort_rows_(idx, vals, network="f64")
-    with pytest.raises(ValueError, match="index_bound=2097153"):
-        sort_rows_(idx, vals, network="f64", index_bound=(1 << 21) + 1)
+    with pytest.raises(ValueError, match="index_bound=1048577"):
+        sort_rows_(idx, vals, network="f64", index_bound=(1 << 20) + 1)
     with pytest.raises(ValueError, match="index_bound=-1"):
         sort_rows_(idx, vals, index_bound=-1)
 
 
 @pytest.mark.interpret
 def test_sort_rows_f64_index_range():
-    # the f64 network at the ends of its index range (0 and 2^21 - 1, ties between them) and
-    # the default's choice: f64 for index_bound <= 2^21, transpose above; the same bits
+    # the f64 network at the ends of its index range (0 and 2^20 - 1, ties between them) and
+    # the default's choice: f64 for index_bound <= 2^20, transpose above; the same bits
     _interpreting()
     k = 2048
     g = torch.Generator().manual_seed(2021)
-    idx0 = torch.stack([torch.randperm(1 << 21, generator=g)[:k] for _ in range(2)]).to(torch.int32)
-    idx0[:, :3] = torch.tensor([0, (1 << 21) - 1, (1 << 21) - 2], dtype=torch.int32)
+    idx0 = torch.stack([torch.randperm(1 << 20, generator=g)[:k] for _ in range(2)]).to(torch.int32)
+    idx0[:, :3] = torch.tensor([0, (1 << 20) - 1, (1 << 20) - 2], dtype=torch.int32)
     vals0 = torch.randint(-2, 3, (2, k), generator=g).float()  # (ties across the whole index range)
     vals0[:, :3] = torch.tensor([1.0, 1.0, 1.0])
     idx, vals = idx0.clone(), vals0.clone()
-    sort_rows_(idx, vals, network="f64", index_bound=1 << 21, num_warps=4)
+    sort_rows_(idx, vals, network="f64", index_bound=1 << 20, num_warps=4)
     _check(idx, vals, idx0, vals0)
-    for bound in (1 << 21, (1 << 21) + 1):
+    for bound in (1 << 20, (1 << 20) + 1):
         idx2, vals2 = idx0.clone(), vals0.clone()
         sort_rows_(idx2, vals2, index_bound=bound, num_warps=4)
         assert torch.equal(idx2, idx) and torch.equal(vals2.view(torch.int32), vals.view(torch.int32)), bound
