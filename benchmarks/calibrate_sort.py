@@ -134,6 +134,10 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="packed,split,copy,lib", help="which forms to time")
     ap.add_argument("--networks", default="tl.sort,minmax",
                     help=f"lib: sort_rows_'s networks to time, of {list(lib.NETWORKS)}")
+    ap.add_argument("--maxnreg", default="",
+                    help="lib: also time each network and warp count with ptxas capped at these registers "
+                         "per thread (comma-separated; more programs per SM; the launch sort_rows_ makes, "
+                         "plus maxnreg)")
     args = ap.parse_args(argv)
     modes = set(args.modes.split(","))
     bad = [n for n in args.networks.split(",") if n not in lib.NETWORKS]
@@ -186,6 +190,16 @@ def main(argv=None) -> int:
                     ok = "yes" if torch.equal(res, want) else "NO"
                     table.append((rows, data, f"lib (triton_sort_rows, network={network})", nw, R, ms, ok))
                     bh.log(rows, data, "lib", network, nw, R, ms, ok)
+                    for cap in [int(x) for x in args.maxnreg.split(",") if x]:
+                        def fn_cap():
+                            src.copy_(idx)
+                            lib._sort_rows_kernel[(rows,)](src, val, k, k_p2, R, False, lib.NETWORKS[network],
+                                                           num_warps=nw, maxnreg=cap)
+                            return src
+                        ms, _, res, _ = bh.measure(fn_cap)
+                        ok = "yes" if torch.equal(res, want) else "NO"
+                        table.append((rows, data, f"lib (network={network}, maxnreg={cap})", nw, R, ms, ok))
+                        bh.log(rows, data, "lib", network, nw, R, cap, ms, ok)
                 out = torch.empty_like(idx)
                 ms, _, _, _ = bh.measure(lambda: _trunc32_bare_kernel[(rows,)](
                     idx, val, out, k, k_p2, R, k_p2.bit_length() - 1, num_warps=nw))
