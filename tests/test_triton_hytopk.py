@@ -506,6 +506,53 @@ def test_mask_key_ranges_one_scan(interpret, monkeypatch, dtype):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("kind", ["add", "fill"])
+def test_mask_key_ranges_random_rows(interpret, monkeypatch, kind):
+    # The scan keeps one state per lane (keys p, p + 16, ... here) and combines the lanes
+    # once (v29): rows drawn from a few values, so that a row's minimum, its neutral run and
+    # the key that ends it fall in any lane and any block, some lanes hold no key (T = 53),
+    # and some rows have their own minimum above the tensor's. Ranges, hidden value and
+    # neutral runs equal the torch references.
+    from hyscale_compile.lowerings import triton_mask_ranges as tmr
+
+    monkeypatch.setattr(tmr, "_BLOCK", 16)
+    g = _gen(74 if kind == "add" else 75)
+    B, S, T = 2, 12, 53
+    q, k, w = int_operands(g, B, S, T, 2, 1, 16, torch.float32)
+    if kind == "add":
+        pool = torch.tensor([0.0, 0.0, 0.0, -1.0, FINFO_MIN, -math.inf, math.inf, 2.0])
+        probs = torch.rand(B, S, 1, generator=g)  # rows from mostly 0 to mostly hidden
+        pick = torch.randint(0, pool.numel(), (B, S, T), generator=g)
+        m = torch.where(torch.rand(B, S, T, generator=g) < probs, pool[pick], 0.0)
+        m[0, 0] = 0.0
+        m[0, 1] = -1.0  # a row whose minimum is above the tensor's
+        m[0, 2, 37] = -math.inf  # a late minimum in one lane
+        m[1, 3] = torch.where(torch.arange(T) < 20, 0.0, -1.0)  # a run longer than a block
+        m[1, 4] = -math.inf
+        m[1, 4, 5] = 0.0  # the one visible key: its lane's minimum drops two blocks later
+        spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
+                         masks=(MaskTerm(kind="add", operand=0),))
+    else:
+        m = (torch.rand(B, S, T, generator=g) < torch.rand(B, S, 1, generator=g)).to(torch.uint8)
+        m[0, 0] = 0
+        m[0, 1] = 1
+        m[1, 3] = (torch.arange(T) >= 20).to(torch.uint8)  # a run longer than a block
+        spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
+                         masks=(MaskTerm(kind="fill", operand=0, where=True, value=-math.inf),))
+    r = _checked_mask_ranges(spec, m, q, k, w)
+    if kind == "add":
+        assert r.hidden.tolist() == [-math.inf]
+        assert (r.lo[0, 1].item(), r.hi[0, 1].item()) == (0, T)
+        assert (r.lo[1, 4].item(), r.hi[1, 4].item()) == (5, 6)
+    # (the draw covers what the lanes must combine: runs that start in one lane and end in
+    # another, rows with nothing neutral)
+    assert ((r.nhi - r.nlo) > 1).any() and ((r.nlo % 16) != (r.nhi % 16)).any()
+    assert (r.nlo[1, 3].item(), r.nhi[1, 3].item()) == (0, 20)  # (each lane's first key past the run ends it)
+    if kind == "fill":
+        assert r.nlo[0, 1].item() == T  # (all hidden: nothing neutral)
+
+
+@pytest.mark.interpret
 def test_mask_tensor_with_huge_scores_is_not_skipped(interpret):
     # an additive finfo.min tensor with scores near 1e37: the bound refuses the skip
     B, S, T, topk, q, k, w = _scaled_int_operands(71, 60)
