@@ -33,73 +33,57 @@ from .spec import ScoreSpec, SpecError, tensor_mask_term
 @triton.jit
 def _visible_range_kernel(M, stride_b, stride_s, stride_t, RLO, RHI, NLO, NHI, RMIN, S, T,
                           ADD: tl.constexpr, WHERE: tl.constexpr, BLOCK: tl.constexpr):
-    # One program per row (b, s), in one read of the row, BLOCK keys at a time:
+    # One program per row (b, s), scanned BLOCK keys at a time, in one read of the row:
     # - fill (bool) masks: the first and last visible key;
     # - additive masks: the row's minimum (NaN if it holds one) and the first and last key
     #   that differ from it (mask_key_ranges turns them into the visible range once the
-    #   tensor's minimum, the hidden value, is known);
+    #   tensor's minimum, the hidden value, is known: before, a separate pass read it);
     # - both: the row's first run of neutral keys [nlo, nhi) (an additive 0, a fill's
     #   visible polarity), where the HyTopK kernel need not read the mask (v26).
-    # Each of the BLOCK lanes keeps its own state over its keys (p, p + BLOCK, ...), with no
-    # reduction inside the loop (six per block before: the scan was ALU-bound at ~2.3 TB/s,
-    # docs/kernel-design.md v29); the lanes are combined once at the end.
     row = tl.program_id(0)
     b = row // S
     s = row - b * S
     base = M + b.to(tl.int64) * stride_b + s.to(tl.int64) * stride_s
-    p = tl.arange(0, BLOCK)
-    big = tl.zeros([BLOCK], dtype=tl.int32) + T
-    first = big                                      # per lane: first key that differs / is visible
-    last = tl.zeros([BLOCK], dtype=tl.int32) - 1     # per lane: last such key
-    nlo = big                                        # per lane: first neutral key
-    after = big                                      # per lane: first non-neutral key after it
-    lmin = tl.zeros([BLOCK], dtype=tl.float32) + float("inf")
-    nan = tl.zeros([BLOCK], dtype=tl.int1)
+    first = tl.zeros([], dtype=tl.int32) + T
+    last = tl.zeros([], dtype=tl.int32) - 1
+    nlo = tl.zeros([], dtype=tl.int32) + T
+    nhi = tl.zeros([], dtype=tl.int32) + T
+    run_min = tl.zeros([], dtype=tl.float32) + float("inf")
+    nan = tl.zeros([], dtype=tl.int32)
     for t0 in range(0, T, BLOCK):
-        t = t0 + p
+        t = t0 + tl.arange(0, BLOCK)
         ok = t < T
         x = tl.load(base + t.to(tl.int64) * stride_t, mask=ok, other=0)
         if ADD:
             xf = x.to(tl.float32)
-            nan = nan | (ok & (xf != xf))
-            new_min = tl.where(ok & (xf < lmin), xf, lmin)  # (NaN never below)
-            # keys that differ from the lane's running minimum (NaN does); when it drops,
-            # every earlier key of the lane differs from it: first becomes the lane's
-            # first key (p), last its previous key (t - BLOCK)
-            dropped = new_min < lmin
+            nan = tl.maximum(nan, tl.max((ok & (xf != xf)).to(tl.int32), axis=0))
+            new_min = tl.minimum(run_min, tl.min(tl.where(ok & (xf == xf), xf, float("inf")), axis=0))
+            # keys that differ from the running minimum (NaN does); when the minimum drops,
+            # every earlier key differs from it
             ne = ok & (xf != new_min)
-            first = tl.where(dropped, tl.where(t0 > 0, p, big), tl.where(ne, tl.minimum(first, t), first))
-            last = tl.where(dropped, tl.where(t0 > 0, t - BLOCK, -1), tl.where(ne, t, last))
-            lmin = new_min
+            b_first = tl.min(tl.where(ne, t, T), axis=0)
+            b_last = tl.max(tl.where(ne, t, -1), axis=0)
+            dropped = new_min < run_min
+            first = tl.where(dropped, tl.where(t0 > 0, 0, b_first), tl.minimum(first, b_first))
+            last = tl.where(dropped, tl.maximum(t0 - 1, b_last), tl.maximum(last, b_last))
+            run_min = new_min
             neutral = ok & (xf == 0.0)  # y + 0.0 is y (+-0 aside, which _pack erases)
         else:
             vis = ok & ((x != 0) != WHERE)  # fill: hidden where the bool equals WHERE
-            first = tl.where(vis, tl.minimum(first, t), first)
-            last = tl.where(vis, t, last)
+            first = tl.minimum(first, tl.min(tl.where(vis, t, T), axis=0))
+            last = tl.maximum(last, tl.max(tl.where(vis, t, -1), axis=0))
             neutral = vis
-        after = tl.where((nlo < t) & (after == T) & ok & ~neutral, t, after)
-        nlo = tl.where(neutral, tl.minimum(nlo, t), nlo)
-    # the lanes combined. The run starts at the row's first neutral key r_lo; it ends at
-    # the first key after r_lo that is not neutral: in each lane, its first key q past r_lo
-    # where q comes before the lane's own first neutral key (so q is not neutral), else the
-    # lane's first non-neutral key after that one
-    r_lo = tl.min(nlo, axis=0)
-    q = p + tl.maximum(r_lo - p + BLOCK, 0) // BLOCK * BLOCK  # (p > r_lo: p itself)
-    cand = tl.where(q < nlo, q, after)
-    r_hi = tl.min(tl.where(q < T, cand, T), axis=0)
+        # the run starts at the first neutral key and ends at the first key after it that
+        # is not neutral; blocks come in key order, so once it has ended it stays
+        nlo = tl.minimum(nlo, tl.min(tl.where(neutral, t, T), axis=0))
+        end = tl.min(tl.where(ok & ~neutral & (t > nlo), t, T), axis=0)
+        nhi = tl.where(nhi < T, nhi, end)
+    tl.store(RLO + row, first)
+    tl.store(RHI + row, last + 1)
+    tl.store(NLO + row, nlo)
+    tl.store(NHI + row, tl.maximum(nhi, nlo))
     if ADD:
-        r_min = tl.min(lmin, axis=0)
-        # a lane whose minimum is above the row's differs from it at every key: its first
-        # key and its last (lanes past T hold no key)
-        lane_last = p + (T - 1 - p) // BLOCK * BLOCK
-        above = (lmin > r_min) & (p < T)
-        first = tl.where(above, p, first)
-        last = tl.where(above, lane_last, last)
-        tl.store(RMIN + row, tl.where(tl.max(nan.to(tl.int32), axis=0) != 0, float("nan"), r_min))
-    tl.store(RLO + row, tl.min(first, axis=0))
-    tl.store(RHI + row, tl.max(last, axis=0) + 1)
-    tl.store(NLO + row, r_lo)
-    tl.store(NHI + row, tl.maximum(r_hi, r_lo))
+        tl.store(RMIN + row, tl.where(nan != 0, float("nan"), run_min))
 
 
 def visible_ranges_reference(m: torch.Tensor, add: bool, where: bool, vh: Optional[torch.Tensor]):

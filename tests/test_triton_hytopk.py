@@ -508,11 +508,12 @@ def test_mask_key_ranges_one_scan(interpret, monkeypatch, dtype):
 @pytest.mark.interpret
 @pytest.mark.parametrize("kind", ["add", "fill"])
 def test_mask_key_ranges_random_rows(interpret, monkeypatch, kind):
-    # The scan keeps one state per lane (keys p, p + 16, ... here) and combines the lanes
-    # once (v29): rows drawn from a few values, so that a row's minimum, its neutral run and
-    # the key that ends it fall in any lane and any block, some lanes hold no key (T = 53),
-    # and some rows have their own minimum above the tensor's. Ranges, hidden value and
-    # neutral runs equal the torch references.
+    # The scan reads each row in blocks (16 keys here; T = 53, so the last block is short):
+    # rows drawn from a few values, so that a row's minimum, its neutral run and the key that
+    # ends it fall anywhere in any block, and some rows have their own minimum above the
+    # tensor's. Ranges, hidden value and neutral runs equal the torch references. (Written
+    # for v29's per-lane scan, measured and reverted: docs/kernel-design.md; it checks any
+    # scan.)
     from hyscale_compile.lowerings import triton_mask_ranges as tmr
 
     monkeypatch.setattr(tmr, "_BLOCK", 16)
@@ -526,10 +527,10 @@ def test_mask_key_ranges_random_rows(interpret, monkeypatch, kind):
         m = torch.where(torch.rand(B, S, T, generator=g) < probs, pool[pick], 0.0)
         m[0, 0] = 0.0
         m[0, 1] = -1.0  # a row whose minimum is above the tensor's
-        m[0, 2, 37] = -math.inf  # a late minimum in one lane
+        m[0, 2, 37] = -math.inf  # a late minimum
         m[1, 3] = torch.where(torch.arange(T) < 20, 0.0, -1.0)  # a run longer than a block
         m[1, 4] = -math.inf
-        m[1, 4, 5] = 0.0  # the one visible key: its lane's minimum drops two blocks later
+        m[1, 4, 5] = 0.0  # the one visible key, before the row's minimum
         spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
                          masks=(MaskTerm(kind="add", operand=0),))
     else:
@@ -544,10 +545,9 @@ def test_mask_key_ranges_random_rows(interpret, monkeypatch, kind):
         assert r.hidden.tolist() == [-math.inf]
         assert (r.lo[0, 1].item(), r.hi[0, 1].item()) == (0, T)
         assert (r.lo[1, 4].item(), r.hi[1, 4].item()) == (5, 6)
-    # (the draw covers what the lanes must combine: runs that start in one lane and end in
-    # another, rows with nothing neutral)
+    # (the draw covers runs that end at another position of a block than they start)
     assert ((r.nhi - r.nlo) > 1).any() and ((r.nlo % 16) != (r.nhi % 16)).any()
-    assert (r.nlo[1, 3].item(), r.nhi[1, 3].item()) == (0, 20)  # (each lane's first key past the run ends it)
+    assert (r.nlo[1, 3].item(), r.nhi[1, 3].item()) == (0, 20)  # (a run longer than a block)
     if kind == "fill":
         assert r.nlo[0, 1].item() == T  # (all hidden: nothing neutral)
 
