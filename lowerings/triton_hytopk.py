@@ -106,7 +106,7 @@ class HyTopKConfig:
     # 128K, v20), "tl.sort" (Triton's, per element at every step) or "transpose" (every
     # step once per pair, keys moved through shared memory: 6.80 -> 4.45 ms for the rows'
     # sort at 128K, v27; it spills inside the fused kernel) or "f64" (the rows' sort only:
-    # transpose with each pair compared as doubles, T <= 2^20: 4.45 -> 3.71 ms at 128K,
+    # transpose with each pair compared as doubles, T <= 2^20: 4.45 -> 3.68 ms at 128K,
     # v28). The same order every way. None: "minmax" inside the fused kernel,
     # triton_sort_rows' default (2,048 keys: "f64" where T <= 2^20, else "transpose") for
     # "after".
@@ -362,12 +362,20 @@ def hytopk_triton(
         sort = "none"  # any order will do: skip the sort
     if sort == "after" and after_rows == 0:  # several batches over the budget: the fused sort
         sort = "rank" if interpret else "bitonic"
-    if sort_network == "f64" and (sort != "after" or T > 1 << 20):
-        # (its keys hold 20 index bits; the fused kernel's keys are _pack's)
-        raise SpecError(f"config.sort_network='f64' sorts only in the rows' sort kernel (sort='after', "
-                        f"here {sort!r}) and for at most {1 << 20} keys (here {T})")
     elif sort == "after" and (cfg.score_only or cfg.profile):  # (benchmarks: the fused kernel alone)
         sort = "none"
+    if sort_network == "f64":
+        # the rows' sort kernel's network only (its keys hold 20 index bits; the fused
+        # kernel's are _pack's): refused where asked for inside the fused kernel or past 2^20
+        # keys; where the launch itself moves the sort into the fused kernel (several
+        # batches over the workspace budget) that sort takes minmax, the same order
+        if cfg.sort == "bitonic":
+            raise SpecError("config.sort_network='f64' is the rows' sort kernel's network (sort='after'); "
+                            "config.sort='bitonic' sorts inside the fused kernel")
+        if sort == "after" and T > 1 << 20:
+            raise SpecError(f"config.sort_network='f64' packs key indices in 20 bits: at most {1 << 20} keys, "
+                            f"here T={T}")
+        sort_network = "minmax"
     block_d = max(16, _next_pow2(D))
     topk_p2 = _next_pow2(topk)
     # (the rows are sorted together inside the fused kernel only by the bitonic sort)

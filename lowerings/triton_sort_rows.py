@@ -70,7 +70,7 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     H200, 2,048 keys
     (benchmarks/calibrate_sort.py --modes lib, session 16): 131,072 rows minmax 6.80 ms at 2
     warps (9.84 at 4), transpose 4.61 at 2 and 4.45 at 4; 32,768 rows 1.73 (2.48), 1.17
-    and 1.12. Session 17: f64 4.11 (2 warps) and 3.71 (4); 1.04 and 0.94. So the default
+    and 1.12. Session 17: f64 3.74 (2 warps) and 3.68 (4); 0.95 and 0.93. So the default
     at 2,048 keys is "f64" with 4 warps where ``index_bound`` allows it, else "transpose"."""
     if network is not None and network not in NETWORKS:
         raise ValueError(f"sort_rows_: network={network!r}; expected one of {sorted(NETWORKS)}")
@@ -80,11 +80,13 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
         raise ValueError(f"sort_rows_: expected int32/int64 indices and fp32 values, got {idx.dtype}, {vals.dtype}")
     if not (idx.is_contiguous() and vals.is_contiguous()) or idx.device != vals.device:
         raise ValueError("sort_rows_: idx and vals must be contiguous and on one device")
-    if index_bound is not None and (not isinstance(index_bound, int) or index_bound < 0):
+    if index_bound is not None and (isinstance(index_bound, bool) or not isinstance(index_bound, int)
+                                    or index_bound < 0):
         raise ValueError(f"sort_rows_: index_bound={index_bound!r}; expected a non-negative int")
     if network == "f64" and (index_bound is None or index_bound > 1 << INDEX_BITS_F64.value):
-        raise ValueError(f"sort_rows_: network='f64' packs indices in {INDEX_BITS_F64.value} bits; "
-                         f"index_bound={index_bound!r} must be given and <= {1 << INDEX_BITS_F64.value}")
+        raise ValueError(f"sort_rows_: network='f64' packs indices in {INDEX_BITS_F64.value} bits, so it needs "
+                         f"index_bound (an exclusive bound on idx's entries) <= {1 << INDEX_BITS_F64.value}; "
+                         f"got index_bound={index_bound!r}")
     k = idx.shape[-1] if idx.dim() else 0
     rows = idx.numel() // k if k else 0
     if rows == 0:

@@ -800,6 +800,12 @@ def test_sort_after_same_bits(interpret, monkeypatch):
     want = hytopk_triton(q2, k2, w2, [hi2], topk, DSA, return_values=True, config=cfg)
     got = hytopk_triton(q2, k2, w2, [hi2], topk, DSA, config=after)
     assert torch.equal(got, want[1])
+    # the same with the rows' sort network f64 asked for: the launch's own sort takes minmax
+    # (f64 is refused only where asked for inside the fused kernel), and without a sort
+    got = hytopk_triton(q2, k2, w2, [hi2], topk, DSA, config=dataclasses.replace(after, sort_network="f64"))
+    assert torch.equal(got, want[1])
+    got = hytopk_triton(q2, k2, w2, [hi2], topk, DSA, sorted=False, config=dataclasses.replace(after, sort_network="f64"))
+    assert torch.equal(got.sort(-1).values, want[1].sort(-1).values)
 
 
 def _compaction_case(seed):
@@ -1145,9 +1151,13 @@ def test_buffer_config_errors(interpret):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(l2_prefetch=2.5))
     with pytest.raises(SpecError, match="sort_network='odd-even'"):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(sort_network="odd-even"))
-    # the f64 network packs 20 index bits and exists only in the rows' sort kernel
-    with pytest.raises(SpecError, match="sort_network='f64' sorts only in the rows' sort kernel.*'bitonic'"):
+    # the f64 network exists only in the rows' sort kernel, and packs 20 index bits
+    with pytest.raises(SpecError, match="sort_network='f64' is the rows' sort kernel's network.*'bitonic'"):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(sort="bitonic", sort_network="f64"))
+    T2 = (1 << 20) + 1
+    k2 = torch.zeros(k.shape[0], T2, *k.shape[2:], dtype=k.dtype)
+    with pytest.raises(SpecError, match="at most 1048576 keys, here T=1048577"):
+        hytopk_triton(q, k2, w, [], topk, spec, config=HyTopKConfig(sort="after", sort_network="f64"))
 
 
 @pytest.mark.interpret

@@ -145,18 +145,50 @@ def test_sort_rows_bad_input():
     with pytest.raises(ValueError, match="network='bitonic'"):
         sort_rows_(idx, vals, network="bitonic")
     # the f64 network holds 20 index bits: the caller must bound the indices
-    with pytest.raises(ValueError, match="index_bound=None must be given"):
+    with pytest.raises(ValueError, match="needs index_bound .* <= 1048576; got index_bound=None"):
         sort_rows_(idx, vals, network="f64")
-    with pytest.raises(ValueError, match="index_bound=1048577"):
+    with pytest.raises(ValueError, match="got index_bound=1048577"):
         sort_rows_(idx, vals, network="f64", index_bound=(1 << 20) + 1)
-    with pytest.raises(ValueError, match="index_bound=-1"):
-        sort_rows_(idx, vals, index_bound=-1)
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match=f"index_bound={bad!r}; expected a non-negative int"):
+            sort_rows_(idx, vals, index_bound=bad)
+
+
+class _NetworkSpy:
+    # stands in for _sort_rows_kernel: records the NETWORK each launch takes, then launches
+    def __init__(self, kernel):
+        self.kernel, self.networks = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.networks.append(args[6])
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.interpret
+def test_sort_rows_default_network(monkeypatch):
+    # the default's choice (sort_rows_ with network=None): f64 at 2,048 keys where the
+    # caller bounds the indices by 2^20, transpose where it does not or the bound is larger,
+    # minmax below 2,048 keys
+    _interpreting()
+    from hyscale_compile.lowerings import triton_sort_rows as tsr
+
+    spy = _NetworkSpy(tsr._sort_rows_kernel)
+    monkeypatch.setattr(tsr, "_sort_rows_kernel", spy)
+    idx = torch.arange(2048, dtype=torch.int32).repeat(1, 1)
+    vals = torch.zeros(1, 2048)
+    for bound, want in ((1 << 20, "f64"), ((1 << 20) + 1, "transpose"), (None, "transpose"), (2048, "f64")):
+        sort_rows_(idx.clone(), vals.clone(), index_bound=bound)
+        assert spy.networks[-1] == tsr.NETWORKS[want], (bound, spy.networks)
+    sort_rows_(idx[:, :512].contiguous(), vals[:, :512].contiguous(), index_bound=512)
+    assert spy.networks[-1] == tsr.NETWORKS["minmax"]
 
 
 @pytest.mark.interpret
 def test_sort_rows_f64_index_range():
-    # the f64 network at the ends of its index range (0 and 2^20 - 1, ties between them) and
-    # the default's choice: f64 for index_bound <= 2^20, transpose above; the same bits
+    # the f64 network at the ends of its index range (0 and 2^20 - 1, ties between them),
+    # int32 and int64 indices, values written or not: the reference order, transpose's bits
     _interpreting()
     k = 2048
     g = torch.Generator().manual_seed(2021)
@@ -167,10 +199,14 @@ def test_sort_rows_f64_index_range():
     idx, vals = idx0.clone(), vals0.clone()
     sort_rows_(idx, vals, network="f64", index_bound=1 << 20, num_warps=4)
     _check(idx, vals, idx0, vals0)
-    for bound in (1 << 20, (1 << 20) + 1):
-        idx2, vals2 = idx0.clone(), vals0.clone()
-        sort_rows_(idx2, vals2, index_bound=bound, num_warps=4)
-        assert torch.equal(idx2, idx) and torch.equal(vals2.view(torch.int32), vals.view(torch.int32)), bound
+    # the same with int64 indices, and with the values left as they were
+    idx64, vals2 = idx0.long(), vals0.clone()
+    sort_rows_(idx64, vals2, write_values=False, network="f64", index_bound=1 << 20, num_warps=4)
+    assert torch.equal(idx64, idx.long()) and torch.equal(vals2.view(torch.int32), vals0.view(torch.int32))
+    # and the transpose network's bits
+    idx2, vals2 = idx0.clone(), vals0.clone()
+    sort_rows_(idx2, vals2, network="transpose", num_warps=4)
+    assert torch.equal(idx2, idx) and torch.equal(vals2.view(torch.int32), vals.view(torch.int32))
 
 
 @pytest.mark.gpu
