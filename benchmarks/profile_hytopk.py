@@ -4,6 +4,12 @@ samples per SASS instruction, summed over the kernel source lines they come from
 On the GPU machine (ncu must be able to read the counters):
 
     python benchmarks/profile_hytopk.py --seq 32768 --out $OUT [--config "num_stages=2,low_water=16"]
+    python benchmarks/profile_hytopk.py --target sort_rows --seq 32768 --out $OUT   # the rows' sort kernel
+
+``--target sort_rows`` profiles the rows' sort kernel instead (``sort_rows_``'s default at
+2,048 keys, ``--seq`` rows of ``calibrate_sort.py``'s "tail" data), adding the memory
+workload tables (shared-memory bank conflicts of the network's moves: docs/kernel-design.md
+v28c asks for them).
 
 This runs ncu on itself (``--child``: one warm-up launch, then the profiled one), exports
 the per-instruction source page as CSV, and prints the lines of the generated kernel that
@@ -24,6 +30,18 @@ from collections import defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def child_sort_rows(rows: int) -> None:
+    import torch
+
+    import calibrate_sort as cs
+    from hyscale_compile.lowerings.triton_sort_rows import sort_rows_
+
+    _, idx, val = cs.make_rows(rows, 2048, seed=rows, data="tail")
+    for _ in range(2):  # the first launch compiles; ncu skips it
+        sort_rows_(idx.clone(), val, write_values=False, index_bound=int(idx.max()) + 1)
+    torch.cuda.synchronize()
 
 
 def child(seq: int, config: str) -> None:
@@ -82,21 +100,29 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--analyze", default=None, help="a saved source-page CSV")
+    ap.add_argument("--target", default="hytopk", choices=("hytopk", "sort_rows"),
+                    help="the fused kernel, or the rows' sort kernel (--seq rows)")
     args = ap.parse_args()
     if args.child:
-        child(args.seq, args.config)
+        if args.target == "sort_rows":
+            child_sort_rows(args.seq)
+        else:
+            child(args.seq, args.config)
         return 0
     if args.analyze:
         with open(args.analyze) as f:
             print(analyze(f.read()))
         return 0
     os.makedirs(args.out, exist_ok=True)
-    rep = os.path.join(args.out, "hytopk")
-    cmd = ["ncu", "--clock-control", "none", "--kernel-name", "hytopk_kernel", "--launch-skip", "1",
+    rep = os.path.join(args.out, args.target)
+    kernel = "_sort_rows_kernel" if args.target == "sort_rows" else "hytopk_kernel"
+    extra_sections = ["--section", "MemoryWorkloadAnalysis", "--section", "MemoryWorkloadAnalysis_Tables"] \
+        if args.target == "sort_rows" else []
+    cmd = ["ncu", "--clock-control", "none", "--kernel-name", kernel, "--launch-skip", "1",
            "--launch-count", "1", "--import-source", "yes", "--section", "SourceCounters", "--section",
            "WarpStateStats", "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",
-           "-f", "-o", rep, sys.executable, os.path.abspath(__file__), "--child", "--seq", str(args.seq),
-           "--config", args.config]
+           *extra_sections, "-f", "-o", rep, sys.executable, os.path.abspath(__file__), "--child", "--seq",
+           str(args.seq), "--config", args.config, "--target", args.target]
     print(" ".join(cmd), file=sys.stderr)
     r = subprocess.run(cmd, capture_output=True, text=True)
     with open(os.path.join(args.out, "ncu.log"), "w") as f:
@@ -118,7 +144,8 @@ def main() -> int:
         if res.returncode == 0 and src is None and "Warp Stall Sampling" in res.stdout:
             src = res.stdout
     keep = ("Duration", "Registers", "Achieved Occupancy", "Theoretical Occupancy", "Compute (SM) Throughput",
-            "Memory Throughput", "Warp Cycles Per Issued", "Issue Slot", "Stall", "Block Limit")
+            "Memory Throughput", "Warp Cycles Per Issued", "Issue Slot", "Stall", "Block Limit", "Bank",
+            "Shared")
     print("\n".join(ln for ln in details.stdout.splitlines() if any(k in ln for k in keep))[:4000])
     if src is not None:
         print(analyze(src))

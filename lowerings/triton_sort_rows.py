@@ -62,8 +62,9 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     same network, its in-register steps once per pair) or "transpose"
     (triton_keys._sort_desc_transpose: every step once per pair, the keys moved through
     shared memory instead of shuffled) or "f64" (triton_keys._sort_desc_f64: the transpose
-    network on keys whose bits are also ordered doubles, each pair compared by one FP64
-    compare instead of two integer ones; only for indices below 2^20, which the caller
+    network on keys whose bits are also ordered doubles in [2, 4), each pair compared by one
+    FP64 compare instead of two integer ones and its second key found by two exact FP64
+    adds instead of two selects; only for indices below 2^20, which the caller
     vouches for with ``index_bound``, an exclusive bound on the entries of ``idx``); all
     give the same order. None: at 2,048 keys (padded: 1,025-2,048) "f64" where
     ``index_bound`` <= 2^20, else "transpose", both with 4 warps; below, "minmax" with 2.
