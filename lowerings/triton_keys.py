@@ -312,9 +312,8 @@ def _unpack_index_f64(p):
 
 @triton.jit
 def _unpack_value_f64(p):
-    hi = (((p >> 20) & 4294967295) - 2147483648).to(tl.int32)
-    b = hi ^ ((hi >> 31) & 0x7FFFFFFF)
-    return b.to(tl.float32, bitcast=True)
+    # the score bits back in _pack's high word, then _pack's own unpack
+    return _unpack_value((((p >> 20) & 4294967295) - 2147483648) << 32)
 
 
 @triton.jit

@@ -34,17 +34,16 @@ def _sort_rows_kernel(IDX, VAL, K: tl.constexpr, K_P2: tl.constexpr, R: tl.const
     y = tl.load(VAL + row * K + offs, mask=ok, other=0.0)
     if NETWORK == 3:
         # the f64 network (indices < 2^20: sort_rows_ checks the caller's bound)
-        keys = tl.where(ok, _pack_f64(y, idx), PAD_F64)
-        keys = _sort_desc_f64(keys, K_P2, R, _reg_bits(K_P2, R))
-        tl.store(IDX + row * K + offs, _unpack_index_f64(keys).to(IDX.dtype.element_ty), mask=ok)
-        if WRITE_VALUES:
-            tl.store(VAL + row * K + offs, _unpack_value_f64(keys), mask=ok)
+        keys = _sort_desc_f64(tl.where(ok, _pack_f64(y, idx), PAD_F64), K_P2, R, _reg_bits(K_P2, R))
+        out_idx = _unpack_index_f64(keys)
+        out_val = _unpack_value_f64(keys)
     else:
-        keys = tl.where(ok, _pack(y, idx), EMPTY)
-        keys = _sort_desc_by(keys, K_P2, R, NETWORK)
-        tl.store(IDX + row * K + offs, _unpack_index(keys).to(IDX.dtype.element_ty), mask=ok)
-        if WRITE_VALUES:
-            tl.store(VAL + row * K + offs, _unpack_value(keys), mask=ok)
+        keys = _sort_desc_by(tl.where(ok, _pack(y, idx), EMPTY), K_P2, R, NETWORK)
+        out_idx = _unpack_index(keys)
+        out_val = _unpack_value(keys)
+    tl.store(IDX + row * K + offs, out_idx.to(IDX.dtype.element_ty), mask=ok)
+    if WRITE_VALUES:
+        tl.store(VAL + row * K + offs, out_val, mask=ok)
 
 
 NETWORKS = {"tl.sort": 0, "minmax": 1, "transpose": 2, "f64": 3}
@@ -84,7 +83,8 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     if index_bound is not None and (isinstance(index_bound, bool) or not isinstance(index_bound, int)
                                     or index_bound < 0):
         raise ValueError(f"sort_rows_: index_bound={index_bound!r}; expected a non-negative int")
-    if network == "f64" and (index_bound is None or index_bound > 1 << INDEX_BITS_F64.value):
+    f64_ok = index_bound is not None and index_bound <= 1 << INDEX_BITS_F64.value
+    if network == "f64" and not f64_ok:
         raise ValueError(f"sort_rows_: network='f64' packs indices in {INDEX_BITS_F64.value} bits, so it needs "
                          f"index_bound (an exclusive bound on idx's entries) <= {1 << INDEX_BITS_F64.value}; "
                          f"got index_bound={index_bound!r}")
@@ -98,7 +98,6 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     # (minmax: 2 warps, the network's low 5 bits in registers)
     wide = k_p2 == 2048
     if network is None:
-        f64_ok = index_bound is not None and index_bound <= 1 << INDEX_BITS_F64.value
         network = ("f64" if f64_ok else "transpose") if wide else "minmax"
     if num_warps is None:
         num_warps = 1 if interpret or k_p2 < 256 else 4 if wide and network in ("transpose", "f64") else 2
