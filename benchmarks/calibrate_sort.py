@@ -130,6 +130,9 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=bh.TOPK)
     ap.add_argument("--warps", default="1,2,4,8")
     ap.add_argument("--rows-per-program", default="1", help="also sort 2, 4, ... rows per program (packed form)")
+    ap.add_argument("--lib-rows", default="1",
+                    help="lib: rows per program of sort_rows_ (comma-separated; --warps then counts warps per row; "
+                         "more than 1: transpose and f64 only)")
     ap.add_argument("--data", default="tail,relu")
     ap.add_argument("--modes", default="packed,split,copy,lib", help="which forms to time")
     ap.add_argument("--networks", default="tl.sort,minmax",
@@ -176,30 +179,37 @@ def main(argv=None) -> int:
                     table.append((rows, data, mname, nw, R, ms, ok))
                     bh.log(rows, data, mname, nw, R, ms, ok)
         if "lib" in modes:
-            for nw in [int(x) for x in args.warps.split(",")]:
+            for nw, rpp in [(int(x), int(r)) for x in args.warps.split(",") for r in args.lib_rows.split(",")]:
                 R = max(1, k_p2 // (128 * nw))
                 src = idx.clone()
                 bound = int(idx.max()) + 1  # (the f64 network's index check)
                 for network in args.networks.split(","):
+                    if rpp > 1 and network not in ("transpose", "f64"):
+                        continue
+                    form = "" if rpp == 1 else f", {rpp} rows/program"
+
                     def fn_lib():
                         src.copy_(idx)  # in place: the timing includes this copy, as split's
-                        lib.sort_rows_(src, val, write_values=False, num_warps=nw, network=network,
-                                       index_bound=bound)
+                        lib.sort_rows_(src, val, write_values=False, num_warps=nw * rpp, network=network,
+                                       index_bound=bound, rows_per_program=rpp)
                         return src
                     ms, _, res, _ = bh.measure(fn_lib)
                     ok = "yes" if torch.equal(res, want) else "NO"
-                    table.append((rows, data, f"lib (triton_sort_rows, network={network})", nw, R, ms, ok))
-                    bh.log(rows, data, "lib", network, nw, R, ms, ok)
+                    table.append((rows, data, f"lib (triton_sort_rows, network={network}{form})", nw, R, ms, ok))
+                    bh.log(rows, data, "lib", network, nw, rpp, R, ms, ok)
                     for cap in [int(x) for x in args.maxnreg.split(",") if x]:
-                        def fn_cap():
+                        def fn_cap():  # (sort_rows_'s launch, plus maxnreg)
                             src.copy_(idx)
-                            lib._sort_rows_kernel[(rows,)](src, val, k, k_p2, R, False, lib.NETWORKS[network],
-                                                           num_warps=nw, maxnreg=cap)
+                            lib._sort_rows_kernel[(triton.cdiv(rows, rpp),)](
+                                src, val, rows, k, k_p2, R, False, lib.NETWORKS[network], rpp, num_warps=nw * rpp,
+                                maxnreg=cap)
                             return src
                         ms, _, res, _ = bh.measure(fn_cap)
                         ok = "yes" if torch.equal(res, want) else "NO"
-                        table.append((rows, data, f"lib (network={network}, maxnreg={cap})", nw, R, ms, ok))
-                        bh.log(rows, data, "lib", network, nw, R, cap, ms, ok)
+                        table.append((rows, data, f"lib (network={network}{form}, maxnreg={cap})", nw, R, ms, ok))
+                        bh.log(rows, data, "lib", network, nw, rpp, R, cap, ms, ok)
+                if rpp > 1:
+                    continue
                 out = torch.empty_like(idx)
                 ms, _, _, _ = bh.measure(lambda: _trunc32_bare_kernel[(rows,)](
                     idx, val, out, k, k_p2, R, k_p2.bit_length() - 1, num_warps=nw))

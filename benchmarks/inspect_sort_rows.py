@@ -49,12 +49,13 @@ def launch_r(k_p2: int, num_warps: int) -> int:
     return max(1, k_p2 // (128 * num_warps))  # as sort_rows_
 
 
-def compile_sort(k: int, num_warps: int, network: str, write_values: bool = False):
+def compile_sort(k: int, num_warps: int, network: str, write_values: bool = False, rows: int = 1):
+    # num_warps per row; the program sorts `rows` rows with num_warps * rows warps
     k_p2 = triton.next_power_of_2(k)
     idx = torch.empty(4, k, dtype=torch.int32)
     vals = torch.empty(4, k, dtype=torch.float32)
-    return lib._sort_rows_kernel.warmup(idx, vals, k, k_p2, launch_r(k_p2, num_warps), write_values,
-                                        lib.NETWORKS[network], grid=(1,), num_warps=num_warps)
+    return lib._sort_rows_kernel.warmup(idx, vals, 4, k, k_p2, launch_r(k_p2, num_warps), write_values,
+                                        lib.NETWORKS[network], rows, grid=(1,), num_warps=num_warps * rows)
 
 
 def sass_text(cubin: bytes, bindir: str) -> str:
@@ -115,6 +116,8 @@ def main():
     ap.add_argument("--converts", action="store_true", help="list each build's layout conversions")
     ap.add_argument("--plan", type=int, default=None, metavar="WARPS", help="print the transpose plan and stop")
     ap.add_argument("--dump", default=None, help="directory for each build's ttgir/ptx/sass")
+    ap.add_argument("--rows-per-program", type=int, default=1,
+                    help="rows per program (transpose / f64; --warps then counts warps per row; row = sass x warps)")
     args = ap.parse_args()
     if args.plan is not None:
         print_plan(args.k, args.plan)
@@ -126,7 +129,7 @@ def main():
     print(f"{'network':>10s} {'warps':>5s} " + " ".join(f"{c:>8s}" for c in cols), flush=True)
     for nw in [int(x) for x in args.warps.split(",")]:
         for network in args.networks.split(","):
-            ck = compile_sort(args.k, nw, network, args.write_values)
+            ck = compile_sort(args.k, nw, network, args.write_values, args.rows_per_program)
             c, sass = counts(ck, bindir)
             c["row"] = c["sass"] * nw
             print(f"{network:>10s} {nw:5d} " + " ".join(f"{c.get(x, 0):8d}" for x in cols), flush=True)

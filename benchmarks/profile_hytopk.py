@@ -32,15 +32,17 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
-def child_sort_rows(rows: int) -> None:
+def child_sort_rows(rows: int, config: str) -> None:
     import torch
 
     import calibrate_sort as cs
     from hyscale_compile.lowerings.triton_sort_rows import sort_rows_
+    from sweep_hytopk_config import parse_fields
 
     _, idx, val = cs.make_rows(rows, 2048, seed=rows, data="tail")
+    kw = parse_fields(config) if config else {}  # sort_rows_'s keywords, e.g. "rows_per_program=2,num_warps=8"
     for _ in range(2):  # the first launch compiles; ncu skips it
-        sort_rows_(idx.clone(), val, write_values=False, index_bound=int(idx.max()) + 1)
+        sort_rows_(idx.clone(), val, write_values=False, index_bound=int(idx.max()) + 1, **kw)
     torch.cuda.synchronize()
 
 
@@ -96,7 +98,8 @@ def analyze(text: str, top: int = 40) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--config", default="", help="HyTopKConfig fields, e.g. 'num_stages=2,low_water=16'")
+    ap.add_argument("--config", default="", help="HyTopKConfig fields, e.g. 'num_stages=2,low_water=16' "
+                    "(--target sort_rows: sort_rows_'s keywords, e.g. 'rows_per_program=2,num_warps=8')")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--analyze", default=None, help="a saved source-page CSV")
@@ -105,7 +108,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         if args.target == "sort_rows":
-            child_sort_rows(args.seq)
+            child_sort_rows(args.seq, args.config)
         else:
             child(args.seq, args.config)
         return 0
@@ -116,8 +119,9 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     rep = os.path.join(args.out, args.target)
     kernel = "_sort_rows_kernel" if args.target == "sort_rows" else "hytopk_kernel"
-    extra_sections = ["--section", "MemoryWorkloadAnalysis", "--section", "MemoryWorkloadAnalysis_Tables"] \
-        if args.target == "sort_rows" else []
+    extra_sections = ["--section", "MemoryWorkloadAnalysis", "--section", "MemoryWorkloadAnalysis_Tables",
+                      "--section", "ComputeWorkloadAnalysis", "--section", "InstructionStats", "--section",
+                      "SchedulerStats"] if args.target == "sort_rows" else []
     cmd = ["ncu", "--clock-control", "none", "--kernel-name", kernel, "--launch-skip", "1",
            "--launch-count", "1", "--import-source", "yes", "--section", "SourceCounters", "--section",
            "WarpStateStats", "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",

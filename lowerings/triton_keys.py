@@ -72,7 +72,8 @@ def _log2c(n):
 
 
 @triton.jit
-def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, KNOWN: tl.constexpr, F64: tl.constexpr = False):
+def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, KNOWN: tl.constexpr, F64: tl.constexpr = False,
+            ROWS: tl.constexpr = 1):
     # One compare-exchange step of the bitonic network (stage s, flat index bit j < s) done
     # once per pair: the halves a (bit j = 0) and b (bit j = 1) split apart (register-only
     # where bit j is a register bit), one 64-bit compare, the larger key to a and the
@@ -80,7 +81,8 @@ def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, KNOWN: tl.cons
     # ascending blocks; in the last stage, s = log2(N), every block descends). KNOWN: bit s
     # is a register bit (or s = log2(N)), so each pair's direction is known at compile time.
     # F64: the keys are also ordered as doubles (_pack_f64), and compared as doubles.
-    A: tl.constexpr = N >> (j + 1)
+    # ROWS: x holds ROWS rows of N keys, one network each (the row bits sit above bit s).
+    A: tl.constexpr = (N * ROWS) >> (j + 1)
     B: tl.constexpr = 1 << j
     a, b = tl.split(tl.permute(tl.reshape(x, [A, 2, B]), [0, 2, 1]))
     if F64:
@@ -108,7 +110,7 @@ def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, KNOWN: tl.cons
         # the direction a lane/warp bit: ptxas folds it into the compare (ISETP.XOR), and
         # the second select needs fewer registers than the xor (1 warp: 165 against 255)
         lo = tl.where(c, b, a)
-    return tl.reshape(tl.permute(tl.join(hi, lo), [0, 2, 1]), [N])
+    return tl.reshape(tl.permute(tl.join(hi, lo), [0, 2, 1]), [N * ROWS])
 
 
 @triton.constexpr_function
@@ -167,7 +169,7 @@ def _sort_desc_minmax(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.const
 # and warps (1,344 shuffles per thread -> 32).
 
 @triton.constexpr_function
-def _transpose_plan(log_n, reg_bits):
+def _transpose_plan(log_n, reg_bits, log_rows=0):
     # Per step t of the network (stage s = 1..log_n, bit j = s-1..0): (order, known). order,
     # where the step needs a move first: the flat bits as the dims of the moved hypercube,
     # register bits first, then warp bits, lane bits last (_move_bits); () where bit j is
@@ -176,12 +178,15 @@ def _transpose_plan(log_n, reg_bits):
     # use: the longest run of register steps any window gives (a greedy choice is optimal
     # when every move costs the same). Lane and warp slots keep their bits where they can,
     # and a bit leaving the registers takes the slot of one entering them, the warp slots
-    # going to the bits used last, so that fewer moves cross warps (a barrier).
+    # going to the bits used last, so that fewer moves cross warps (a barrier). log_rows:
+    # 2^log_rows rows of 2^log_n keys, the row bits above the keys' (warp bits; no step
+    # uses them, so they keep their slots, and orders list them too).
     log_n = int(log_n)
+    log_m = log_n + int(log_rows)
     w = min(max(1, int(reg_bits)), log_n)  # (a step needs its bit in registers: at least one)
     steps = [(s, s - 1 - i) for s in range(1, log_n + 1) for i in range(s)]
     regs = list(range(w))           # register bits, the layout's basis 0 first
-    others = list(range(w, log_n))  # lane bits (basis 0 first), then warp bits (the
+    others = list(range(w, log_m))  # lane bits (basis 0 first), then warp bits (the
     # layout _low_bits_in_registers leaves: register bits lowest, then lanes, then warps)
     plan = []
     for t in range(len(steps)):
@@ -212,18 +217,26 @@ def _transpose_plan(log_n, reg_bits):
 
 
 @triton.constexpr_function
-def _tp_order(log_n, reg_bits, t):
-    return _transpose_plan(log_n, reg_bits)[int(t)][0]
+def _tp_order(log_n, reg_bits, t, log_rows=0):
+    return _transpose_plan(log_n, reg_bits, log_rows)[int(t)][0]
 
 
 @triton.constexpr_function
-def _tp_moves(log_n, reg_bits, t):
-    return len(_transpose_plan(log_n, reg_bits)[int(t)][0]) > 0
+def _tp_moves(log_n, reg_bits, t, log_rows=0):
+    return len(_transpose_plan(log_n, reg_bits, log_rows)[int(t)][0]) > 0
 
 
 @triton.constexpr_function
-def _tp_known(log_n, reg_bits, t):
-    return _transpose_plan(log_n, reg_bits)[int(t)][1]
+def _tp_start(log_n, reg_bits, log_rows):
+    # the layout _transpose_plan starts from (its first order): the low register bits, then
+    # the warp bits (the rows' on top), the lane bits last
+    w = min(max(1, int(reg_bits)), int(log_n))
+    return tuple(range(w - 1, -1, -1)) + tuple(range(int(log_n) + int(log_rows) - 1, w - 1, -1))
+
+
+@triton.constexpr_function
+def _tp_known(log_n, reg_bits, t, log_rows=0):
+    return _transpose_plan(log_n, reg_bits, log_rows)[int(t)][1]
 
 
 @triton.constexpr_function
@@ -265,20 +278,29 @@ def _move_bits(x, N: tl.constexpr, ORDER: tl.constexpr):
 
 @triton.jit
 def _sort_desc_transpose(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.constexpr, SKIP: tl.constexpr = -1,
-                         F64: tl.constexpr = False):
+                         F64: tl.constexpr = False, ROWS: tl.constexpr = 1):
     # keys [N] in descending order by _sort_desc_minmax's network, every step once per pair
     # (_cx_reg), with a move (_move_bits) before each step whose bit is not a register bit
     # (_transpose_plan). REG_BITS: the register bits per thread (N / threads), as minmax.
     # SKIP (tests only): the index of one compare-exchange step left out (its move kept).
-    # F64: the keys are _pack_f64's, compared as doubles (_sort_desc_f64).
-    keys = _low_bits_in_registers(keys, N, R)
+    # F64: the keys are _pack_f64's, compared as doubles (_sort_desc_f64). ROWS > 1: keys
+    # [ROWS * N], ROWS rows (row-major) sorted at once, each descending (the rows' sort
+    # kernel: the warps of several rows go in step through the code, docs/kernel-design.md
+    # v30); one move first puts them in the layout the plan starts from, the rows' bits as
+    # warp bits (Triton's load layout would put the rows in registers).
     LOG_N: tl.constexpr = _log2c(N)
+    LOG_ROWS: tl.constexpr = _log2c(ROWS)
+    if ROWS == 1:
+        keys = _low_bits_in_registers(keys, N, R)
+    else:
+        keys = _move_bits(keys, N * ROWS, _tp_start(LOG_N, REG_BITS, LOG_ROWS))
     for s in tl.static_range(1, LOG_N + 1):
         for i in tl.static_range(s):
-            if _tp_moves(LOG_N, REG_BITS, (s * (s - 1)) // 2 + i):
-                keys = _move_bits(keys, N, _tp_order(LOG_N, REG_BITS, (s * (s - 1)) // 2 + i))
+            if _tp_moves(LOG_N, REG_BITS, (s * (s - 1)) // 2 + i, LOG_ROWS):
+                keys = _move_bits(keys, N * ROWS, _tp_order(LOG_N, REG_BITS, (s * (s - 1)) // 2 + i, LOG_ROWS))
             if (s * (s - 1)) // 2 + i != SKIP:
-                keys = _cx_reg(keys, N, s - 1 - i, s, _tp_known(LOG_N, REG_BITS, (s * (s - 1)) // 2 + i), F64)
+                keys = _cx_reg(keys, N, s - 1 - i, s, _tp_known(LOG_N, REG_BITS, (s * (s - 1)) // 2 + i, LOG_ROWS),
+                               F64, ROWS)
     return keys
 
 
@@ -317,10 +339,12 @@ def _unpack_value_f64(p):
 
 
 @triton.jit
-def _sort_desc_f64(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.constexpr, SKIP: tl.constexpr = -1):
+def _sort_desc_f64(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.constexpr, SKIP: tl.constexpr = -1,
+                   ROWS: tl.constexpr = 1):
     # keys [N] (_pack_f64; PAD_F64 padding) in descending order: _sort_desc_transpose with
     # each pair compared as doubles. SKIP (tests only): one step left out (its move kept).
-    return _sort_desc_transpose(keys, N, R, REG_BITS, SKIP, True)
+    # ROWS: as _sort_desc_transpose's.
+    return _sort_desc_transpose(keys, N, R, REG_BITS, SKIP, True, ROWS)
 
 
 @triton.constexpr_function

@@ -19,31 +19,42 @@ import triton
 import triton.language as tl
 
 from .triton_keys import (EMPTY, INDEX_BITS_F64, PAD_F64, _pack, _pack_f64, _reg_bits, _sort_desc_by, _sort_desc_f64,
-                          _unpack_index, _unpack_index_f64, _unpack_value, _unpack_value_f64)
+                          _sort_desc_transpose, _unpack_index, _unpack_index_f64, _unpack_value, _unpack_value_f64)
 
 
 @triton.jit
-def _sort_rows_kernel(IDX, VAL, K: tl.constexpr, K_P2: tl.constexpr, R: tl.constexpr, WRITE_VALUES: tl.constexpr,
-                      NETWORK: tl.constexpr):
-    # One row of K (index, value) pairs as the fused kernel's keys (triton_keys), sorted
-    # descending: (value desc, index asc), NaN above +inf, -0.0 tied with +0.0.
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, K_P2)
-    ok = offs < K
-    idx = tl.load(IDX + row * K + offs, mask=ok, other=0)
-    y = tl.load(VAL + row * K + offs, mask=ok, other=0.0)
+def _sort_rows_kernel(IDX, VAL, n_rows, K: tl.constexpr, K_P2: tl.constexpr, R: tl.constexpr,
+                      WRITE_VALUES: tl.constexpr, NETWORK: tl.constexpr, ROWS: tl.constexpr = 1):
+    # ROWS rows of K (index, value) pairs as the fused kernel's keys (triton_keys), each
+    # sorted descending: (value desc, index asc), NaN above +inf, -0.0 tied with +0.0.
+    # ROWS > 1 only for the transpose and f64 networks (sort_rows_ checks).
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    i = tl.arange(0, K_P2)[None, :]
+    ok = i < K
+    if ROWS > 1:
+        ok = ok & (r < n_rows)
+    idx = tl.reshape(tl.load(IDX + r * K + i, mask=ok, other=0), [ROWS * K_P2])
+    y = tl.reshape(tl.load(VAL + r * K + i, mask=ok, other=0.0), [ROWS * K_P2])
+    ok = tl.reshape(ok, [ROWS * K_P2])
     if NETWORK == 3:
         # the f64 network (indices < 2^20: sort_rows_ checks the caller's bound)
-        keys = _sort_desc_f64(tl.where(ok, _pack_f64(y, idx), PAD_F64), K_P2, R, _reg_bits(K_P2, R))
+        keys = _sort_desc_f64(tl.where(ok, _pack_f64(y, idx), PAD_F64), K_P2, R, _reg_bits(K_P2, R), -1, ROWS)
         out_idx = _unpack_index_f64(keys)
         out_val = _unpack_value_f64(keys)
+    elif NETWORK == 2:
+        keys = _sort_desc_transpose(tl.where(ok, _pack(y, idx), EMPTY), K_P2, R, _reg_bits(K_P2, R), -1, False,
+                                    ROWS)
+        out_idx = _unpack_index(keys)
+        out_val = _unpack_value(keys)
     else:
         keys = _sort_desc_by(tl.where(ok, _pack(y, idx), EMPTY), K_P2, R, NETWORK)
         out_idx = _unpack_index(keys)
         out_val = _unpack_value(keys)
-    tl.store(IDX + row * K + offs, out_idx.to(IDX.dtype.element_ty), mask=ok)
+    # sorted: row-major [ROWS, K_P2], each row's first K the answer
+    ok = tl.reshape(ok, [ROWS, K_P2])
+    tl.store(IDX + r * K + i, tl.reshape(out_idx, [ROWS, K_P2]).to(IDX.dtype.element_ty), mask=ok)
     if WRITE_VALUES:
-        tl.store(VAL + row * K + offs, out_val, mask=ok)
+        tl.store(VAL + r * K + i, tl.reshape(out_val, [ROWS, K_P2]), mask=ok)
 
 
 NETWORKS = {"tl.sort": 0, "minmax": 1, "transpose": 2, "f64": 3}
@@ -51,12 +62,14 @@ NETWORKS = {"tl.sort": 0, "minmax": 1, "transpose": 2, "f64": 3}
 
 def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True, *,
                num_warps: Optional[int] = None, network: Optional[str] = None,
-               index_bound: Optional[int] = None) -> None:
+               index_bound: Optional[int] = None, rows_per_program: Optional[int] = None) -> None:
     """Sort each row (last dim) of ``idx`` (int32/int64, entries in [0, 2^32)) and its fp32
     ``vals`` in place by (value desc, index asc); -0.0 ties +0.0 and NaN sorts first.
     ``write_values=False`` leaves ``vals`` unsorted (a workspace). Both contiguous, one
-    shape, on one device (CUDA, or CPU under TRITON_INTERPRET=1). ``num_warps``
-    (benchmarks): None, the measured default. ``network``: "tl.sort" (triton's bitonic
+    shape, on one device (CUDA, or CPU under TRITON_INTERPRET=1). ``num_warps`` and
+    ``rows_per_program`` (benchmarks): None, the measured default; each program sorts
+    ``rows_per_program`` rows (a power of two; more than one only for the "transpose" and
+    "f64" networks) with ``num_warps`` warps in all. ``network``: "tl.sort" (triton's bitonic
     sort, per element at every step), "minmax" (triton_keys._sort_desc_minmax: the
     same network, its in-register steps once per pair) or "transpose"
     (triton_keys._sort_desc_transpose: every step once per pair, the keys moved through
@@ -99,14 +112,27 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     wide = k_p2 == 2048
     if network is None:
         network = ("f64" if f64_ok else "transpose") if wide else "minmax"
+    if rows_per_program is None:
+        rows_per_program = 1
+    elif (isinstance(rows_per_program, bool) or not isinstance(rows_per_program, int) or rows_per_program < 1
+          or rows_per_program & (rows_per_program - 1)):
+        raise ValueError(f"sort_rows_: rows_per_program={rows_per_program!r}; expected a power of two >= 1")
+    elif rows_per_program > 1 and network not in ("transpose", "f64"):
+        raise ValueError(f"sort_rows_: rows_per_program={rows_per_program} needs network 'transpose' or 'f64', "
+                         f"got {network!r}")
     if num_warps is None:
-        num_warps = 1 if interpret or k_p2 < 256 else 4 if wide and network in ("transpose", "f64") else 2
-    elif not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):
-        raise ValueError(f"sort_rows_: num_warps={num_warps!r}; expected a power of two >= 1")
-    R = max(1, k_p2 // (128 * num_warps))
+        per_row = 1 if interpret or k_p2 < 256 else 4 if wide and network in ("transpose", "f64") else 2
+        num_warps = per_row * rows_per_program
+    elif (isinstance(num_warps, bool) or not isinstance(num_warps, int) or num_warps < rows_per_program
+          or num_warps & (num_warps - 1)):
+        raise ValueError(f"sort_rows_: num_warps={num_warps!r}; expected a power of two >= rows_per_program "
+                         f"({rows_per_program})")
+    R = max(1, k_p2 // (128 * (num_warps // rows_per_program)))
     launch = {} if interpret else dict(num_warps=num_warps)
+    grid = (triton.cdiv(rows, rows_per_program),)
     with torch.cuda.device(idx.device) if idx.device.type == "cuda" else contextlib.nullcontext():
-        _sort_rows_kernel[(rows,)](idx, vals, k, k_p2, R, write_values, NETWORKS[network], **launch)
+        _sort_rows_kernel[grid](idx, vals, rows, k, k_p2, R, write_values, NETWORKS[network], rows_per_program,
+                                **launch)
 
 
 def sort_rows_reference(idx: torch.Tensor, vals: torch.Tensor):

@@ -119,7 +119,7 @@ idx, vals = torch.empty(4, 2048, dtype=torch.int32), torch.empty(4, 2048)
 # each network at 2 warps (R = 8), and the library's launches at 2,048 keys: 4 warps (R = 4)
 for name, net, warps in [(n, v, 2) for n, v in NETWORKS.items()] + [("transpose4", NETWORKS["transpose"], 4),
                                                                    ("f644", NETWORKS["f64"], 4)]:
-    ck = _sort_rows_kernel.warmup(idx, vals, 2048, 2048, 8 // (warps // 2), True, net, grid=(4,), num_warps=warps)
+    ck = _sort_rows_kernel.warmup(idx, vals, 4, 2048, 2048, 8 // (warps // 2), True, net, grid=(4,), num_warps=warps)
     sass = ih.sass_counts(ck.asm["cubin"], bindir)[1]
     isetp = sum(1 for ln in sass.splitlines() if "ISETP" in ln)
     lds = sum(1 for ln in sass.splitlines() if " LDS" in ln)

@@ -161,7 +161,7 @@ class _NetworkSpy:
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
-            self.networks.append(args[6])
+            self.networks.append(args[7])
             return self.kernel[grid](*args, **kw)
         return launch
 
