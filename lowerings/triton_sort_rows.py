@@ -24,7 +24,8 @@ from .triton_keys import (EMPTY, INDEX_BITS_F64, PAD_F64, _pack, _pack_f64, _reg
 
 @triton.jit
 def _sort_rows_kernel(IDX, VAL, n_rows, K: tl.constexpr, K_P2: tl.constexpr, R: tl.constexpr,
-                      WRITE_VALUES: tl.constexpr, NETWORK: tl.constexpr, ROWS: tl.constexpr = 1):
+                      WRITE_VALUES: tl.constexpr, NETWORK: tl.constexpr, ROWS: tl.constexpr = 1,
+                      LO_ADD_EVERY: tl.constexpr = 1):
     # ROWS rows of K (index, value) pairs as the fused kernel's keys (triton_keys), each
     # sorted descending: (value desc, index asc), NaN above +inf, -0.0 tied with +0.0.
     # ROWS > 1 only for the transpose and f64 networks (sort_rows_ checks).
@@ -38,7 +39,8 @@ def _sort_rows_kernel(IDX, VAL, n_rows, K: tl.constexpr, K_P2: tl.constexpr, R: 
     ok = tl.reshape(ok, [ROWS * K_P2])
     if NETWORK == 3:
         # the f64 network (indices < 2^20: sort_rows_ checks the caller's bound)
-        keys = _sort_desc_f64(tl.where(ok, _pack_f64(y, idx), PAD_F64), K_P2, R, _reg_bits(K_P2, R), -1, ROWS)
+        keys = _sort_desc_f64(tl.where(ok, _pack_f64(y, idx), PAD_F64), K_P2, R, _reg_bits(K_P2, R), -1, ROWS,
+                              LO_ADD_EVERY)
         out_idx = _unpack_index_f64(keys)
         out_val = _unpack_value_f64(keys)
     elif NETWORK == 2:
