@@ -141,9 +141,6 @@ def main(argv=None) -> int:
                     help="lib: also time each network and warp count with ptxas capped at these registers "
                          "per thread (comma-separated; more programs per SM; the launch sort_rows_ makes, "
                          "plus maxnreg)")
-    ap.add_argument("--lo-add-every", default="",
-                    help="lib, f64: also time each launch with every n-th step's second key by FP64 adds and the "
-                         "others by selects (comma-separated n; 0: selects only; the default launch is 1)")
     args = ap.parse_args(argv)
     modes = set(args.modes.split(","))
     bad = [n for n in args.networks.split(",") if n not in lib.NETWORKS]
@@ -211,18 +208,6 @@ def main(argv=None) -> int:
                         ok = "yes" if torch.equal(res, want) else "NO"
                         table.append((rows, data, f"lib (network={network}{form}, maxnreg={cap})", nw, R, ms, ok))
                         bh.log(rows, data, "lib", network, nw, rpp, R, cap, ms, ok)
-                    for every in [int(x) for x in args.lo_add_every.split(",") if x and network == "f64"]:
-                        def fn_every():  # (sort_rows_'s launch, plus LO_ADD_EVERY)
-                            src.copy_(idx)
-                            lib._sort_rows_kernel[(triton.cdiv(rows, rpp),)](
-                                src, val, rows, k, k_p2, R, False, lib.NETWORKS[network], rpp, every,
-                                num_warps=nw * rpp)
-                            return src
-                        ms, _, res, _ = bh.measure(fn_every)
-                        ok = "yes" if torch.equal(res, want) else "NO"
-                        table.append((rows, data, f"lib (network={network}{form}, lo by adds every {every})", nw, R,
-                                      ms, ok))
-                        bh.log(rows, data, "lib", network, nw, rpp, R, "every", every, ms, ok)
                 if rpp > 1:
                     continue
                 out = torch.empty_like(idx)

@@ -111,6 +111,9 @@ class HyTopKConfig:
     # triton_sort_rows' default (2,048 keys: "f64" where T <= 2^20, else "transpose") for
     # "after".
     sort_network: Optional[str] = None
+    # Rows per program of the rows' sort kernel (sort="after"; benchmarks): None, its default
+    # (2 for the f64 network at 2,048 keys: docs/kernel-design.md v30).
+    sort_rows_per_program: Optional[int] = None
     # Sampled threshold estimate (v23, docs/kernel-design.md): a row block with at least 3k
     # keys to score first scores every presample-th of them (a key stride; raised to
     # ceil(T / cap) so that a row's sample fits its buffer), takes each row's estimate of its
@@ -556,7 +559,8 @@ def hytopk_triton(
             if sort == "after":
                 # (the rows' sort kernel has its own default network: "f64" or "transpose",
                 # which are not for the fused kernel)
-                sort_rows_(idx_t, vals_t, write_values=return_values, network=cfg.sort_network, index_bound=T)
+                sort_rows_(idx_t, vals_t, write_values=return_values, network=cfg.sort_network, index_bound=T,
+                           rows_per_program=cfg.sort_rows_per_program)
                 if return_values and vals32 is not val_out:
                     val_out[:, r0:r1].copy_(vals_t)
     if sort == "after":

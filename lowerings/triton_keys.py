@@ -73,7 +73,7 @@ def _log2c(n):
 
 @triton.jit
 def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, KNOWN: tl.constexpr, F64: tl.constexpr = False,
-            ROWS: tl.constexpr = 1, LO_SELECT: tl.constexpr = False):
+            ROWS: tl.constexpr = 1):
     # One compare-exchange step of the bitonic network (stage s, flat index bit j < s) done
     # once per pair: the halves a (bit j = 0) and b (bit j = 1) split apart (register-only
     # where bit j is a register bit), one 64-bit compare, the larger key to a and the
@@ -82,8 +82,6 @@ def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, KNOWN: tl.cons
     # is a register bit (or s = log2(N)), so each pair's direction is known at compile time.
     # F64: the keys are also ordered as doubles (_pack_f64), and compared as doubles.
     # ROWS: x holds ROWS rows of N keys, one network each (the row bits sit above bit s).
-    # LO_SELECT (F64): the pair's other key by two selects (integer ALU / FMA pipes) instead
-    # of two FP64 adds (the FP64 pipe, which the compare also uses).
     A: tl.constexpr = (N * ROWS) >> (j + 1)
     B: tl.constexpr = 1 << j
     a, b = tl.split(tl.permute(tl.reshape(x, [A, 2, B]), [0, 2, 1]))
@@ -99,9 +97,7 @@ def _cx_reg(x, N: tl.constexpr, j: tl.constexpr, s: tl.constexpr, KNOWN: tl.cons
     else:
         c = gt
     hi = tl.where(c, a, b)
-    if F64 and LO_SELECT:
-        lo = tl.where(c, bf, af).to(tl.int64, bitcast=True)
-    elif F64:
+    if F64:
         # the other key by two FP64 adds instead of two integer selects or xors (balancing
         # the ALU and FP64 pipes): every _pack_f64 key is a double in [2, 4), so a - b is
         # exact (Sterbenz) and (a - hi) + b is exactly b where hi = a, a where hi = b
@@ -239,11 +235,6 @@ def _tp_start(log_n, reg_bits, log_rows):
 
 
 @triton.constexpr_function
-def _lo_select(t, every):
-    return int(every) == 0 or int(t) % int(every) != 0
-
-
-@triton.constexpr_function
 def _tp_known(log_n, reg_bits, t, log_rows=0):
     return _transpose_plan(log_n, reg_bits, log_rows)[int(t)][1]
 
@@ -287,7 +278,7 @@ def _move_bits(x, N: tl.constexpr, ORDER: tl.constexpr):
 
 @triton.jit
 def _sort_desc_transpose(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.constexpr, SKIP: tl.constexpr = -1,
-                         F64: tl.constexpr = False, ROWS: tl.constexpr = 1, LO_ADD_EVERY: tl.constexpr = 1):
+                         F64: tl.constexpr = False, ROWS: tl.constexpr = 1):
     # keys [N] in descending order by _sort_desc_minmax's network, every step once per pair
     # (_cx_reg), with a move (_move_bits) before each step whose bit is not a register bit
     # (_transpose_plan). REG_BITS: the register bits per thread (N / threads), as minmax.
@@ -296,9 +287,7 @@ def _sort_desc_transpose(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.co
     # [ROWS * N], ROWS rows (row-major) sorted at once, each descending (the rows' sort
     # kernel: the warps of several rows go in step through the code, docs/kernel-design.md
     # v30); one move first puts them in the layout the plan starts from, the rows' bits as
-    # warp bits (Triton's load layout would put the rows in registers). LO_ADD_EVERY (F64):
-    # every LO_ADD_EVERY-th step finds each pair's other key by FP64 adds, the others by
-    # selects (0: none), to share the work between the FP64 and the integer pipes.
+    # warp bits (Triton's load layout would put the rows in registers).
     LOG_N: tl.constexpr = _log2c(N)
     LOG_ROWS: tl.constexpr = _log2c(ROWS)
     if ROWS == 1:
@@ -311,7 +300,7 @@ def _sort_desc_transpose(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.co
                 keys = _move_bits(keys, N * ROWS, _tp_order(LOG_N, REG_BITS, (s * (s - 1)) // 2 + i, LOG_ROWS))
             if (s * (s - 1)) // 2 + i != SKIP:
                 keys = _cx_reg(keys, N, s - 1 - i, s, _tp_known(LOG_N, REG_BITS, (s * (s - 1)) // 2 + i, LOG_ROWS),
-                               F64, ROWS, _lo_select((s * (s - 1)) // 2 + i, LO_ADD_EVERY))
+                               F64, ROWS)
     return keys
 
 
@@ -351,11 +340,11 @@ def _unpack_value_f64(p):
 
 @triton.jit
 def _sort_desc_f64(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.constexpr, SKIP: tl.constexpr = -1,
-                   ROWS: tl.constexpr = 1, LO_ADD_EVERY: tl.constexpr = 1):
+                   ROWS: tl.constexpr = 1):
     # keys [N] (_pack_f64; PAD_F64 padding) in descending order: _sort_desc_transpose with
     # each pair compared as doubles. SKIP (tests only): one step left out (its move kept).
-    # ROWS, LO_ADD_EVERY: as _sort_desc_transpose's.
-    return _sort_desc_transpose(keys, N, R, REG_BITS, SKIP, True, ROWS, LO_ADD_EVERY)
+    # ROWS: as _sort_desc_transpose's.
+    return _sort_desc_transpose(keys, N, R, REG_BITS, SKIP, True, ROWS)
 
 
 @triton.constexpr_function

@@ -24,8 +24,7 @@ from .triton_keys import (EMPTY, INDEX_BITS_F64, PAD_F64, _pack, _pack_f64, _reg
 
 @triton.jit
 def _sort_rows_kernel(IDX, VAL, n_rows, K: tl.constexpr, K_P2: tl.constexpr, R: tl.constexpr,
-                      WRITE_VALUES: tl.constexpr, NETWORK: tl.constexpr, ROWS: tl.constexpr = 1,
-                      LO_ADD_EVERY: tl.constexpr = 1):
+                      WRITE_VALUES: tl.constexpr, NETWORK: tl.constexpr, ROWS: tl.constexpr = 1):
     # ROWS rows of K (index, value) pairs as the fused kernel's keys (triton_keys), each
     # sorted descending: (value desc, index asc), NaN above +inf, -0.0 tied with +0.0.
     # ROWS > 1 only for the transpose and f64 networks (sort_rows_ checks).
@@ -39,8 +38,7 @@ def _sort_rows_kernel(IDX, VAL, n_rows, K: tl.constexpr, K_P2: tl.constexpr, R: 
     ok = tl.reshape(ok, [ROWS * K_P2])
     if NETWORK == 3:
         # the f64 network (indices < 2^20: sort_rows_ checks the caller's bound)
-        keys = _sort_desc_f64(tl.where(ok, _pack_f64(y, idx), PAD_F64), K_P2, R, _reg_bits(K_P2, R), -1, ROWS,
-                              LO_ADD_EVERY)
+        keys = _sort_desc_f64(tl.where(ok, _pack_f64(y, idx), PAD_F64), K_P2, R, _reg_bits(K_P2, R), -1, ROWS)
         out_idx = _unpack_index_f64(keys)
         out_val = _unpack_value_f64(keys)
     elif NETWORK == 2:
@@ -71,7 +69,8 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     shape, on one device (CUDA, or CPU under TRITON_INTERPRET=1). ``num_warps`` and
     ``rows_per_program`` (benchmarks): None, the measured default; each program sorts
     ``rows_per_program`` rows (a power of two; more than one only for the "transpose" and
-    "f64" networks) with ``num_warps`` warps in all. ``network``: "tl.sort" (triton's bitonic
+    "f64" networks) with ``num_warps`` warps in all (default: 2 rows of 4 warps for "f64" at
+    2,048 keys, else 1). ``network``: "tl.sort" (triton's bitonic
     sort, per element at every step), "minmax" (triton_keys._sort_desc_minmax: the
     same network, its in-register steps once per pair) or "transpose"
     (triton_keys._sort_desc_transpose: every step once per pair, the keys moved through
@@ -86,7 +85,12 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     (benchmarks/calibrate_sort.py --modes lib, session 16): 131,072 rows minmax 6.80 ms at 2
     warps (9.84 at 4), transpose 4.61 at 2 and 4.45 at 4; 32,768 rows 1.73 (2.48), 1.17
     and 1.12. Session 17: f64 3.74 (2 warps) and 3.68 (4); 0.95 and 0.93. So the default
-    at 2,048 keys is "f64" with 4 warps where ``index_bound`` allows it, else "transpose"."""
+    at 2,048 keys is "f64" with 4 warps where ``index_bound`` allows it, else "transpose".
+    Session 18 (v30): the warps of one row each ran on their own scheduler at their own place
+    in the straight-line code, so every instruction fetch missed (31% of stall samples); two
+    rows per program put two warps in step on each scheduler: f64, 4 warps per row, 32,768
+    rows 0.923 -> 0.879 ms, 131,072 rows 3.665 -> 3.477 (4 rows per program: 1.174 / 4.611,
+    one program of 16 warps per SM)."""
     if network is not None and network not in NETWORKS:
         raise ValueError(f"sort_rows_: network={network!r}; expected one of {sorted(NETWORKS)}")
     if idx.shape != vals.shape:
@@ -115,7 +119,7 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     if network is None:
         network = ("f64" if f64_ok else "transpose") if wide else "minmax"
     if rows_per_program is None:
-        rows_per_program = 1
+        rows_per_program = 2 if wide and network == "f64" and rows > 1 else 1
     elif (isinstance(rows_per_program, bool) or not isinstance(rows_per_program, int) or rows_per_program < 1
           or rows_per_program & (rows_per_program - 1)):
         raise ValueError(f"sort_rows_: rows_per_program={rows_per_program!r}; expected a power of two >= 1")

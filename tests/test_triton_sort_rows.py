@@ -30,20 +30,22 @@ def _interpreting():
 
 @triton.jit
 def _network_kernel(X, Y, K: tl.constexpr, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.constexpr,
-                    SKIP: tl.constexpr, NETWORK: tl.constexpr):
-    # one row of K int64 keys, padded with EMPTY (PAD_F64 for network 3) to N, sorted
-    # descending by the minmax (1), the transpose (2) or the f64 (3) network
-    offs = tl.arange(0, N)
+                    SKIP: tl.constexpr, NETWORK: tl.constexpr, ROWS: tl.constexpr = 1):
+    # ROWS rows of K int64 keys, each padded with EMPTY (PAD_F64 for network 3) to N, sorted
+    # descending by the minmax (1), the transpose (2) or the f64 (3) network; ROWS > 1 (one
+    # network call over all of them) for transpose and f64
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    offs = tl.arange(0, N)[None, :]
     if NETWORK == 3:
-        x = tl.load(X + tl.program_id(0) * K + offs, mask=offs < K, other=PAD_F64)
-        y = _sort_desc_f64(x, N, R, REG_BITS, SKIP)
+        x = tl.reshape(tl.load(X + r * K + offs, mask=offs < K, other=PAD_F64), [ROWS * N])
+        y = _sort_desc_f64(x, N, R, REG_BITS, SKIP, ROWS)
     else:
-        x = tl.load(X + tl.program_id(0) * K + offs, mask=offs < K, other=EMPTY)
+        x = tl.reshape(tl.load(X + r * K + offs, mask=offs < K, other=EMPTY), [ROWS * N])
         if NETWORK == 2:
-            y = _sort_desc_transpose(x, N, R, REG_BITS, SKIP)
+            y = _sort_desc_transpose(x, N, R, REG_BITS, SKIP, False, ROWS)
         else:
             y = _sort_desc_minmax(x, N, R, REG_BITS, SKIP)
-    tl.store(Y + tl.program_id(0) * N + offs, y)
+    tl.store(Y + r * N + offs, tl.reshape(y, [ROWS, N]))
 
 
 def _int64_keys(seed, rows, k):
@@ -73,10 +75,11 @@ def _keys_for(network, seed, rows, k):
     return _f64_keys(seed, rows, k) if network == 3 else _int64_keys(seed, rows, k)
 
 
-def _network_sort(keys, n, R, reg_bits, skip=-1, network=1):
+def _network_sort(keys, n, R, reg_bits, skip=-1, network=1, rows_per_program=1):
     rows, k = keys.shape
+    assert rows % rows_per_program == 0
     out = torch.empty(rows, n, dtype=torch.int64)
-    _network_kernel[(rows,)](keys, out, k, n, R, reg_bits, skip, network)
+    _network_kernel[(rows // rows_per_program,)](keys, out, k, n, R, reg_bits, skip, network, rows_per_program)
     return out
 
 
@@ -157,11 +160,12 @@ def test_sort_rows_bad_input():
 class _NetworkSpy:
     # stands in for _sort_rows_kernel: records the NETWORK each launch takes, then launches
     def __init__(self, kernel):
-        self.kernel, self.networks = kernel, []
+        self.kernel, self.networks, self.rows = kernel, [], []
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
             self.networks.append(args[7])
+            self.rows.append(args[8])
             return self.kernel[grid](*args, **kw)
         return launch
 
@@ -181,8 +185,13 @@ def test_sort_rows_default_network(monkeypatch):
     for bound, want in ((1 << 20, "f64"), ((1 << 20) + 1, "transpose"), (None, "transpose"), (2048, "f64")):
         sort_rows_(idx.clone(), vals.clone(), index_bound=bound)
         assert spy.networks[-1] == tsr.NETWORKS[want], (bound, spy.networks)
+        assert spy.rows[-1] == 1, spy.rows  # (one row: one per program)
     sort_rows_(idx[:, :512].contiguous(), vals[:, :512].contiguous(), index_bound=512)
     assert spy.networks[-1] == tsr.NETWORKS["minmax"]
+    # two rows per program for f64 at 2,048 keys (v30), one for the others
+    for bound, rows in ((2048, 2), (None, 1)):
+        sort_rows_(idx.repeat(3, 1), vals.repeat(3, 1), index_bound=bound)
+        assert spy.rows[-1] == rows, (bound, spy.rows)
 
 
 @pytest.mark.interpret
@@ -214,22 +223,29 @@ def test_sort_rows_f64_index_range():
 def test_gpu_sort_rows_dsa_length(network):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    idx0, vals0 = _rows(311, 64, 2048, torch.int32, "cuda")
+    idx0, vals0 = _rows(311, 65, 2048, torch.int32, "cuda")  # (65: the last of 2 / 4 rows per program alone)
     for num_warps in (None, 1, 2, 4):
         idx, vals = idx0.clone(), vals0.clone()
         sort_rows_(idx, vals, num_warps=num_warps, network=network, index_bound=4 * 2048)
         _check(idx.cpu(), vals.cpu(), idx0.cpu(), vals0.cpu())
+    if network in ("transpose", "f64"):  # several rows per program (v30)
+        for rpp, num_warps in ((2, None), (2, 8), (4, 16), (4, 8)):
+            idx, vals = idx0.clone(), vals0.clone()
+            sort_rows_(idx, vals, num_warps=num_warps, network=network, index_bound=4 * 2048, rows_per_program=rpp)
+            _check(idx.cpu(), vals.cpu(), idx0.cpu(), vals0.cpu())
 
 
-def _replay_plan(log_n, reg_bits):
-    # the transpose plan's layouts step by step: (moves, per step (register bits, known))
+def _replay_plan(log_n, reg_bits, log_rows=0):
+    # the transpose plan's layouts step by step: (moves, per step (register bits, known));
+    # with 2^log_rows rows, their bits (above the keys') stay in their warp slots
     w = min(max(1, reg_bits), log_n)
-    regs, others, moves, seen = set(range(w)), list(range(w, log_n)), 0, []
+    log_m = log_n + log_rows
+    regs, others, moves, seen = set(range(w)), list(range(w, log_m)), 0, []
     steps = [(st, st - 1 - i) for st in range(1, log_n + 1) for i in range(st)]
-    for (st, j), (order, known) in zip(steps, _transpose_plan(log_n, reg_bits)):
+    for (st, j), (order, known) in zip(steps, _transpose_plan(log_n, reg_bits, log_rows)):
         if order:
             moves += 1
-            assert sorted(order) == list(range(log_n)), order
+            assert sorted(order) == list(range(log_m)), order
             new_regs, new_others = set(order[:w]), list(order[w:])[::-1]
             # bits that stay outside the registers keep their lane / warp slot
             for k, b in enumerate(others):
@@ -237,6 +253,7 @@ def _replay_plan(log_n, reg_bits):
                     assert new_others[k] == b, (order, others)
             regs, others = new_regs, new_others
         assert j in regs, f"step (s={st}, j={j}) with bit {j} outside the registers {sorted(regs)}"
+        assert others[len(others) - log_rows:] == list(range(log_n, log_m)), others  # rows: the top warp bits
         assert known == (st == log_n or st in regs)
         seen.append((frozenset(regs), known))
     return moves, seen
@@ -251,8 +268,11 @@ def _replay_plan(log_n, reg_bits):
 def test_transpose_plan(log_n, reg_bits, moves):
     # every step's bit is a register bit when it runs, each move keeps the bits it does not
     # bring into registers where they were, "known" says whether bit s is a register bit, and
-    # the number of moves (each a pass through shared memory) is the greedy optimum
+    # the number of moves (each a pass through shared memory) is the greedy optimum; with
+    # several rows the same moves, the rows' bits never in registers
     assert _replay_plan(log_n, reg_bits)[0] == moves
+    for log_rows in (1, 2):
+        assert _replay_plan(log_n, reg_bits, log_rows)[0] == moves
 
 
 def test_transpose_plan_fewest_moves():
@@ -330,3 +350,56 @@ def test_sort_rows_network(network, other, k, num_warps):
         idx2, vals2 = idx0.clone(), vals0.clone()
         sort_rows_(idx2, vals2, **kw)
         assert torch.equal(idx2, idx) and torch.equal(vals2.view(torch.int32), vals.view(torch.int32)), kw
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("network", [2, 3])  # transpose, f64
+@pytest.mark.parametrize("rows_per_program", [2, 4])
+@pytest.mark.parametrize("k,n,R,reg_bits", [(2048, 2048, 4, 4), (1500, 2048, 8, 5), (45, 64, 1, 2), (64, 64, 1, 0)])
+def test_network_several_rows(network, rows_per_program, k, n, R, reg_bits):
+    # several rows in one network call (v30): each row sorted on its own, as torch.sort does
+    _interpreting()
+    keys = _keys_for(network, 900 + 10 * network + rows_per_program + k, 8, k)
+    got = _network_sort(keys, n, R, reg_bits, -1, network=network, rows_per_program=rows_per_program)
+    assert torch.equal(got, _want(keys, n, network))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("network", [2, 3])
+def test_network_several_rows_every_step_needed(network):
+    # with two rows per call, leaving out any one of the 21 steps (n = 64) still shows
+    _interpreting()
+    n = 64
+    keys = _keys_for(network, 950 + network, 6, n)
+    want = _want(keys, n, network)
+    assert torch.equal(_network_sort(keys, n, 2, 2, -1, network, 2), want)
+    for step in range(6 * 7 // 2):
+        assert not torch.equal(_network_sort(keys, n, 2, 2, step, network, 2), want), f"step {step} changed nothing"
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("network", ["transpose", "f64"])
+@pytest.mark.parametrize("k,rows_per_program,num_warps", [(2048, 2, 2), (2048, 4, 4), (300, 2, 4), (37, 4, 4)])
+def test_sort_rows_several_rows_per_program(network, k, rows_per_program, num_warps):
+    # sort_rows_ with several rows per program, the last program's rows partly past the end
+    # (5 rows): the reference order, bit-identical to one row per program
+    _interpreting()
+    idx0, vals0 = _rows(1000 + k + rows_per_program, 5, k, torch.int32)
+    idx, vals = idx0.clone(), vals0.clone()
+    sort_rows_(idx, vals, network=network, index_bound=4 * k, num_warps=num_warps, rows_per_program=rows_per_program)
+    _check(idx, vals, idx0, vals0)
+    idx1, vals1 = idx0.clone(), vals0.clone()
+    sort_rows_(idx1, vals1, network=network, index_bound=4 * k, num_warps=num_warps // rows_per_program,
+               rows_per_program=1)
+    assert torch.equal(idx1, idx) and torch.equal(vals1.view(torch.int32), vals.view(torch.int32))
+
+
+def test_sort_rows_rows_per_program_bad_input():
+    idx, vals = torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 4)
+    for bad in (0, 3, True, 2.0):
+        with pytest.raises(ValueError, match=f"rows_per_program={bad!r}; expected a power of two"):
+            sort_rows_(idx, vals, rows_per_program=bad)
+    with pytest.raises(ValueError, match="rows_per_program=2 needs network 'transpose' or 'f64', got 'minmax'"):
+        sort_rows_(idx, vals, network="minmax", rows_per_program=2)
+    with pytest.raises(ValueError, match=r"num_warps=2; expected a power of two >= rows_per_program \(4\)"):
+        sort_rows_(idx, vals, network="transpose", num_warps=2, rows_per_program=4)
