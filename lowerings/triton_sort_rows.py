@@ -70,7 +70,7 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     ``rows_per_program`` (benchmarks): None, the measured default; each program sorts
     ``rows_per_program`` rows (a power of two; more than one only for the "transpose" and
     "f64" networks) with ``num_warps`` warps in all (default: 2 rows of 4 warps for "f64" at
-    2,048 keys, else 1). ``network``: "tl.sort" (triton's bitonic
+    2,048 keys where ``num_warps`` is not given, else 1). ``network``: "tl.sort" (triton's bitonic
     sort, per element at every step), "minmax" (triton_keys._sort_desc_minmax: the
     same network, its in-register steps once per pair) or "transpose"
     (triton_keys._sort_desc_transpose: every step once per pair, the keys moved through
@@ -119,7 +119,8 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     if network is None:
         network = ("f64" if f64_ok else "transpose") if wide else "minmax"
     if rows_per_program is None:
-        rows_per_program = 2 if wide and network == "f64" and rows > 1 else 1
+        # (a caller's num_warps alone keeps its old meaning: the warps of one row)
+        rows_per_program = 2 if wide and network == "f64" and rows > 1 and num_warps is None else 1
     elif (isinstance(rows_per_program, bool) or not isinstance(rows_per_program, int) or rows_per_program < 1
           or rows_per_program & (rows_per_program - 1)):
         raise ValueError(f"sort_rows_: rows_per_program={rows_per_program!r}; expected a power of two >= 1")

@@ -192,6 +192,9 @@ def test_sort_rows_default_network(monkeypatch):
     for bound, rows in ((2048, 2), (None, 1)):
         sort_rows_(idx.repeat(3, 1), vals.repeat(3, 1), index_bound=bound)
         assert spy.rows[-1] == rows, (bound, spy.rows)
+    # a caller's num_warps alone is one row's warps, as before rows per program existed
+    sort_rows_(idx.repeat(3, 1), vals.repeat(3, 1), index_bound=2048, num_warps=1)
+    assert spy.rows[-1] == 1, spy.rows
 
 
 @pytest.mark.interpret
