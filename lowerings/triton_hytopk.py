@@ -22,9 +22,13 @@ from .score_bound import score_bound_flag
 from .triton_mask_ranges import mask_key_ranges
 from .triton_sort_rows import NETWORKS as SORT_NETWORKS, sort_rows_
 
-# sort="after": at most this many bytes of fp32 values held for the sort kernel at a time
-# (the issue's workspace bound is 1 GiB beside the outputs)
-_AFTER_BUDGET = 512 << 20
+# The workspace beside the outputs: at most 1 GiB (issue 3's bound), the fused kernel's
+# scratch included. sort="after": at most _AFTER_BUDGET bytes of fp32 values held for the
+# sort kernel at a time, and no more than the bound leaves beside the scratch (DSA shape at
+# 128K keys: one launch of 126,848 rows and one of the 4,224 lightest first; 512 MiB and
+# two even halves until session 18: kernel-design v31)
+_WORKSPACE_BUDGET = 1 << 30
+_AFTER_BUDGET = 1 << 30
 
 
 def _next_pow2(n: int) -> int:
@@ -114,6 +118,9 @@ class HyTopKConfig:
     # Rows per program of the rows' sort kernel (sort="after"; benchmarks): None, its default
     # (2 for the f64 network at 2,048 keys: docs/kernel-design.md v30).
     sort_rows_per_program: Optional[int] = None
+    # Bytes of fp32 values one launch hands to the rows' sort (sort="after"; benchmarks):
+    # None, _AFTER_BUDGET; never more than the workspace bound leaves beside the scratch.
+    after_budget: Optional[int] = None
     # Sampled threshold estimate (v23, docs/kernel-design.md): a row block with at least 3k
     # keys to score first scores every presample-th of them (a key stride; raised to
     # ceil(T / cap) so that a row's sample fits its buffer), takes each row's estimate of its
@@ -339,52 +346,6 @@ def hytopk_triton(
         raise SpecError(f"block_m must be a power of two and block_n a power of two >= 16, got {cfg}")
     if not interpret and block_m * gp < 16:
         raise SpecError(f"block_m * heads per kv head = {block_m * gp} < 16 (tl.dot minimum), got {cfg}")
-    # "after": the fused kernel writes rows unsorted, with fp32 values, and triton_sort_rows
-    # sorts them. after_rows: the rows of one launch, so that the values fit _AFTER_BUDGET
-    # (all rows when they fit, or when the caller's fp32 values are the workspace; else
-    # chunks of whole row blocks, B == 1 only: row slices of several batches are not
-    # contiguous; 0: no chunking possible, the fused sort instead).
-    if (return_values and score_dtype == torch.float32) or B * S * topk * 4 <= _AFTER_BUDGET:
-        after_rows = S
-    elif B == 1:
-        after_rows = max(block_m, _AFTER_BUDGET // (topk * 4) // block_m * block_m)
-    else:
-        after_rows = 0
-    # default: the rank sort under the interpreter; on a GPU "after" for k > 1024 where it
-    # takes at most two launches, else bitonic (DSA, k = 2048: 32K 22.8 -> 20.6 ms, 128K
-    # 283.7 -> 276.9 in two launches; QSA's k = 512: no gain; more launches not measured:
-    # kernel-design v17)
-    after_ok = after_rows > 0 and triton_cdiv(S, after_rows) <= 2 and _next_pow2(topk) >= 2048
-    sort = cfg.sort or ("rank" if interpret else "after" if after_ok else "bitonic")
-    sort_network = cfg.sort_network or "minmax"
-    if sort_network not in SORT_NETWORKS:
-        raise SpecError(f"config.sort_network={cfg.sort_network!r}; expected one of {list(SORT_NETWORKS)}")
-    if sort not in ("rank", "bitonic", "none", "after"):
-        raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank', 'bitonic', 'none' or 'after'")
-    if not sorted:
-        sort = "none"  # any order will do: skip the sort
-    if sort == "after" and after_rows == 0:  # several batches over the budget: the fused sort
-        sort = "rank" if interpret else "bitonic"
-    elif sort == "after" and (cfg.score_only or cfg.profile):  # (benchmarks: the fused kernel alone)
-        sort = "none"
-    if sort_network == "f64":
-        # the rows' sort kernel's network only (its keys hold 20 index bits; the fused
-        # kernel's are _pack's): refused where asked for inside the fused kernel or past 2^20
-        # keys; where the launch itself moves the sort into the fused kernel (several
-        # batches over the workspace budget) that sort takes minmax, the same order
-        if cfg.sort == "bitonic":
-            raise SpecError("config.sort_network='f64' is the rows' sort kernel's network (sort='after'); "
-                            "config.sort='bitonic' sorts inside the fused kernel")
-        if sort == "after" and T > 1 << 20:
-            raise SpecError(f"config.sort_network='f64' packs key indices in 20 bits: at most {1 << 20} keys, "
-                            f"here T={T}")
-        sort_network = "minmax"
-    block_d = max(16, _next_pow2(D))
-    topk_p2 = _next_pow2(topk)
-    # (the rows are sorted together inside the fused kernel only by the bitonic sort)
-    sort_rows = 1 if cfg.sort_rows is None or sort in ("rank", "none", "after") else int(cfg.sort_rows)
-    if sort_rows < 1 or sort_rows & (sort_rows - 1) or block_m % sort_rows:
-        raise SpecError(f"sort_rows must be a power of two dividing block_m={block_m}, got {cfg}")
     # A row's buffer: block_n lane sub-buffers of cap // block_n slots. A compacted row of n
     # keys holds lanes(n) in its fullest lane and needs room for at least one more tile.
     def lanes(n):
@@ -443,6 +404,53 @@ def hytopk_triton(
     else:
         nprog = 64
     nprog = max(1, min(nprog, num_blocks))
+    # "after": the fused kernel writes rows unsorted, with fp32 values, and triton_sort_rows
+    # sorts them. after_rows: the rows of one launch, so that the values and the fused
+    # kernel's scratch fit the workspace bound (all rows when they fit, or when the caller's
+    # fp32 values are the workspace; else chunks of whole row blocks, B == 1 only: row slices
+    # of several batches are not contiguous; 0: no chunking possible, the fused sort instead).
+    values_budget = min(cfg.after_budget or _AFTER_BUDGET, _WORKSPACE_BUDGET - nprog * block_m * cap * 8)
+    if (return_values and score_dtype == torch.float32) or B * S * topk * 4 <= values_budget:
+        after_rows = S
+    elif B == 1:
+        after_rows = max(block_m, values_budget // (topk * 4) // block_m * block_m)
+    else:
+        after_rows = 0
+    # default: the rank sort under the interpreter; on a GPU "after" for k > 1024 where it
+    # takes at most two launches, else bitonic (DSA, k = 2048: 32K 22.8 -> 20.6 ms, 128K
+    # 283.7 -> 276.9 in two launches; QSA's k = 512: no gain; more launches not measured:
+    # kernel-design v17)
+    after_ok = after_rows > 0 and triton_cdiv(S, after_rows) <= 2 and _next_pow2(topk) >= 2048
+    sort = cfg.sort or ("rank" if interpret else "after" if after_ok else "bitonic")
+    sort_network = cfg.sort_network or "minmax"
+    if sort_network not in SORT_NETWORKS:
+        raise SpecError(f"config.sort_network={cfg.sort_network!r}; expected one of {list(SORT_NETWORKS)}")
+    if sort not in ("rank", "bitonic", "none", "after"):
+        raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank', 'bitonic', 'none' or 'after'")
+    if not sorted:
+        sort = "none"  # any order will do: skip the sort
+    if sort == "after" and after_rows == 0:  # several batches over the budget: the fused sort
+        sort = "rank" if interpret else "bitonic"
+    elif sort == "after" and (cfg.score_only or cfg.profile):  # (benchmarks: the fused kernel alone)
+        sort = "none"
+    if sort_network == "f64":
+        # the rows' sort kernel's network only (its keys hold 20 index bits; the fused
+        # kernel's are _pack's): refused where asked for inside the fused kernel or past 2^20
+        # keys; where the launch itself moves the sort into the fused kernel (several
+        # batches over the workspace budget) that sort takes minmax, the same order
+        if cfg.sort == "bitonic":
+            raise SpecError("config.sort_network='f64' is the rows' sort kernel's network (sort='after'); "
+                            "config.sort='bitonic' sorts inside the fused kernel")
+        if sort == "after" and T > 1 << 20:
+            raise SpecError(f"config.sort_network='f64' packs key indices in 20 bits: at most {1 << 20} keys, "
+                            f"here T={T}")
+        sort_network = "minmax"
+    block_d = max(16, _next_pow2(D))
+    topk_p2 = _next_pow2(topk)
+    # (the rows are sorted together inside the fused kernel only by the bitonic sort)
+    sort_rows = 1 if cfg.sort_rows is None or sort in ("rank", "none", "after") else int(cfg.sort_rows)
+    if sort_rows < 1 or sort_rows & (sort_rows - 1) or block_m % sort_rows:
+        raise SpecError(f"sort_rows must be a power of two dividing block_m={block_m}, got {cfg}")
 
     # 16-bit operands of one dtype go to the tensor cores as they are (products are exact
     # in fp32): UPCAST 0. bf16 queries with fp32 keys: each key tile split into three bf16
@@ -538,16 +546,19 @@ def hytopk_triton(
                 kb_stride, k.stride(1), k.stride(2), k.stride(3), *w_strides,
                 rows, T, nrb, B * nrb]
 
-    step = after_rows if sort == "after" else S  # one launch, or chunks of rows (B == 1)
+    # one launch, or chunks of rows (B == 1): full chunks of after_rows, the rest first, so
+    # that under a causal mask the short chunk holds the lightest rows and the long chunk's
+    # last row blocks (heaviest first) are light (its tail, where programs run out of work)
+    step = after_rows if sort == "after" else S
+    cuts = [max(0, S - i * step) for i in range(triton_cdiv(S, step), -1, -1)]  # (0 first, then increasing)
     if _launcher is not None:
         # offline inspection (benchmarks/inspect_hytopk.py): hand over what the (first)
         # launch would be
-        return _launcher(kern, args_for(0, step, *outputs_for(0, step)),
+        return _launcher(kern, args_for(cuts[0], cuts[1], *outputs_for(cuts[0], cuts[1])),
                          dict(launch, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with guard:
-        for r0 in range(0, S, step):
-            r1 = min(S, r0 + step)
+        for r0, r1 in zip(cuts[:-1], cuts[1:]):
             if r0:
                 counter[0] = 0  # the next launch's block counter
             idx_t, vals_t = outputs_for(r0, r1)

@@ -808,6 +808,58 @@ def test_sort_after_same_bits(interpret, monkeypatch):
     assert torch.equal(got.sort(-1).values, want[1].sort(-1).values)
 
 
+@pytest.mark.interpret
+def test_sort_after_chunks(interpret, monkeypatch):
+    # sort="after" over the workspace: full chunks of the rows whose values fit, the rest
+    # first (under a causal mask the lightest rows: kernel-design v31), and the fused
+    # kernel's scratch counted in the bound; the same bits however the rows are cut
+    g = _gen(193)
+    B, S, T, H, D, topk = 1, 6, 700, 2, 16, 300
+    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32, lo=-2, hi=3, w_hi=2)
+    hi = torch.tensor([[3, 200, 301, 650, 700, 20]])
+    cfg = HyTopKConfig(block_m=4, block_n=32, sort="after")
+    want = hytopk_triton(q, k, w, [hi], topk, DSA, config=cfg)
+    launches = []
+    real = triton_hytopk.load_kernel
+
+    def spy_load(*a, **kw):
+        kern = real(*a, **kw)
+
+        class Spy:
+            def __getitem__(self, grid):
+                def run(*args, **launch):
+                    launches.append(args[-4])  # (the launch's rows)
+                    return kern[grid](*args, **launch)
+                return run
+        return Spy()
+    monkeypatch.setattr(triton_hytopk, "load_kernel", spy_load)
+    for after, work, rows in (((1 << 30), (1 << 30), [6]), (4 * topk * 4, 1 << 30, [2, 4])):
+        monkeypatch.setattr(triton_hytopk, "_AFTER_BUDGET", after)
+        monkeypatch.setattr(triton_hytopk, "_WORKSPACE_BUDGET", work)
+        launches.clear()
+        assert torch.equal(hytopk_triton(q, k, w, [hi], topk, DSA, config=cfg), want)
+        assert launches == rows, (after, work, launches)
+    # the scratch counts: 2-row blocks, 3 programs x 2 rows x cap (1,024 slots for k = 300) x 8
+    # bytes beside the values; a byte short of 4 rows' values leaves chunks of 2 rows
+    cfg2 = dataclasses.replace(cfg, block_m=2)
+    monkeypatch.setattr(triton_hytopk, "_AFTER_BUDGET", 1 << 30)
+    scratch = 3 * 2 * 1024 * 8
+    for work, rows in ((scratch + 4 * topk * 4, [2, 4]), (scratch + 4 * topk * 4 - 1, [2, 2, 2])):
+        monkeypatch.setattr(triton_hytopk, "_WORKSPACE_BUDGET", work)
+        launches.clear()
+        assert torch.equal(hytopk_triton(q, k, w, [hi], topk, DSA, config=cfg2), want)
+        assert launches == rows, (work, launches)
+    # a config's after_budget lowers the values' share, never raises it past the bound
+    monkeypatch.setattr(triton_hytopk, "_WORKSPACE_BUDGET", 1 << 30)
+    launches.clear()
+    got = hytopk_triton(q, k, w, [hi], topk, DSA, config=dataclasses.replace(cfg, after_budget=4 * topk * 4))
+    assert torch.equal(got, want) and launches == [2, 4], launches
+    monkeypatch.setattr(triton_hytopk, "_WORKSPACE_BUDGET", scratch + 4 * topk * 4)
+    launches.clear()
+    got = hytopk_triton(q, k, w, [hi], topk, DSA, config=dataclasses.replace(cfg2, after_budget=1 << 40))
+    assert torch.equal(got, want) and launches == [2, 4], launches
+
+
 def _compaction_case(seed):
     """k=20 over T=300 small-integer keys, weights >= 1: many compactions per row and
     exact-zero ReLU ties at the k-th score."""
