@@ -765,16 +765,24 @@ def test_unsorted_same_set(interpret):
     assert torch.equal(iu3, iu) and torch.equal(vu3.view(torch.int32), vu.view(torch.int32))
 
 
+def _after_case(seed):
+    """6 rows of small-integer scores (ties), k = 300 of T = 700, rows' causal ends from 3 to
+    700 (some rows short of k keys): the generator (for more operands), the operands, and T, H,
+    D, k."""
+    g = _gen(seed)
+    B, S, T, H, D, topk = 1, 6, 700, 2, 16, 300
+    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32, lo=-2, hi=3, w_hi=2)
+    hi = torch.tensor([[3, 200, 301, 650, 700, 20]])
+    return g, q, k, w, hi, T, H, D, topk
+
+
 @pytest.mark.interpret
 def test_sort_after_same_bits(interpret, monkeypatch):
     # sort="after" (v17): the fused kernel writes rows unsorted with their fp32 values and
     # triton_sort_rows sorts them; bit for bit the rank sort's answer, in one launch and in
     # row chunks (the values workspace held to 4 rows: 2 launches for 6 rows), with values
     # and without, fp32 and bf16 scores (bf16: the values copied out chunk by chunk).
-    g = _gen(191)
-    B, S, T, H, D, topk = 1, 6, 700, 2, 16, 300
-    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32, lo=-2, hi=3, w_hi=2)
-    hi = torch.tensor([[3, 200, 301, 650, 700, 20]])
+    g, q, k, w, hi, T, H, D, topk = _after_case(191)
     cfg = HyTopKConfig(block_m=4, block_n=32)
     after = dataclasses.replace(cfg, sort="after")
     chunked = 4 * topk * 4
@@ -813,10 +821,7 @@ def test_sort_after_chunks(interpret, monkeypatch):
     # sort="after" over the workspace: full chunks of the rows whose values fit, the rest
     # first (under a causal mask the lightest rows: kernel-design v31), and the fused
     # kernel's scratch counted in the bound; the same bits however the rows are cut
-    g = _gen(193)
-    B, S, T, H, D, topk = 1, 6, 700, 2, 16, 300
-    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32, lo=-2, hi=3, w_hi=2)
-    hi = torch.tensor([[3, 200, 301, 650, 700, 20]])
+    _, q, k, w, hi, _, _, _, topk = _after_case(193)
     cfg = HyTopKConfig(block_m=4, block_n=32, sort="after")
     want = hytopk_triton(q, k, w, [hi], topk, DSA, config=cfg)
     launches = []
