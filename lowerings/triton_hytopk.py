@@ -409,6 +409,10 @@ def hytopk_triton(
     # kernel's scratch fit the workspace bound (all rows when they fit, or when the caller's
     # fp32 values are the workspace; else chunks of whole row blocks, B == 1 only: row slices
     # of several batches are not contiguous; 0: no chunking possible, the fused sort instead).
+    for name in ("after_budget", "sort_rows_per_program"):
+        v = getattr(cfg, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise SpecError(f"config.{name}={v!r} must be None or a positive int")
     values_budget = min(cfg.after_budget or _AFTER_BUDGET, _WORKSPACE_BUDGET - nprog * block_m * cap * 8)
     if (return_values and score_dtype == torch.float32) or B * S * topk * 4 <= values_budget:
         after_rows = S

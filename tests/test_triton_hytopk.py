@@ -863,6 +863,9 @@ def test_sort_after_chunks(interpret, monkeypatch):
     launches.clear()
     got = hytopk_triton(q, k, w, [hi], topk, DSA, config=dataclasses.replace(cfg2, after_budget=1 << 40))
     assert torch.equal(got, want) and launches == [2, 4], launches
+    for name, bad in (("after_budget", 0), ("after_budget", 1.5), ("sort_rows_per_program", True)):
+        with pytest.raises(SpecError, match=f"config.{name}={bad!r} must be None or a positive int"):
+            hytopk_triton(q, k, w, [hi], topk, DSA, config=dataclasses.replace(cfg, **{name: bad}))
 
 
 def _compaction_case(seed):
