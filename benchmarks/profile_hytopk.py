@@ -69,13 +69,16 @@ def _num(x: str) -> float:
 
 
 def analyze(text: str, top: int = 40) -> str:
-    """Sum 'Warp Stall Sampling (All Samples)' per source line of the source-page CSV."""
+    """Sum 'Warp Stall Sampling (All Samples)' per source line of the source-page CSV, with the
+    kernel's stall reasons in all and each line's three largest."""
     rows = list(csv.reader(io.StringIO(text)))
     head_i = next(i for i, r in enumerate(rows) if any("Warp Stall Sampling" in c for c in r))
     head = rows[head_i]
     col = next(i for i, c in enumerate(head) if c.startswith("Warp Stall Sampling (All"))
     src_col = next((i for i, c in enumerate(head) if c in ("Source", "# Source")), None)
+    reasons = [(i, c[len("stall_"):]) for i, c in enumerate(head) if c.startswith("stall_") and "Not Issued" not in c]
     per_line = defaultdict(float)
+    per_reason = defaultdict(lambda: defaultdict(float))
     total = 0.0
     current = "?"
     for r in rows[head_i + 1:]:
@@ -89,9 +92,23 @@ def analyze(text: str, top: int = 40) -> str:
             current = f"{line_id}: {text_cell.strip()[:90]}"
         per_line[current] += samples
         total += samples
+        for i, name in reasons:
+            if i < len(r):
+                per_reason[current][name] += _num(r[i])
     out = [f"total stall samples: {total:.0f}"]
+    if reasons:
+        kernel = defaultdict(float)
+        for d in per_reason.values():
+            for name, v in d.items():
+                kernel[name] += v
+        n = max(sum(kernel.values()), 1)
+        out.append("stall reasons: " + ", ".join(f"{name} {100 * v / n:.1f}%" for name, v in
+                                                 sorted(kernel.items(), key=lambda kv: -kv[1]) if v))
     for key, val in sorted(per_line.items(), key=lambda kv: -kv[1])[:top]:
-        out.append(f"{100 * val / max(total, 1):6.2f}%  {key}")
+        d = per_reason.get(key, {})
+        n = max(sum(d.values()), 1)
+        why = ", ".join(f"{name} {100 * v / n:.0f}" for name, v in sorted(d.items(), key=lambda kv: -kv[1])[:3] if v)
+        out.append(f"{100 * val / max(total, 1):6.2f}%  {key}" + (f"  [{why}]" if why else ""))
     return "\n".join(out)
 
 
