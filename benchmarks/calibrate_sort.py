@@ -4,6 +4,7 @@
     python benchmarks/calibrate_sort.py --modes lib --warps 1,2,4   # tl.sort vs minmax network
     python benchmarks/calibrate_sort.py --modes lib --networks minmax,transpose --warps 2   # v27 A/B
     python benchmarks/calibrate_sort.py --modes lib --networks transpose,f64 --warps 2,4   # v28 A/B
+    python benchmarks/calibrate_sort.py --modes lib --networks f64 --warps 4 --lib-rows 1,2,4   # v30: rows per program
 
 HyTopK sorts each row's k keys at the end of its row block, inside the fused kernel, where
 two programs of 255 registers share an SM and the sort's shuffles and barriers wait with
@@ -19,7 +20,8 @@ builds them ((order-kept fp32 score bits) << 32 | (2^32 - 1 - index)); per confi
            the sorted indices written over the unsorted ones
 * copy     the packed form's traffic without the sort (the memory floor of a second pass)
 * packed, n rows/program  (``--rows-per-program 2,4``) one ``tl.sort`` over [n, k]
-* lib      the library's kernel (``lowerings/triton_sort_rows``), split form, once per
+* lib      the library's kernel (``lowerings/triton_sort_rows``), split form (``--lib-rows``:
+           its rows per program, ``--warps`` then the warps of each row), once per
            network in ``--networks`` (default "tl.sort" and "minmax",
            triton_keys._sort_desc_minmax; also "transpose", _sort_desc_transpose, the
            library's default at 2,048 keys since session 16), on the

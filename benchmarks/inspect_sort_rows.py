@@ -114,7 +114,8 @@ def main():
     ap.add_argument("--networks", default=",".join(lib.NETWORKS))
     ap.add_argument("--write-values", action="store_true", help="also store the sorted values")
     ap.add_argument("--converts", action="store_true", help="list each build's layout conversions")
-    ap.add_argument("--plan", type=int, default=None, metavar="WARPS", help="print the transpose plan and stop")
+    ap.add_argument("--plan", type=int, default=None, metavar="WARPS",
+                    help="print the transpose plan of one row and stop (rows per program move the same bits)")
     ap.add_argument("--dump", default=None, help="directory for each build's ttgir/ptx/sass")
     ap.add_argument("--rows-per-program", type=int, default=1,
                     help="rows per program (transpose / f64; --warps then counts warps per row; row = sass x warps)")

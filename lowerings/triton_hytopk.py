@@ -20,11 +20,14 @@ from .spec import ScoreSpec, SpecError, dtype_of, finite_range_term, tensor_mask
 from .triton_codegen import _interpreting, check_interpreter_mode, load_kernel, weight_scale
 from .score_bound import score_bound_flag
 from .triton_mask_ranges import mask_key_ranges
-from .triton_sort_rows import NETWORKS as SORT_NETWORKS, sort_rows_
+from .triton_sort_rows import NETWORKS as SORT_NETWORKS, sort_rows_, sort_rows_launch
 
 # The workspace beside the outputs: at most 1 GiB (issue 3's bound), the fused kernel's
 # scratch included. sort="after": at most _AFTER_BUDGET bytes of fp32 values held for the
-# sort kernel at a time, and no more than the bound leaves beside the scratch. (Up to the
+# sort kernel at a time, and no more than the bound leaves beside the scratch (where the
+# scratch is large, one kv head's worth of heads per query: block_m 64, ~528 MiB at k =
+# 2,048, a 128K call needs 3 launches and so takes the fused sort instead; not measured).
+# (Up to the
 # whole bound, 128K keys as launches of 4,224 and 126,848 rows instead of two halves,
 # measured -0.7 +- 0.5 ms of ~265 for 0.45 GiB more memory: not taken; kernel-design v31.)
 _WORKSPACE_BUDGET = 1 << 30
@@ -409,10 +412,9 @@ def hytopk_triton(
     # kernel's scratch fit the workspace bound (all rows when they fit, or when the caller's
     # fp32 values are the workspace; else chunks of whole row blocks, B == 1 only: row slices
     # of several batches are not contiguous; 0: no chunking possible, the fused sort instead).
-    for name in ("after_budget", "sort_rows_per_program"):
-        v = getattr(cfg, name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise SpecError(f"config.{name}={v!r} must be None or a positive int")
+    if cfg.after_budget is not None and (isinstance(cfg.after_budget, bool) or not isinstance(cfg.after_budget, int)
+                                         or cfg.after_budget < 1):
+        raise SpecError(f"config.after_budget={cfg.after_budget!r} must be None or a positive int")
     values_budget = min(cfg.after_budget or _AFTER_BUDGET, _WORKSPACE_BUDGET - nprog * block_m * cap * 8)
     if (return_values and score_dtype == torch.float32) or B * S * topk * 4 <= values_budget:
         after_rows = S
@@ -449,6 +451,11 @@ def hytopk_triton(
             raise SpecError(f"config.sort_network='f64' packs key indices in 20 bits: at most {1 << 20} keys, "
                             f"here T={T}")
         sort_network = "minmax"
+    if sort == "after":  # the rows' sort kernel's launch arguments, checked before the fused kernel runs
+        try:
+            sort_rows_launch(topk, 2, cfg.sort_network, T, None, cfg.sort_rows_per_program, interpret)
+        except ValueError as e:
+            raise SpecError(f"config.sort_network / config.sort_rows_per_program: {e}") from None
     block_d = max(16, _next_pow2(D))
     topk_p2 = _next_pow2(topk)
     # (the rows are sorted together inside the fused kernel only by the bitonic sort)

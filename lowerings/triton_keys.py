@@ -169,6 +169,16 @@ def _sort_desc_minmax(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.const
 # and warps (1,344 shuffles per thread -> 32).
 
 @triton.constexpr_function
+def _plan_start(log_n, reg_bits, log_rows):
+    # the layout the plan starts from: (register bits per thread, the register bits with the
+    # layout's basis 0 first, the others: lane bits (basis 0 first), then warp bits, the
+    # rows' on top), as _low_bits_in_registers leaves one row: register bits lowest, then
+    # lanes, then warps
+    w = min(max(1, int(reg_bits)), int(log_n))  # (a step needs its bit in registers: at least one)
+    return w, list(range(w)), list(range(w, int(log_n) + int(log_rows)))
+
+
+@triton.constexpr_function
 def _transpose_plan(log_n, reg_bits, log_rows=0):
     # Per step t of the network (stage s = 1..log_n, bit j = s-1..0): (order, known). order,
     # where the step needs a move first: the flat bits as the dims of the moved hypercube,
@@ -182,12 +192,8 @@ def _transpose_plan(log_n, reg_bits, log_rows=0):
     # 2^log_rows rows of 2^log_n keys, the row bits above the keys' (warp bits; no step
     # uses them, so they keep their slots, and orders list them too).
     log_n = int(log_n)
-    log_m = log_n + int(log_rows)
-    w = min(max(1, int(reg_bits)), log_n)  # (a step needs its bit in registers: at least one)
+    w, regs, others = _plan_start(log_n, reg_bits, log_rows)
     steps = [(s, s - 1 - i) for s in range(1, log_n + 1) for i in range(s)]
-    regs = list(range(w))           # register bits, the layout's basis 0 first
-    others = list(range(w, log_m))  # lane bits (basis 0 first), then warp bits (the
-    # layout _low_bits_in_registers leaves: register bits lowest, then lanes, then warps)
     plan = []
     for t in range(len(steps)):
         s = steps[t][0]
@@ -228,10 +234,10 @@ def _tp_moves(log_n, reg_bits, t, log_rows=0):
 
 @triton.constexpr_function
 def _tp_start(log_n, reg_bits, log_rows):
-    # the layout _transpose_plan starts from (its first order): the low register bits, then
-    # the warp bits (the rows' on top), the lane bits last
-    w = min(max(1, int(reg_bits)), int(log_n))
-    return tuple(range(w - 1, -1, -1)) + tuple(range(int(log_n) + int(log_rows) - 1, w - 1, -1))
+    # _plan_start's layout as a move's order (register bits first, then warp bits, lane bits
+    # last: _transpose_plan's orders)
+    _, regs, others = _plan_start(log_n, reg_bits, log_rows)
+    return tuple(regs[::-1]) + tuple(others[::-1])
 
 
 @triton.constexpr_function

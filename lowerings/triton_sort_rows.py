@@ -22,7 +22,7 @@ from .triton_keys import (EMPTY, INDEX_BITS_F64, PAD_F64, _pack, _pack_f64, _reg
                           _sort_desc_transpose, _unpack_index, _unpack_index_f64, _unpack_value, _unpack_value_f64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # (one build for any number of rows)
 def _sort_rows_kernel(IDX, VAL, n_rows, K: tl.constexpr, K_P2: tl.constexpr, R: tl.constexpr,
                       WRITE_VALUES: tl.constexpr, NETWORK: tl.constexpr, ROWS: tl.constexpr = 1):
     # ROWS rows of K (index, value) pairs as the fused kernel's keys (triton_keys), each
@@ -69,8 +69,10 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     shape, on one device (CUDA, or CPU under TRITON_INTERPRET=1). ``num_warps`` and
     ``rows_per_program`` (benchmarks): None, the measured default; each program sorts
     ``rows_per_program`` rows (a power of two; more than one only for the "transpose" and
-    "f64" networks) with ``num_warps`` warps in all (default: 2 rows of 4 warps for "f64" at
-    2,048 keys where ``num_warps`` is not given, else 1). ``network``: "tl.sort" (triton's bitonic
+    "f64" networks) with ``num_warps`` warps in all. Defaults: at 2,048 keys 4 warps per
+    row, and 2 rows per program for "f64" (when there are several rows and ``num_warps`` is
+    not given; 8 warps in all), else 1 row; below 2,048 keys 2 warps (under the interpreter
+    1). ``network``: "tl.sort" (triton's bitonic
     sort, per element at every step), "minmax" (triton_keys._sort_desc_minmax: the
     same network, its in-register steps once per pair) or "transpose"
     (triton_keys._sort_desc_transpose: every step once per pair, the keys moved through
@@ -80,25 +82,48 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     adds instead of two selects; only for indices below 2^20, which the caller
     vouches for with ``index_bound``, an exclusive bound on the entries of ``idx``); all
     give the same order. None: at 2,048 keys (padded: 1,025-2,048) "f64" where
-    ``index_bound`` <= 2^20, else "transpose", both with 4 warps; below, "minmax" with 2.
+    ``index_bound`` <= 2^20, else "transpose", both with 4 warps per row; below, "minmax"
+    with 2.
     H200, 2,048 keys
     (benchmarks/calibrate_sort.py --modes lib, session 16): 131,072 rows minmax 6.80 ms at 2
     warps (9.84 at 4), transpose 4.61 at 2 and 4.45 at 4; 32,768 rows 1.73 (2.48), 1.17
     and 1.12. Session 17: f64 3.74 (2 warps) and 3.68 (4); 0.95 and 0.93. So the default
-    at 2,048 keys is "f64" with 4 warps where ``index_bound`` allows it, else "transpose".
+    at 2,048 keys is "f64" with 4 warps per row where ``index_bound`` allows it, else
+    "transpose".
     Session 18 (v30): the warps of one row each ran on their own scheduler at their own place
     in the straight-line code, so every instruction fetch missed (31% of stall samples); two
     rows per program put two warps in step on each scheduler: f64, 4 warps per row, 32,768
     rows 0.923 -> 0.879 ms, 131,072 rows 3.665 -> 3.477 (4 rows per program: 1.174 / 4.611,
     one program of 16 warps per SM)."""
-    if network is not None and network not in NETWORKS:
-        raise ValueError(f"sort_rows_: network={network!r}; expected one of {sorted(NETWORKS)}")
     if idx.shape != vals.shape:
         raise ValueError(f"sort_rows_: idx {tuple(idx.shape)} and vals {tuple(vals.shape)} differ in shape")
     if idx.dtype not in (torch.int32, torch.int64) or vals.dtype != torch.float32:
         raise ValueError(f"sort_rows_: expected int32/int64 indices and fp32 values, got {idx.dtype}, {vals.dtype}")
     if not (idx.is_contiguous() and vals.is_contiguous()) or idx.device != vals.device:
         raise ValueError("sort_rows_: idx and vals must be contiguous and on one device")
+    k = idx.shape[-1] if idx.dim() else 0
+    rows = idx.numel() // k if k else 0
+    interpret = idx.device.type != "cuda"
+    network, num_warps, rows_per_program = sort_rows_launch(k, rows, network, index_bound, num_warps,
+                                                            rows_per_program, interpret)
+    if rows == 0:
+        return
+    k_p2 = triton.next_power_of_2(k)
+    R = max(1, k_p2 // (128 * (num_warps // rows_per_program)))
+    launch = {} if interpret else dict(num_warps=num_warps)
+    grid = (triton.cdiv(rows, rows_per_program),)
+    with torch.cuda.device(idx.device) if idx.device.type == "cuda" else contextlib.nullcontext():
+        _sort_rows_kernel[grid](idx, vals, rows, k, k_p2, R, write_values, NETWORKS[network], rows_per_program,
+                                **launch)
+
+
+def sort_rows_launch(k: int, rows: int, network: Optional[str], index_bound: Optional[int],
+                     num_warps: Optional[int], rows_per_program: Optional[int], interpret: bool):
+    """``sort_rows_``'s checks of its launch arguments and its defaults for them, for rows of
+    ``k`` keys: (network, num_warps, rows_per_program). Raises ValueError naming the bad
+    argument (hytopk_triton calls this before its fused kernel runs)."""
+    if network is not None and network not in NETWORKS:
+        raise ValueError(f"sort_rows_: network={network!r}; expected one of {sorted(NETWORKS)}")
     if index_bound is not None and (isinstance(index_bound, bool) or not isinstance(index_bound, int)
                                     or index_bound < 0):
         raise ValueError(f"sort_rows_: index_bound={index_bound!r}; expected a non-negative int")
@@ -107,39 +132,33 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
         raise ValueError(f"sort_rows_: network='f64' packs indices in {INDEX_BITS_F64.value} bits, so it needs "
                          f"index_bound (an exclusive bound on idx's entries) <= {1 << INDEX_BITS_F64.value}; "
                          f"got index_bound={index_bound!r}")
-    k = idx.shape[-1] if idx.dim() else 0
-    rows = idx.numel() // k if k else 0
-    if rows == 0:
-        return
-    k_p2 = triton.next_power_of_2(k)
-    interpret = idx.device.type != "cuda"
+    if rows_per_program is not None and (isinstance(rows_per_program, bool) or not isinstance(rows_per_program, int)
+                                         or rows_per_program < 1 or rows_per_program & (rows_per_program - 1)):
+        raise ValueError(f"sort_rows_: rows_per_program={rows_per_program!r}; expected a power of two >= 1")
+    if num_warps is not None and (isinstance(num_warps, bool) or not isinstance(num_warps, int) or num_warps < 1
+                                  or num_warps & (num_warps - 1)):
+        raise ValueError(f"sort_rows_: num_warps={num_warps!r}; expected a power of two >= 1")
+    k_p2 = triton.next_power_of_2(max(k, 1))
     # measured at 2,048 keys (docstring); other lengths keep the network measured before
     # (minmax: 2 warps, the network's low 5 bits in registers)
     wide = k_p2 == 2048
-    if network is None:
+    chosen = network is None
+    if chosen:
         network = ("f64" if f64_ok else "transpose") if wide else "minmax"
     if rows_per_program is None:
         # (a caller's num_warps alone keeps its old meaning: the warps of one row)
         rows_per_program = 2 if wide and network == "f64" and rows > 1 and num_warps is None else 1
-    elif (isinstance(rows_per_program, bool) or not isinstance(rows_per_program, int) or rows_per_program < 1
-          or rows_per_program & (rows_per_program - 1)):
-        raise ValueError(f"sort_rows_: rows_per_program={rows_per_program!r}; expected a power of two >= 1")
     elif rows_per_program > 1 and network not in ("transpose", "f64"):
+        why = f" (the default network for {k} keys)" if chosen else ""
         raise ValueError(f"sort_rows_: rows_per_program={rows_per_program} needs network 'transpose' or 'f64', "
-                         f"got {network!r}")
+                         f"got {network!r}{why}")
     if num_warps is None:
         per_row = 1 if interpret or k_p2 < 256 else 4 if wide and network in ("transpose", "f64") else 2
         num_warps = per_row * rows_per_program
-    elif (isinstance(num_warps, bool) or not isinstance(num_warps, int) or num_warps < rows_per_program
-          or num_warps & (num_warps - 1)):
+    elif num_warps < rows_per_program:
         raise ValueError(f"sort_rows_: num_warps={num_warps!r}; expected a power of two >= rows_per_program "
                          f"({rows_per_program})")
-    R = max(1, k_p2 // (128 * (num_warps // rows_per_program)))
-    launch = {} if interpret else dict(num_warps=num_warps)
-    grid = (triton.cdiv(rows, rows_per_program),)
-    with torch.cuda.device(idx.device) if idx.device.type == "cuda" else contextlib.nullcontext():
-        _sort_rows_kernel[grid](idx, vals, rows, k, k_p2, R, write_values, NETWORKS[network], rows_per_program,
-                                **launch)
+    return network, num_warps, rows_per_program
 
 
 def sort_rows_reference(idx: torch.Tensor, vals: torch.Tensor):

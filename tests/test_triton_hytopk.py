@@ -863,9 +863,30 @@ def test_sort_after_chunks(interpret, monkeypatch):
     launches.clear()
     got = hytopk_triton(q, k, w, [hi], topk, DSA, config=dataclasses.replace(cfg2, after_budget=1 << 40))
     assert torch.equal(got, want) and launches == [2, 4], launches
-    for name, bad in (("after_budget", 0), ("after_budget", 1.5), ("sort_rows_per_program", True)):
-        with pytest.raises(SpecError, match=f"config.{name}={bad!r} must be None or a positive int"):
-            hytopk_triton(q, k, w, [hi], topk, DSA, config=dataclasses.replace(cfg, **{name: bad}))
+    for bad in (0, 1.5):
+        with pytest.raises(SpecError, match=f"config.after_budget={bad!r} must be None or a positive int"):
+            hytopk_triton(q, k, w, [hi], topk, DSA, config=dataclasses.replace(cfg, after_budget=bad))
+    # the rows' sort: its rows per program reach it (2 rows per program, transpose: the same
+    # bits), and bad values are refused before the fused kernel runs
+    seen = []
+    real_sort = triton_hytopk.sort_rows_
+
+    def spy_sort(*a, **kw):
+        seen.append(kw.get("rows_per_program"))
+        return real_sort(*a, **kw)
+    monkeypatch.setattr(triton_hytopk, "sort_rows_", spy_sort)
+    monkeypatch.setattr(triton_hytopk, "_WORKSPACE_BUDGET", 1 << 30)
+    got = hytopk_triton(q, k, w, [hi], topk, DSA,
+                        config=dataclasses.replace(cfg, sort_network="transpose", sort_rows_per_program=2))
+    assert torch.equal(got, want) and seen == [2], seen
+    for kw, msg in ((dict(sort_rows_per_program=3), "rows_per_program=3; expected a power of two"),
+                    (dict(sort_rows_per_program=True), "rows_per_program=True; expected a power of two"),
+                    (dict(sort_rows_per_program=2, sort_network="minmax"), "needs network 'transpose' or 'f64'"),
+                    (dict(sort_rows_per_program=2), r"got 'minmax' \(the default network for 300 keys\)")):
+        launches.clear()
+        with pytest.raises(SpecError, match=msg):
+            hytopk_triton(q, k, w, [hi], topk, DSA, config=dataclasses.replace(cfg, **kw))
+        assert launches == [], "the fused kernel ran before the error"
 
 
 def _compaction_case(seed):

@@ -406,3 +406,8 @@ def test_sort_rows_rows_per_program_bad_input():
         sort_rows_(idx, vals, network="minmax", rows_per_program=2)
     with pytest.raises(ValueError, match=r"num_warps=2; expected a power of two >= rows_per_program \(4\)"):
         sort_rows_(idx, vals, network="transpose", num_warps=2, rows_per_program=4)
+    # checked on empty input too; a default network named as such
+    with pytest.raises(ValueError, match="rows_per_program=3; expected a power of two"):
+        sort_rows_(idx[:0], vals[:0], rows_per_program=3)
+    with pytest.raises(ValueError, match=r"got 'minmax' \(the default network for 4 keys\)"):
+        sort_rows_(idx, vals, rows_per_program=2)
