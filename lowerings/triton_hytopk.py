@@ -27,9 +27,9 @@ from .triton_sort_rows import NETWORKS as SORT_NETWORKS, sort_rows_, sort_rows_l
 # sort kernel at a time, and no more than the bound leaves beside the scratch (where the
 # scratch is large, one kv head's worth of heads per query: block_m 64, ~528 MiB at k =
 # 2,048, a 128K call needs 3 launches and so takes the fused sort instead; not measured).
-# (Up to the
-# whole bound, 128K keys as launches of 4,224 and 126,848 rows instead of two halves,
-# measured -0.7 +- 0.5 ms of ~265 for 0.45 GiB more memory: not taken; kernel-design v31.)
+# (Up to the whole bound, 128K keys as launches of 4,224 and 126,848 rows instead of two
+# halves, measured -0.7 +- 0.5 ms of ~265 for 0.45 GiB more memory: not taken;
+# kernel-design v31.)
 _WORKSPACE_BUDGET = 1 << 30
 _AFTER_BUDGET = 512 << 20
 

@@ -362,15 +362,15 @@ def _reg_bits(n, r):
 
 
 @triton.jit
-def _sort_desc_by(keys, N: tl.constexpr, R: tl.constexpr, NETWORK: tl.constexpr):
+def _sort_desc_by(keys, N: tl.constexpr, R: tl.constexpr, NETWORK: tl.constexpr, ROWS: tl.constexpr = 1):
     # keys [N] descending by NETWORK: 0 tl.sort's bitonic network (_sort_desc), 1 the same
     # network with its in-register steps once per pair (_sort_desc_minmax), 2 the same
     # network with every step in registers after moves through shared memory
     # (_sort_desc_transpose). Same order. (3, the f64 network, sorts other keys:
-    # _sort_desc_f64.)
+    # _sort_desc_f64.) ROWS > 1 (transpose only): ROWS rows of N, as _sort_desc_transpose's.
     if NETWORK == 1:
         return _sort_desc_minmax(keys, N, R, _reg_bits(N, R))
     elif NETWORK == 2:
-        return _sort_desc_transpose(keys, N, R, _reg_bits(N, R))
+        return _sort_desc_transpose(keys, N, R, _reg_bits(N, R), -1, False, ROWS)
     else:
         return _sort_desc(keys, N, R)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .triton_keys import (EMPTY, INDEX_BITS_F64, PAD_F64, _pack, _pack_f64, _reg_bits, _sort_desc_by, _sort_desc_f64,
-                          _sort_desc_transpose, _unpack_index, _unpack_index_f64, _unpack_value, _unpack_value_f64)
+                          _unpack_index, _unpack_index_f64, _unpack_value, _unpack_value_f64)
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # (one build for any number of rows)
@@ -41,13 +41,8 @@ def _sort_rows_kernel(IDX, VAL, n_rows, K: tl.constexpr, K_P2: tl.constexpr, R: 
         keys = _sort_desc_f64(tl.where(ok, _pack_f64(y, idx), PAD_F64), K_P2, R, _reg_bits(K_P2, R), -1, ROWS)
         out_idx = _unpack_index_f64(keys)
         out_val = _unpack_value_f64(keys)
-    elif NETWORK == 2:
-        keys = _sort_desc_transpose(tl.where(ok, _pack(y, idx), EMPTY), K_P2, R, _reg_bits(K_P2, R), -1, False,
-                                    ROWS)
-        out_idx = _unpack_index(keys)
-        out_val = _unpack_value(keys)
     else:
-        keys = _sort_desc_by(tl.where(ok, _pack(y, idx), EMPTY), K_P2, R, NETWORK)
+        keys = _sort_desc_by(tl.where(ok, _pack(y, idx), EMPTY), K_P2, R, NETWORK, ROWS)
         out_idx = _unpack_index(keys)
         out_val = _unpack_value(keys)
     # sorted: row-major [ROWS, K_P2], each row's first K the answer
@@ -132,12 +127,9 @@ def sort_rows_launch(k: int, rows: int, network: Optional[str], index_bound: Opt
         raise ValueError(f"sort_rows_: network='f64' packs indices in {INDEX_BITS_F64.value} bits, so it needs "
                          f"index_bound (an exclusive bound on idx's entries) <= {1 << INDEX_BITS_F64.value}; "
                          f"got index_bound={index_bound!r}")
-    if rows_per_program is not None and (isinstance(rows_per_program, bool) or not isinstance(rows_per_program, int)
-                                         or rows_per_program < 1 or rows_per_program & (rows_per_program - 1)):
-        raise ValueError(f"sort_rows_: rows_per_program={rows_per_program!r}; expected a power of two >= 1")
-    if num_warps is not None and (isinstance(num_warps, bool) or not isinstance(num_warps, int) or num_warps < 1
-                                  or num_warps & (num_warps - 1)):
-        raise ValueError(f"sort_rows_: num_warps={num_warps!r}; expected a power of two >= 1")
+    for name, v in (("rows_per_program", rows_per_program), ("num_warps", num_warps)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1)):
+            raise ValueError(f"sort_rows_: {name}={v!r}; expected a power of two >= 1")
     k_p2 = triton.next_power_of_2(max(k, 1))
     # measured at 2,048 keys (docstring); other lengths keep the network measured before
     # (minmax: 2 warps, the network's low 5 bits in registers)
