@@ -32,6 +32,12 @@ from .triton_sort_rows import NETWORKS as SORT_NETWORKS, sort_rows_, sort_rows_l
 # kernel-design v31.)
 _WORKSPACE_BUDGET = 1 << 30
 _AFTER_BUDGET = 512 << 20
+# Shared memory per SM on sm_90 (H100 / H200: 228 KiB), and what the driver reserves per
+# resident block (1 KiB on sm_80+): default_config's estimate of the key-tile stages that
+# keep two programs per SM. _launch_default checks the compiled kernel against the device's
+# own figure.
+_SMEM_PER_SM = 228 * 1024
+_SMEM_RESERVED = 1024
 
 
 def _next_pow2(n: int) -> int:
@@ -158,10 +164,12 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
         # code (and the compile time) bounded
         return HyTopKConfig(block_n=32, num_warps=4, num_stages=1, block_m=-64)
     # As many key-tile stages (up to 3) as keep two programs resident per SM: at the DSA
-    # shape the Q block (64 KiB) + 3 key tiles (16 KiB each) + 1 KiB of scratch is exactly
-    # half an H100/H200 SM's shared memory. 3 stages measured 10-15% faster than 2 there
-    # with pointer loads (docs/kernel-design.md, v7); TMA's barriers (8 B a stage) leave
-    # room for 2, and with TMA 2 stages are as fast (v9).
+    # shape the Q block (64 KiB) + 3 key tiles (16 KiB each) + the 1 KiB the driver reserves
+    # per block is just under half an H100/H200 SM's 228 KiB. The estimate counts the
+    # pipeline's buffers only; _launch_default checks the compiled kernel's own shared
+    # memory (scratch included) and steps down where two programs would not fit. 3 stages
+    # measured 10-15% faster than 2 with pointer loads (docs/kernel-design.md, v7), and with
+    # TMA key tiles -5% at 32K and 128K (v32: 114,712 B, two programs per SM).
     # TMA key tiles with held weights only where measured (v9: 64 heads per kv head, k <=
     # 2048; -5% at 32K, -8% at 128K, TMA alone no faster): offline builds of other shapes
     # (k = 4096, 8 or 3 heads) spill more in the tile loop with held weights than with
@@ -178,7 +186,7 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
     q_bytes = _block_m(HyTopKConfig(block_m=block_m), gp, False) * gp * bd * 2
 
     def fits(stages, programs):
-        return programs * (q_bytes + stages * (64 * bd * 2 + (8 if tma else 0)) + 2048) <= 228 * 1024
+        return programs * (q_bytes + stages * (64 * bd * 2 + (8 if tma else 0)) + _SMEM_RESERVED) <= _SMEM_PER_SM
     programs = 2 if fits(1, 2) else 1
     stages = next((n for n in (3, 2) if fits(n, programs)), 1)
     if tma:
@@ -577,7 +585,7 @@ def hytopk_triton(
             if interpret or not defaulted:
                 kern[(nprog,)](*args, **launch)
             else:
-                _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)))
+                _launch_default(kern, nprog, args, launch, (q.dtype, k.dtype, str(device)), device)
             if sort == "after":
                 # (the rows' sort kernel has its own default network: "f64" or "transpose",
                 # which are not for the fused kernel)
@@ -613,17 +621,34 @@ def redone_blocks() -> int:
 
 # (kernel, launch constants, dtypes, device) -> the num_stages that compiled within the
 # shared memory limit. default_config's estimate covers the pipeline buffers, not every
-# scratch buffer Triton allocates (a 4096-key sort, for one), so a default launch that
-# runs out of shared memory steps down to fewer key-tile stages: fixed per shape, and the
-# stage count never changes the arithmetic.
+# scratch buffer Triton allocates (a 4096-key sort, for one), so a default launch whose
+# compiled kernel would not keep its programs resident (two per SM), or that runs out of
+# shared memory, steps down to fewer key-tile stages: fixed per shape, and the stage count
+# never changes the arithmetic.
 _STAGES: dict = {}
 
 
-def _launch_default(kern, nprog, args, launch, dkey):
+def _resident_stages(kern, nprog, args, launch, device) -> int:
+    """The most key-tile stages, up to launch's, whose compiled kernel (Triton's warmup:
+    compiled, not run) lets ceil(nprog / SMs) programs share an SM's shared memory, each
+    with the driver's reserved KiB; 1 if none does."""
+    props = torch.cuda.get_device_properties(device)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", _SMEM_PER_SM)
+    resident = triton_cdiv(nprog, props.multi_processor_count)
+    for stages in range(launch["num_stages"], 1, -1):
+        ck = kern.warmup(*args, grid=(nprog,), **dict(launch, num_stages=stages))
+        if resident * (ck.metadata.shared + _SMEM_RESERVED) <= per_sm:
+            return stages
+    return 1
+
+
+def _launch_default(kern, nprog, args, launch, dkey, device):
     from triton.runtime.errors import OutOfResources
 
     key = (kern, tuple(sorted((k, v) for k, v in launch.items() if k != "num_stages")), dkey)
-    first = _STAGES.get(key, launch["num_stages"])
+    first = _STAGES.get(key)
+    if first is None:
+        first = _resident_stages(kern, nprog, args, launch, device)
     for stages in range(first, 0, -1):
         try:
             kern[(nprog,)](*args, **dict(launch, num_stages=stages))

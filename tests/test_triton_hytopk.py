@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -1149,14 +1150,46 @@ def test_tma_key_tiles_same_bits(interpret):
     run_exact(q, kx, w, masks, topk, DSA, config=HyTopKConfig(block_n=32, tma=True))
 
 
+def test_resident_stages_checks_the_compiled_kernel(monkeypatch):
+    # _launch_default's stage count comes from the compiled kernel's shared memory (Triton's
+    # warmup), not only default_config's estimate: the most stages (up to the launch's) that
+    # let ceil(programs / SMs) programs share an SM, each with the driver's reserved KiB.
+    props = types.SimpleNamespace(multi_processor_count=132, shared_memory_per_multiprocessor=233472)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+
+    class Kern:
+        def __init__(self, shared):
+            self.shared, self.asked = shared, []
+
+        def warmup(self, *args, grid, num_stages, **launch):
+            self.asked.append((grid, num_stages))
+            return types.SimpleNamespace(metadata=types.SimpleNamespace(shared=self.shared[num_stages]))
+
+    dsa = {3: 114712, 2: 98320}  # the offline sm_90 build at the DSA shape (v32)
+    kern = Kern(dsa)
+    assert triton_hytopk._resident_stages(kern, 264, (), dict(num_stages=3), "cuda") == 3
+    assert kern.asked == [((264,), 3)]
+    # 2 KiB more scratch: two programs no longer fit with 3 stages
+    assert triton_hytopk._resident_stages(Kern({3: 116736, 2: 100344}), 264, (), dict(num_stages=3), "cuda") == 2
+    # one program per SM (fewer programs than SMs) fits 3
+    assert triton_hytopk._resident_stages(Kern({3: 116736}), 132, (), dict(num_stages=3), "cuda") == 3
+    # nothing fits: 1 (the launch's OutOfResources fallback has the last word)
+    assert triton_hytopk._resident_stages(Kern({3: 240000, 2: 240000}), 132, (), dict(num_stages=3), "cuda") == 1
+    # a launch that asks for 2 never compiles 3
+    kern = Kern(dsa)
+    assert triton_hytopk._resident_stages(kern, 264, (), dict(num_stages=2), "cuda") == 2
+    assert kern.asked == [((264,), 2)]
+
+
 def test_default_config_takes_tma_where_keys_allow():
-    # The GPU default (v9): TMA key tiles with held weights and 2 stages where k's layout
-    # allows a descriptor; 3 stages and re-read weights otherwise (the 24 B of TMA barriers
-    # would push 3 stages past two programs per SM at the DSA shape).
+    # The GPU default (v9): TMA key tiles with held weights where k's layout allows a
+    # descriptor, re-read weights otherwise; 3 key-tile stages either way at the DSA shape
+    # (v32: the estimate counts the driver's reserved KiB per block instead of 2 KiB of
+    # scratch, which had rejected the third TMA stage; the compiled kernel is 114,712 B)
     cuda = torch.device("cuda")
     with_tma = triton_hytopk.default_config(32768, 32768, 2048, cuda, True, 128, 64, tma=True)
     without = triton_hytopk.default_config(32768, 32768, 2048, cuda, True, 128, 64, tma=False)
-    assert (with_tma.tma, with_tma.reread_weights, with_tma.num_stages) == (True, False, 2)
+    assert (with_tma.tma, with_tma.reread_weights, with_tma.num_stages) == (True, False, 3)
     assert (without.tma, without.reread_weights, without.num_stages) == (False, None, 3)
     # (no L2 prefetch by default: measured no faster, v13)
     assert with_tma.l2_prefetch is None and without.l2_prefetch is None
@@ -1390,9 +1423,13 @@ def test_gpu_dsa_shape_bf16(cuda):
     # so are the options that leave the arithmetic alone, and the pointer-load path with
     # re-read weights (v8's default; the default here takes TMA key tiles and held weights)
     default = triton_hytopk.default_config(S, T, topk, q.device, True, D, H, tma=True)
-    assert default.tma and default.reread_weights is False and default.num_stages == 2
+    assert default.tma and default.reread_weights is False and default.num_stages == 3
+    # the compiled kernel kept 3 stages with two programs per SM on this card (v32)
+    used = [v for (_, items, _), v in triton_hytopk._STAGES.items()
+            if dict(items).get("USE_TMA") and dict(items).get("TOPK") == topk]
+    assert used and set(used) == {3}, triton_hytopk._STAGES
     # (the default sorts in a kernel of its own, "after"; the fused sort is one of the extras)
-    for extra in (dict(sort="bitonic"), dict(sort="bitonic", sort_rows=2), dict(sort="bitonic", sort_rows=4),
+    for extra in (dict(num_stages=2), dict(sort="bitonic"), dict(sort="bitonic", sort_rows=2), dict(sort="bitonic", sort_rows=4),
                   dict(tma=False, num_stages=3, reread_weights=True),
                   dict(l2_prefetch=4), dict(tma=False, l2_prefetch=2), dict(sort="after"),
                   dict(sort_network="minmax"), dict(sort_network="transpose"), dict(sort_network="f64")):
