@@ -104,8 +104,8 @@ class HyTopKConfig:
     # the layout allows it (one kv head, 16-bit keys, rows 16-byte aligned, batches
     # contiguous, int32 key positions); elsewhere the pointer loads. default_config turns it
     # on where it applies and was measured (sm_90+, 64 heads per kv head, k <= 2048), with
-    # 2 key-tile stages (its pipeline barriers add 24 B of shared memory: 3 stages at the
-    # DSA shape would take 115,736 B, one program per SM) and held weights.
+    # 3 key-tile stages (114,712 B of shared memory at the DSA shape: two programs per SM;
+    # v32) and held weights.
     tma: bool = False
     # Prefetch the key tile this many tiles ahead into L2 (one hint per 128-byte line of the
     # tile: one per thread at the DSA shape) so that its copy finds it there; 0 or None: off.

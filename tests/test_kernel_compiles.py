@@ -58,7 +58,8 @@ def test_dsa_kernel_compiles_for_sm90(tmp_path):
         if name == "default":
             # TMA key tiles and held weights (v9), and since v23b the sampled estimate's loop
             # before the tile loop (presample=128: 413 instructions and 2 spill instructions
-            # in the tile loop at session 13's offline build): the append stays in the head sum's layout,
+            # in the tile loop at session 13's offline build; 415 and 4 with v32's third
+            # key-tile stage, 114,712 B): the append stays in the head sum's layout,
             # no layout conversion (barriers) or atomics per tile. The dot's columns put the
             # query rows in the quad lanes, so the head sum needs no shuffle and each score
             # lives in one lane: 416 instructions and 4 spill reloads per tile in session 6's
