@@ -167,7 +167,8 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
     # shape the Q block (64 KiB) + 3 key tiles (16 KiB each) + the 1 KiB the driver reserves
     # per block is just under half an H100/H200 SM's 228 KiB. The estimate counts the
     # pipeline's buffers only; _launch_default checks the compiled kernel's own shared
-    # memory (scratch included) and steps down where two programs would not fit. 3 stages
+    # memory (scratch included) and takes fewer stages where that keeps two programs per SM
+    # (where no count does, the estimate's). 3 stages
     # measured 10-15% faster than 2 with pointer loads (docs/kernel-design.md, v7), and with
     # TMA key tiles -5% at 32K and 128K (v32: 114,712 B, two programs per SM).
     # TMA key tiles with held weights only where measured (v9: 64 heads per kv head, k <=
@@ -619,36 +620,41 @@ def redone_blocks() -> int:
     return int(counter[-1].item())
 
 
-# (kernel, launch constants, dtypes, device) -> the num_stages that compiled within the
-# shared memory limit. default_config's estimate covers the pipeline buffers, not every
-# scratch buffer Triton allocates (a 4096-key sort, for one), so a default launch whose
-# compiled kernel would not keep its programs resident (two per SM), or that runs out of
-# shared memory, steps down to fewer key-tile stages: fixed per shape, and the stage count
-# never changes the arithmetic.
+# (kernel, launch constants, dtypes, device, programs per SM) -> the key-tile stages a
+# default launch runs with. default_config's estimate covers the pipeline buffers, not
+# every scratch buffer Triton allocates (a 4096-key sort, for one), so the compiled kernel
+# decides (_resident_stages), and a launch that still runs out of shared memory steps
+# down: fixed per shape, and the stage count never changes the arithmetic.
 _STAGES: dict = {}
 
 
-def _resident_stages(kern, nprog, args, launch, device) -> int:
+def _resident_stages(kern, nprog, args, launch, resident: int, per_sm: int) -> int:
     """The most key-tile stages, up to launch's, whose compiled kernel (Triton's warmup:
-    compiled, not run) lets ceil(nprog / SMs) programs share an SM's shared memory, each
-    with the driver's reserved KiB; 1 if none does."""
-    props = torch.cuda.get_device_properties(device)
-    per_sm = getattr(props, "shared_memory_per_multiprocessor", _SMEM_PER_SM)
-    resident = triton_cdiv(nprog, props.multi_processor_count)
+    compiled, not run; the launch then finds it in Triton's cache) lets ``resident``
+    programs share an SM's ``per_sm`` bytes of shared memory, each rounded up to the 128 B
+    allocation unit with the driver's reserved KiB. Where no stage count >= 2 reaches that,
+    the launch planned fewer programs per SM (default_config's estimate): its own count."""
     for stages in range(launch["num_stages"], 1, -1):
         ck = kern.warmup(*args, grid=(nprog,), **dict(launch, num_stages=stages))
-        if resident * (ck.metadata.shared + _SMEM_RESERVED) <= per_sm:
+        if hasattr(ck, "result"):  # (Triton's async compile mode hands back a future)
+            ck = ck.result()
+        if ck is None:  # (a Triton cache hook declined the compile: nothing to measure)
+            break
+        if resident * (triton_cdiv(ck.metadata.shared, 128) * 128 + _SMEM_RESERVED) <= per_sm:
             return stages
-    return 1
+    return launch["num_stages"]
 
 
 def _launch_default(kern, nprog, args, launch, dkey, device):
     from triton.runtime.errors import OutOfResources
 
-    key = (kern, tuple(sorted((k, v) for k, v in launch.items() if k != "num_stages")), dkey)
+    props = torch.cuda.get_device_properties(device)
+    resident = triton_cdiv(nprog, props.multi_processor_count)  # programs per SM
+    key = (kern, tuple(sorted((k, v) for k, v in launch.items() if k != "num_stages")), dkey, resident)
     first = _STAGES.get(key)
     if first is None:
-        first = _resident_stages(kern, nprog, args, launch, device)
+        first = _resident_stages(kern, nprog, args, launch, resident,
+                                 getattr(props, "shared_memory_per_multiprocessor", _SMEM_PER_SM))
     for stages in range(first, 0, -1):
         try:
             kern[(nprog,)](*args, **dict(launch, num_stages=stages))

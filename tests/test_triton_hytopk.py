@@ -1150,35 +1150,74 @@ def test_tma_key_tiles_same_bits(interpret):
     run_exact(q, kx, w, masks, topk, DSA, config=HyTopKConfig(block_n=32, tma=True))
 
 
-def test_resident_stages_checks_the_compiled_kernel(monkeypatch):
+class _FakeKern:
+    """A stand-in for a Triton kernel: compiled shared memory per stage count (warmup), and
+    launches that record their stage count or raise OutOfResources where listed."""
+
+    def __init__(self, shared, out_of_resources=()):
+        self.shared, self.oor, self.warmed, self.launched = shared, set(out_of_resources), [], []
+
+    def warmup(self, *args, grid, num_stages, **launch):
+        self.warmed.append(num_stages)
+        return types.SimpleNamespace(metadata=types.SimpleNamespace(shared=self.shared[num_stages]))
+
+    def __getitem__(self, grid):
+        def run(*args, num_stages, **launch):
+            if num_stages in self.oor:
+                from triton.runtime.errors import OutOfResources
+
+                raise OutOfResources(self.shared[num_stages], 232448, "shared memory")
+            self.launched.append(num_stages)
+        return run
+
+
+def test_resident_stages_checks_the_compiled_kernel():
     # _launch_default's stage count comes from the compiled kernel's shared memory (Triton's
     # warmup), not only default_config's estimate: the most stages (up to the launch's) that
-    # let ceil(programs / SMs) programs share an SM, each with the driver's reserved KiB.
-    props = types.SimpleNamespace(multi_processor_count=132, shared_memory_per_multiprocessor=233472)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    # let the given programs per SM share its shared memory, each rounded up to 128 B with
+    # the driver's reserved KiB.
+    h200 = 233472  # 228 KiB
 
-    class Kern:
-        def __init__(self, shared):
-            self.shared, self.asked = shared, []
-
-        def warmup(self, *args, grid, num_stages, **launch):
-            self.asked.append((grid, num_stages))
-            return types.SimpleNamespace(metadata=types.SimpleNamespace(shared=self.shared[num_stages]))
+    def stages(shared, resident=2, per_sm=h200, asked=3):
+        return triton_hytopk._resident_stages(_FakeKern(shared), 264, (), dict(num_stages=asked), resident, per_sm)
 
     dsa = {3: 114712, 2: 98320}  # the offline sm_90 build at the DSA shape (v32)
-    kern = Kern(dsa)
-    assert triton_hytopk._resident_stages(kern, 264, (), dict(num_stages=3), "cuda") == 3
-    assert kern.asked == [((264,), 3)]
-    # 2 KiB more scratch: two programs no longer fit with 3 stages
-    assert triton_hytopk._resident_stages(Kern({3: 116736, 2: 100344}), 264, (), dict(num_stages=3), "cuda") == 2
-    # one program per SM (fewer programs than SMs) fits 3
-    assert triton_hytopk._resident_stages(Kern({3: 116736}), 132, (), dict(num_stages=3), "cuda") == 3
-    # nothing fits: 1 (the launch's OutOfResources fallback has the last word)
-    assert triton_hytopk._resident_stages(Kern({3: 240000, 2: 240000}), 132, (), dict(num_stages=3), "cuda") == 1
-    # a launch that asks for 2 never compiles 3
-    kern = Kern(dsa)
-    assert triton_hytopk._resident_stages(kern, 264, (), dict(num_stages=2), "cuda") == 2
-    assert kern.asked == [((264,), 2)]
+    kern = _FakeKern(dsa)
+    assert triton_hytopk._resident_stages(kern, 264, (), dict(num_stages=3), 2, h200) == 3
+    assert kern.warmed == [3]
+    assert stages({3: 115712}) == 3  # the pointer-load build: exactly two programs' worth
+    assert stages({3: 115713, 2: 99000}) == 2  # one byte more: past it
+    # shared memory counts in 128 B units: 115,650 B takes 115,712
+    assert stages({3: 115650, 2: 99000}, per_sm=2 * (115712 + 1024) - 2) == 2
+    assert stages({3: 116736, 2: 100344}) == 2  # 2 KiB more scratch: two programs need 2 stages
+    assert stages({3: 116736}, resident=1) == 3  # one program per SM fits 3
+    assert stages(dsa, per_sm=210000) == 2  # the device's own figure, not the constant
+    # no stage count >= 2 keeps two programs per SM (H=64, D=256: the launch planned one
+    # per SM): the launch's own stage count, not 1
+    assert stages({3: 230400, 2: 197632}) == 3
+    kern = _FakeKern(dsa)  # a launch that asks for 2 never compiles 3
+    assert triton_hytopk._resident_stages(kern, 264, (), dict(num_stages=2), 2, h200) == 2
+    assert kern.warmed == [2]
+
+
+def test_launch_default_caches_stages_per_residency(monkeypatch):
+    props = types.SimpleNamespace(multi_processor_count=132, shared_memory_per_multiprocessor=233472)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(triton_hytopk, "_STAGES", {})
+    launch, dkey = dict(num_stages=3, TOPK=2048), ("bf16", "bf16", "cuda:0")
+    kern = _FakeKern({3: 116736, 2: 100344, 1: 84000})
+    triton_hytopk._launch_default(kern, 200, (), launch, dkey, "cuda:0")  # ceil(200 / 132) = 2 per SM: 2 stages
+    assert (kern.warmed, kern.launched) == ([3, 2], [2])
+    triton_hytopk._launch_default(kern, 264, (), launch, dkey, "cuda:0")  # also 2 per SM, cached: no compile check
+    assert (kern.warmed, kern.launched) == ([3, 2], [2, 2])
+    triton_hytopk._launch_default(kern, 100, (), launch, dkey, "cuda:0")  # one per SM: its own entry
+    assert (kern.warmed, kern.launched) == ([3, 2, 3], [2, 2, 3])
+    # a launch that runs out of shared memory anyway steps down, and that count is kept
+    kern = _FakeKern({3: 114712, 2: 98320, 1: 84000}, out_of_resources={3})
+    monkeypatch.setattr(triton_hytopk, "_STAGES", {})
+    triton_hytopk._launch_default(kern, 264, (), launch, dkey, "cuda:0")
+    triton_hytopk._launch_default(kern, 264, (), launch, dkey, "cuda:0")
+    assert (kern.warmed, kern.launched) == ([3], [2, 2])
 
 
 def test_default_config_takes_tma_where_keys_allow():
@@ -1405,7 +1444,8 @@ def _dsa_case(cuda, seed, S, H=64, D=128):
 
 
 @pytest.mark.gpu
-def test_gpu_dsa_shape_bf16(cuda):
+def test_gpu_dsa_shape_bf16(cuda, monkeypatch):
+    monkeypatch.setattr(triton_hytopk, "_STAGES", {})  # (only this test's launches below)
     B, S, T, H, D, topk = 1, 4096, 4096, 64, 128, 2048
     q, k, w, spec, masks = _dsa_case(cuda, 1001, S)
     vals, idx = hytopk_triton(q, k, w, masks, topk, spec, return_values=True)
@@ -1425,7 +1465,7 @@ def test_gpu_dsa_shape_bf16(cuda):
     default = triton_hytopk.default_config(S, T, topk, q.device, True, D, H, tma=True)
     assert default.tma and default.reread_weights is False and default.num_stages == 3
     # the compiled kernel kept 3 stages with two programs per SM on this card (v32)
-    used = [v for (_, items, _), v in triton_hytopk._STAGES.items()
+    used = [v for (_, items, _, _), v in triton_hytopk._STAGES.items()
             if dict(items).get("USE_TMA") and dict(items).get("TOPK") == topk]
     assert used and set(used) == {3}, triton_hytopk._STAGES
     # (the default sorts in a kernel of its own, "after"; the fused sort is one of the extras)
