@@ -168,9 +168,9 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
     # per block is just under half an H100/H200 SM's 228 KiB. The estimate counts the
     # pipeline's buffers only; _launch_default checks the compiled kernel's own shared
     # memory (scratch included) and takes fewer stages where that keeps two programs per SM
-    # (where no count does, the estimate's). 3 stages
-    # measured 10-15% faster than 2 with pointer loads (docs/kernel-design.md, v7), and with
-    # TMA key tiles -5% at 32K and 128K (v32: 114,712 B, two programs per SM).
+    # (where no count does, the estimate's). 3 stages measured 10-15% faster than 2 with
+    # pointer loads (docs/kernel-design.md, v7), and with TMA key tiles -5% at 32K and
+    # 128K (v32: 114,712 B, two programs per SM).
     # TMA key tiles with held weights only where measured (v9: 64 heads per kv head, k <=
     # 2048; -5% at 32K, -8% at 128K, TMA alone no faster): offline builds of other shapes
     # (k = 4096, 8 or 3 heads) spill more in the tile loop with held weights than with

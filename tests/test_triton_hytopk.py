@@ -1469,7 +1469,8 @@ def test_gpu_dsa_shape_bf16(cuda, monkeypatch):
             if dict(items).get("USE_TMA") and dict(items).get("TOPK") == topk]
     assert used and set(used) == {3}, triton_hytopk._STAGES
     # (the default sorts in a kernel of its own, "after"; the fused sort is one of the extras)
-    for extra in (dict(num_stages=2), dict(sort="bitonic"), dict(sort="bitonic", sort_rows=2), dict(sort="bitonic", sort_rows=4),
+    for extra in (dict(num_stages=2),
+                  dict(sort="bitonic"), dict(sort="bitonic", sort_rows=2), dict(sort="bitonic", sort_rows=4),
                   dict(tma=False, num_stages=3, reread_weights=True),
                   dict(l2_prefetch=4), dict(tma=False, l2_prefetch=2), dict(sort="after"),
                   dict(sort_network="minmax"), dict(sort_network="transpose"), dict(sort_network="f64")):
