@@ -254,7 +254,7 @@ for name, term, masks in (
     cfg = dataclasses.replace(th.default_config(S, S, TOPK, torch.device("cuda"), True, D, H, tma=True), num_programs=264)
     def launcher(kern, args, launch):
         # the stage count a default launch takes on an H100/H200 (two programs per SM)
-        stages = th._resident_stages(kern, 264, args, launch, 2, 228 * 1024)
+        stages = th._resident_stages(kern, 264, args, launch, 2, th._SMEM_PER_SM)
         return stages, kern.warmup(*args, grid=(1,), **dict(launch, num_stages=stages))
     stages, ck = th.hytopk_triton(q, k, w, masks, TOPK, spec, config=cfg, _launcher=launcher)
     print("hytopk", name, ck.metadata.shared, stages)
