@@ -230,6 +230,68 @@ def test_kernel_source_follows_the_spec_not_the_registry(registered, kernel_cach
     assert cg.load_kernel(spec5, 0) is not cg.load_kernel(spec7, 0)
 
 
+_CACHE_PROGRAM = """
+import sys
+import torch
+from torch._dynamo.utils import counters
+import hyscale_compile
+from hyscale_compile.lowerings import mods
+from tests.test_registry import _inputs, capped30
+
+looked_up = []
+get = mods.get
+mods.get = lambda ref: looked_up.append(ref) or get(ref)
+
+
+def compile_and_check():
+    counters.clear()
+    torch._dynamo.reset()
+    q, k, w = _inputs(0)
+    got = torch.compile(capped30, backend="hyscale")(q, k, w)
+    want = capped30(q, k, w)
+    assert torch.equal(got[1], want[1]), "indices differ from eager"
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+    return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+
+
+if sys.argv[1] == "first":
+    hyscale_compile.register_score_mod("cap", lambda s: 30.0 * torch.tanh(s / 30.0))
+    assert compile_and_check() == 0
+    assert counters["hyscale"]["rewritten:dsa-norelu+cap"] == 1, dict(counters["hyscale"])
+else:
+    # another function under the same name: the cached graph (which calls the first) must
+    # not be served; the site is not matched, so the graph computes as eager does
+    hyscale_compile.register_score_mod("cap", lambda s: 3.0 * torch.tanh(s / 3.0))
+    assert compile_and_check() == 0, "served a graph compiled with another registration"
+    assert counters["hyscale"]["rewritten:table"] == 1, dict(counters["hyscale"])
+    # the same function again: the cache hits, and the op finds the mod by its key
+    hyscale_compile.register_score_mod("cap", lambda s: 30.0 * torch.tanh(s / 30.0), replace=True)
+    del looked_up[:]
+    assert compile_and_check() > 0, "the identical registration missed the cache"
+    assert mods.key_of("cap") in looked_up, looked_up
+print("ok")
+"""
+
+
+@pytest.mark.inductor
+def test_a_cached_graph_in_a_fresh_process_computes_what_it_was_compiled_from(tmp_path):
+    """Inductor's cache keys on the registrations (the pass's uuid): a process that
+    registers another function under the name misses it; one that registers the same
+    function hits it and finds the mod by its content key."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+               TORCHINDUCTOR_AUTOGRAD_CACHE="1", PYTHONPATH=root)
+    for phase in ("first", "second"):
+        res = subprocess.run([sys.executable, "-c", _CACHE_PROGRAM, phase], capture_output=True, text=True,
+                             cwd=root, env=env, timeout=600)
+        assert res.returncode == 0 and "ok" in res.stdout, f"{phase}: {res.stderr[-1500:]}"
+
+
 def test_constants_are_part_of_the_match(registered):
     registered("softcap50", lambda s: 50.0 * torch.tanh(s / 50.0))  # the model caps at 30
     q, k, w = _inputs(fresh_seed("constants") % 1000)
