@@ -17,6 +17,12 @@ their constants). Registration checks it right away and raises ``ScoreModError``
 the problem: not elementwise, an op the kernel cannot generate, a captured tensor, a cast
 to a reduced dtype, a name that is taken. Registrations are part of the compile cache key
 and show in ``explain`` (the site's variant and spec name the mod).
+
+A compiled graph keeps the function it was compiled with: it names the mod by a digest
+of its content, and this process keeps every mod it registered. Replacing or
+unregistering a name affects only later compiles. A graph loaded from Inductor's cache
+in another process was compiled under the same registrations (they are in the cache
+key), so there the mod is found again by its digest.
 """
 from __future__ import annotations
 
@@ -35,17 +41,17 @@ def register_score_mod(name: str, fn: Callable[[torch.Tensor], torch.Tensor], *,
     """Register ``fn``, an elementwise float32 function of the score, under ``name``.
 
     ``replace=True`` overwrites an earlier registration of the same name (otherwise
-    registering a name twice raises). Graphs already compiled in this process refer to
-    the mod by name, so from their next call they compute the new function; call
-    ``torch._dynamo.reset()`` after replacing to recompile them from scratch."""
+    registering a name twice raises). Only later compiles see the new function: graphs
+    already compiled keep computing the one they were compiled with (call
+    ``torch._dynamo.reset()`` to recompile them with the new one)."""
     if not replace and name in _mods.registered():
         raise ScoreModError(f"register_score_mod: {name!r} is already registered (pass replace=True to overwrite)")
     _mods.add(_mods.build(name, fn))
 
 
 def unregister_score_mod(name: str) -> None:
-    """Forget a registration (graphs compiled with it keep working in this process only
-    while it is registered)."""
+    """Forget a registration: later compiles no longer match it; graphs already compiled
+    with it keep working."""
     _mods.remove(name)
 
 
@@ -57,6 +63,5 @@ def fingerprint() -> str:
     """A digest of every registration: part of the pass's cache key."""
     h = hashlib.sha256()
     for name, mod in sorted(_mods.registered().items()):
-        h.update(name.encode())
-        h.update(mod.source().encode())
+        h.update(mod.key.encode() + b"\n")
     return h.hexdigest()

@@ -14,6 +14,13 @@ needs, the way FlexAttention derives a kernel from a ``score_mod``:
   plain graph;
 * ``fn`` itself is the CPU reference (``reference._apply_elementwise``).
 
+A compiled graph names a mod by its content, ``name@digest`` (``key``), not by its name:
+the digest hashes the traced forward, its Triton text and the traced derivative.
+Every mod registered in this process stays in an append-only store under its key, so
+replacing or unregistering a name changes only what later compiles match; graphs
+compiled before keep computing the function they were compiled from. A bare name (a
+spec written by hand) means the current registration.
+
 Registration validates all of it up front (an op the kernel cannot generate, a function
 that is not elementwise, captures a tensor or depends on the input's shape, a Triton
 translation that disagrees with ``fn``), so a bad registration fails there, not as a
@@ -24,11 +31,12 @@ check's tolerance covers that for mods whose derivative is bounded by ~1 near th
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import keyword
 import math
 import re
 import threading
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -52,8 +60,15 @@ class ScoreMod:
     keeps_neg_inf: bool  # fn(-inf) == -inf: a -inf mask before it may still skip tiles
 
     def source(self) -> str:
-        """What defines the mod's arithmetic (for the compile cache key)."""
-        return self.graph.code + "\n" + "\n".join(self.triton_lines)
+        """What defines the mod's arithmetic: forward, kernel text, derivative."""
+        return "\n".join([self.graph.code, *self.triton_lines, *self.interp_lines, self.grad_graph.code,
+                          f"keeps_neg_inf={self.keeps_neg_inf}"])
+
+    @property
+    def key(self) -> str:
+        """``name@digest``: how a spec (and so a compiled graph) names this mod. The same
+        function registered under the same name in another process gets the same key."""
+        return f"{self.name}@{hashlib.sha256(self.source().encode()).hexdigest()[:16]}"
 
     def triton(self, var: str, tag: str, interpret: bool = False) -> List[str]:
         """The Triton statements applying the mod to ``var`` in place (temporaries get ``tag``)."""
@@ -66,20 +81,44 @@ class ScoreMod:
 
 
 _lock = threading.Lock()
-_MODS: Dict[str, ScoreMod] = {}
+_MODS: Dict[str, ScoreMod] = {}  # name -> current registration: what later compiles match
+_STORE: Dict[str, ScoreMod] = {}  # key -> every mod registered in this process (append-only)
 
 # Names the spec already uses for its own steps.
 RESERVED = {"mul", "add", "div", "relu", "round", "neg", "sigmoid", "mul_operand", "div_operand", "mask", "mod"}
 
 
-def get(name: str) -> ScoreMod:
-    mod = _MODS.get(name)
+def name_of(ref: str) -> str:
+    """The registered name in a spec's reference (``name@digest`` or a bare name)."""
+    return ref.split("@", 1)[0]
+
+
+def get(ref: str) -> ScoreMod:
+    """The mod a spec refers to: by key (``name@digest``, what the matcher writes) the one
+    compiled with, whatever is registered now; by bare name the current registration."""
+    if "@" in ref:
+        mod = _STORE.get(ref)
+        if mod is None:
+            name = name_of(ref)
+            now = "registered with a different function" if name in _MODS else "not registered"
+            raise ScoreModError(
+                f"score mod {name!r} ({ref}): this graph was compiled with a registration not present in this "
+                f"process ({name!r} is {now} here); register the same function under {name!r} before "
+                "loading it, or recompile"
+            )
+        return mod
+    mod = _MODS.get(ref)
     if mod is None:
         raise ScoreModError(
-            f"unknown score mod {name!r}: register it with hyscale_compile.register_score_mod "
+            f"unknown score mod {ref!r}: register it with hyscale_compile.register_score_mod "
             f"before running a graph that uses it (registered: {sorted(_MODS) or 'none'})"
         )
     return mod
+
+
+def key_of(name: str) -> str:
+    """The key of ``name``'s current registration."""
+    return get(name_of(name)).key
 
 
 def registered() -> Dict[str, ScoreMod]:
@@ -90,9 +129,11 @@ def registered() -> Dict[str, ScoreMod]:
 def add(mod: ScoreMod) -> None:
     with _lock:
         _MODS[mod.name] = mod
+        _STORE.setdefault(mod.key, mod)
 
 
 def remove(name: str) -> None:
+    """Forget the name (later compiles no longer match it); its mods stay in the store."""
     with _lock:
         if name not in _MODS:
             raise ScoreModError(f"no score mod named {name!r} is registered")
@@ -157,6 +198,36 @@ def _trace(name: str, fn, n: int) -> fx.GraphModule:
         raise ScoreModError(f"register_score_mod({name!r}): tracing fn on a float32 tensor failed: "
                             f"{type(e).__name__}: {e}") from None
     return gm
+
+
+def _not_elementwise(gm: fx.GraphModule) -> Optional[str]:
+    """Why ``gm`` is not elementwise, naming the op, if one of its ops reduces or takes a dim."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        op = str(n.target.overloadpacket)
+        if any(a.name in ("dim", "dims") for a in n.target._schema.arguments):
+            return f"{op} takes a dim argument"
+        out = n.meta.get("val")
+        ins = [a.meta.get("val") for a in n.all_input_nodes]
+        if isinstance(out, torch.Tensor) and any(isinstance(v, torch.Tensor) and v.numel() > out.numel() for v in ins):
+            return f"{op} reduces its input"
+    return None
+
+
+def _check_elementwise(name: str, fn, gm: fx.GraphModule) -> None:
+    reason = _not_elementwise(gm)
+    if reason is None:
+        return
+    # name the op as the user wrote it (softmax, not the amax/sum it decomposes to)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        reason = _not_elementwise(make_fx(fn)(torch.empty(16))) or reason
+    except Exception:
+        pass
+    raise ScoreModError(f"register_score_mod({name!r}): the function is not elementwise ({reason}); "
+                        "a score mod must map each score to a score")
 
 
 def _pow(name, base: str, e) -> str:
@@ -264,6 +335,7 @@ def build(name: str, fn: Callable) -> ScoreMod:
     if not callable(fn):
         raise ScoreModError(f"register_score_mod({name!r}): fn must be callable, got {type(fn).__name__}")
     gm = _trace(name, fn, 16)
+    _check_elementwise(name, fn, gm)
     if _trace(name, fn, 7).code != gm.code:
         raise ScoreModError(f"register_score_mod({name!r}): fn depends on the input's shape; a mod must be elementwise")
     ops = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -311,11 +383,11 @@ def build(name: str, fn: Callable) -> ScoreMod:
                     keeps_neg_inf=keeps)
 
 
-def apply(name: str, x: torch.Tensor) -> torch.Tensor:
+def apply(ref: str, x: torch.Tensor) -> torch.Tensor:
     """The mod on a tensor of any float dtype (the reference; float64 in the tests)."""
-    return get(name).fn(x)
+    return get(ref).fn(x)
 
 
-def grad(name: str, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def grad(ref: str, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """g * fn'(x), from the traced derivative (callable below autograd)."""
-    return get(name).grad_graph(x, g)
+    return get(ref).grad_graph(x, g)

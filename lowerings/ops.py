@@ -157,8 +157,9 @@ def _(x, topk):
 
 @torch.library.custom_op(f"{LIB}::score_mod", mutates_args=())
 def score_mod(x: Tensor, name: str) -> Tensor:
-    """A registered score mod (``mods.py``) as one node. Only the matcher creates it, and
-    only while it analyses a site: it never stays in a compiled graph."""
+    """A registered score mod (``mods.py``) as one node; ``name`` is its key
+    (``name@digest``). Only the matcher creates it, and only while it analyses a site: it
+    never stays in a compiled graph."""
     from . import mods
 
     return mods.apply(name, x).clone()

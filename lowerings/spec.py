@@ -61,7 +61,8 @@ ELEMENTWISE_OPS = {
     # before the op computes, so implementations only ever see mul/div.
     "mul_operand": 1,
     "div_operand": 1,
-    # a registered score mod (``mods.py``, ``hyscale_compile.register_score_mod``) by name
+    # a registered score mod (``mods.py``, ``hyscale_compile.register_score_mod``): its key
+    # ``name@digest`` (what the matcher writes) or, in a spec written by hand, its name
     "mod": 1,
 }
 REDUCTIONS = ("weighted_sum", "sum", "none")
@@ -209,6 +210,8 @@ class ScoreSpec:
                 elif op == "mod":
                     from . import mods
 
+                    if not isinstance(args[0], str):
+                        raise SpecError(f"{where} step {step!r}: a score mod is named by a string")
                     mods.get(args[0])  # raises, naming the registration that is missing
                 elif op in ("mul_operand", "div_operand"):
                     if not isinstance(args[0], int) or (num_mask_operands is not None and not 0 <= args[0] < num_mask_operands):
@@ -280,6 +283,10 @@ class ScoreSpec:
 
 def _fmt_step(step) -> str:
     op, *args = step
+    if op == "mod":  # the name, without the content digest
+        from .mods import name_of
+
+        args = [name_of(args[0])]
     return f"{op}({', '.join(repr(a) for a in args)})" if args else op
 
 

@@ -94,8 +94,8 @@ def _elementwise_lines(var: str, step, fast_relu: bool = False) -> List[str]:
     if op == "mod":
         from . import mods
 
-        return [f"# registered score mod {step[1]!r}"] + mods.get(step[1]).triton(var, f"{var}_{step[1]}",
-                                                                                  interpret=_interpreting())
+        return [f"# registered score mod {step[1]!r}"] + mods.get(step[1]).triton(
+            var, f"{var}_{mods.name_of(step[1])}", interpret=_interpreting())
     raise SpecError(f"unknown elementwise step {step!r}")
 
 
@@ -523,8 +523,9 @@ def write_source(src: str) -> str:
 
 
 def _mod_bodies(spec: ScoreSpec) -> tuple:
-    """The generated lines of the registered score mods the spec calls: re-registering a
-    mod under the same name changes the kernel, so it is part of ``load_kernel``'s key."""
+    """The generated lines of the registered score mods the spec calls. A spec naming a mod
+    by bare name (written by hand) means the current registration, which re-registering
+    changes, so they are part of ``load_kernel``'s key (a ``name@digest`` key is fixed)."""
     from . import mods
 
     used = [(st[1], mods.get(st[1])) for st in tuple(spec.epilogue) + tuple(spec.post) if st[0] == "mod"]

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.fx as fx
 
+from ..lowerings.mods import name_of as mod_name
 from ..lowerings.spec import MaskTerm, ScoreSpec, dtype_name
 from . import layout as L
 from .layout import Atom, Layout, Unsupported
@@ -664,8 +665,8 @@ class SiteAnalysis:
                     "the spec cannot carry (only * and / by a 0-d tensor are supported)"
                 )
             if step is not None and step[0] == "mod" and dtype_of_node(n) != torch.float32:
-                raise Unsupported(f"the registered score mod {step[1]!r} runs on {dtype_of_node(n)} scores (the graph "
-                                  "rounds after each of its ops; the kernel computes it in float32)")
+                raise Unsupported(f"the registered score mod {mod_name(step[1])!r} runs on {dtype_of_node(n)} scores "
+                                  "(the graph rounds after each of its ops; the kernel computes it in float32)")
             if step is not None:
                 steps.append(step)
                 if dtype_of_node(n) != torch.float32 and step[0] != "relu":
@@ -1037,7 +1038,7 @@ def variant_name(reduce: str, epilogue, G, Hk) -> str:
         name = "head-sum" + ("-relu" if relu else "")
     else:
         name = "single-head"
-    mods = [s[1] for s in epilogue if s[0] == "mod"]
+    mods = [mod_name(s[1]) for s in epilogue if s[0] == "mod"]
     return name + ("-gqa" if Hk and G else "") + "".join(f"+{m}" for m in mods)
 
 

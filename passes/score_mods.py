@@ -2,11 +2,13 @@
 
 A mod registered with ``hyscale_compile.register_score_mod`` is a small aten graph
 (``lowerings/mods.py``). Before the canonicalizer runs, every place where that graph
-computes a value that flows into a top-k's scores gets a ``hyscale.score_mod(x, name)``
+computes a value that flows into a top-k's scores gets a ``hyscale.score_mod(x, key)``
 node, and the consumers on the way to the top-k read it instead; the canonicalizer then
-sees one pointwise step (``("mod", name)``). After the rewrite, ``restore`` puts back the
-original value wherever a stand-in is still used (a site that was left alone), so a graph
-we did not rewrite is exactly the graph we were given.
+sees one pointwise step (``("mod", key)``). ``key`` (``name@digest``) names the mod's
+content, so the compiled graph keeps computing it if the name is later re-registered.
+After the rewrite, ``restore`` puts back the original value wherever a stand-in is still
+used (a site that was left alone), so a graph we did not rewrite is exactly the graph we
+were given.
 
 The match is our own small structural one, not ``pattern_matcher.gen_pattern``: that
 one ignores scalar constants (``30 * tanh(x / 30)`` would match ``50 * tanh(x / 50)``),
@@ -97,7 +99,7 @@ def collapse(graph: fx.Graph, topks: List[fx.Node]) -> List[fx.Node]:
                 continue
             x, nodes = hit
             with graph.inserting_after(n):
-                s = graph.call_function(torch.ops.hyscale.score_mod.default, (x, name))
+                s = graph.call_function(torch.ops.hyscale.score_mod.default, (x, mod.key))
             s.meta = {k: n.meta[k] for k in ("val", "tensor_meta", "stack_trace", "nn_module_stack", "partitioner_tag")
                       if k in n.meta}
             s.meta[MOD_NODES] = nodes

@@ -326,9 +326,16 @@ v36: i64[1, 16, 2] = prims.convert_element_type(v35, i64)
 return (v36,)""")
 
     def test_registered_mod_fused(self):
+        from hyscale_compile.lowerings import mods
+
         hyscale_compile.register_score_mod("softcap10", lambda s: 10.0 * torch.tanh(s / 10.0))
         try:
             got = graphs(softcapped, self.q, self.k, self.w, kinds=("inference",))
+            # the spec names the mod by its content digest, which depends on how this
+            # torch version traces it
+            key = mods.key_of("softcap10")
+            assert key in got, got
+            got = got.replace(key, "softcap10@DIGEST")
         finally:
             hyscale_compile.unregister_score_mod("softcap10")
         self.assertExpectedInline(got, """\
@@ -348,7 +355,7 @@ v8: f32[16, 2, 1, 1] = aten.permute(v0, [1, 2, 0, 3])
 v9: f32[16, 2, 1] = aten.squeeze.dim(v8, -1)
 v10: f32[16, 2] = aten.squeeze.dim(v9, -1)
 v11: f32[1, 16, 2] = aten.unsqueeze(v10, 0)
-v12: i32[1, 16, 2] = hyscale.hytopk(v3, v7, v11, [], 2, {"v":1,"name":"dsa-norelu+softcap10","logit_dtype":"float32","epilogue":[["mod","softcap10"]],"reduce":"weighted_sum","post":[],"masks":[],"score_dtype":"float32","fp32_precision":"ieee"})
+v12: i32[1, 16, 2] = hyscale.hytopk(v3, v7, v11, [], 2, {"v":1,"name":"dsa-norelu+softcap10","logit_dtype":"float32","epilogue":[["mod","softcap10@DIGEST"]],"reduce":"weighted_sum","post":[],"masks":[],"score_dtype":"float32","fp32_precision":"ieee"})
 v13: i64[1, 16, 2] = prims.convert_element_type(v12, i64)
 v14: i64[16, 2] = aten.view(v13, [16, 2])
 v15: i64[1, 16, 2] = aten.unsqueeze(v14, 0)

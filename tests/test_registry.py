@@ -24,7 +24,8 @@ def registered():
 
     yield add
     for n in names:
-        unregister_score_mod(n)
+        if n in hyscale_compile.registered_score_mods():  # a test may unregister it itself
+            unregister_score_mod(n)
 
 
 # ---------------------------------------------------------------------------------------
@@ -33,7 +34,10 @@ def registered():
 @pytest.mark.parametrize("name,fn,message", [
     ("not an identifier", torch.tanh, "must be a Python identifier"),
     ("relu", torch.tanh, "built-in step name"),
-    ("cumsum_mod", lambda s: s.cumsum(0), "aten.cumsum.default is not an elementwise op"),
+    ("cumsum_mod", lambda s: s.cumsum(0), r"not elementwise \(aten.cumsum takes a dim argument\)"),
+    ("sm", lambda s: torch.softmax(s, -1),
+     r"register_score_mod\('sm'\): the function is not elementwise \(aten._softmax takes a dim argument\)"),
+    ("minus_sum", lambda s: s - s.sum(), r"not elementwise \(aten.sum reduces its input\)"),
     ("to_double", lambda s: s.double(), "casts to torch.float64"),
     ("to_bf16", lambda s: s.bfloat16().float(), "casts to torch.bfloat16"),
     ("captures", lambda s: s + torch.ones(16), "tracing fn on a float32 tensor failed"),
@@ -57,6 +61,15 @@ def test_duplicate_name_needs_replace(registered):
 def test_unknown_mod_in_a_spec_is_a_clear_error():
     spec = ScoreSpec(epilogue=(("mod", "never_registered"),)).to_json()
     with pytest.raises(ScoreModError, match="unknown score mod 'never_registered'"):
+        torch.ops.hyscale.hytopk(torch.randn(1, 4, 2, 8), torch.randn(1, 6, 1, 8), torch.rand(1, 4, 2), [], 2, spec)
+
+
+def test_a_spec_naming_a_registration_this_process_lacks_is_a_clear_error(registered):
+    # a graph compiled elsewhere (or before a replacement, then deserialized) names the mod
+    # by its content digest; computing another function under that name would be wrong
+    registered("softcap30", lambda s: 30.0 * torch.tanh(s / 30.0))
+    spec = ScoreSpec(epilogue=(("mod", "softcap30@00000000deadbeef"),)).to_json()
+    with pytest.raises(ScoreModError, match="'softcap30'.*compiled with a registration not present in this process"):
         torch.ops.hyscale.hytopk(torch.randn(1, 4, 2, 8), torch.randn(1, 6, 1, 8), torch.rand(1, 4, 2), [], 2, spec)
 
 
@@ -133,6 +146,150 @@ def test_registered_mod_is_rewritten_and_equals_eager(registered):
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
     for a, b in zip(got[2], want[2]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _capped(q, k, w, cap):
+    s = torch.einsum("bshd,btd->bsht", q, k)
+    s = cap * torch.tanh(s / cap)
+    s = (s * w.unsqueeze(-1)).sum(2)
+    s = s + torch.full((S, S), float("-inf")).triu(K)
+    vals, idx = s.topk(K, dim=-1)
+    return vals.softmax(-1), idx
+
+
+# two models (their own code objects, so each compile keeps its own Dynamo cache entry)
+def capped30(q, k, w):
+    return _capped(q, k, w, 30.0)
+
+
+def capped3(q, k, w):
+    return _capped(q, k, w, 3.0)
+
+
+def test_replacing_or_removing_a_mod_leaves_compiled_graphs_alone(registered):
+    """A compiled graph computes what it was compiled from: replacing the registration
+    affects only later compiles, and unregistering it breaks nothing already compiled."""
+    from hyscale_compile.passes import diagnostics
+
+    q, k, w = [t.requires_grad_(True) for t in _inputs(fresh_seed("replace") % 1000)]
+
+    def run(fn):
+        gate, idx = fn(q, k, w)
+        gate.pow(2).sum().backward()
+        grads = [t.grad.clone() for t in (q, k, w)]
+        for t in (q, k, w):
+            t.grad = None
+        return gate, idx, grads
+
+    def check(got, want):
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+        for a, b in zip(got[2], want[2]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+    def rewritten_with(fn):
+        diagnostics.clear()
+        out = run(fn)
+        assert [s.variant for s in diagnostics.records() if s.rewritten] == ["dsa-norelu+cap"], diagnostics.records()
+        return out
+
+    want30, want3 = run(capped30), run(capped3)
+    assert not torch.allclose(want30[0], want3[0])  # the two mods give different results
+
+    torch._dynamo.reset()
+    registered("cap", lambda s: 30.0 * torch.tanh(s / 30.0))
+    compiled30 = torch.compile(capped30, backend="hyscale_debug")
+    check(rewritten_with(compiled30), want30)
+
+    register_score_mod("cap", lambda s: 3.0 * torch.tanh(s / 3.0), replace=True)
+    check(run(compiled30), want30)  # still the function it was compiled with
+    compiled3 = torch.compile(capped3, backend="hyscale_debug")
+    check(rewritten_with(compiled3), want3)  # a new compile matches the new function
+
+    unregister_score_mod("cap")
+    check(run(compiled30), want30)
+    check(run(compiled3), want3)
+
+
+def test_kernel_source_follows_the_spec_not_the_registry(registered, kernel_cache):
+    # the matcher writes the mod's content key into the spec: the kernel rendered for it
+    # (and its cache file, named by a hash of that source) stays the compiled function's
+    from hyscale_compile.lowerings import mods
+    from hyscale_compile.lowerings import triton_codegen as cg
+
+    registered("cache_probe", lambda s: torch.tanh(s) * 5.0)
+    spec5 = ScoreSpec(epilogue=(("mod", mods.key_of("cache_probe")),), reduce="sum")
+    src5 = cg.render_kernel_source(spec5, 0)
+    register_score_mod("cache_probe", lambda s: torch.tanh(s) * 7.0, replace=True)
+    spec7 = ScoreSpec(epilogue=(("mod", mods.key_of("cache_probe")),), reduce="sum")
+    assert spec7 != spec5
+    assert cg.render_kernel_source(spec5, 0) == src5
+    for spec, c, other in ((spec5, "* 5.0", "* 7.0"), (spec7, "* 7.0", "* 5.0")):
+        epilogue = cg.render_kernel_source(spec, 0).split("def _epilogue")[1].split("return x")[0]
+        assert c in epilogue and other not in epilogue
+    assert cg.load_kernel(spec5, 0) is not cg.load_kernel(spec7, 0)
+
+
+_CACHE_PROGRAM = """
+import sys
+import torch
+from torch._dynamo.utils import counters
+import hyscale_compile
+from hyscale_compile.lowerings import mods
+from tests.test_registry import _inputs, capped30
+
+looked_up = []
+get = mods.get
+mods.get = lambda ref: looked_up.append(ref) or get(ref)
+
+
+def compile_and_check():
+    counters.clear()
+    torch._dynamo.reset()
+    q, k, w = _inputs(0)
+    got = torch.compile(capped30, backend="hyscale")(q, k, w)
+    want = capped30(q, k, w)
+    assert torch.equal(got[1], want[1]), "indices differ from eager"
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+    return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+
+
+if sys.argv[1] == "first":
+    hyscale_compile.register_score_mod("cap", lambda s: 30.0 * torch.tanh(s / 30.0))
+    assert compile_and_check() == 0
+    assert counters["hyscale"]["rewritten:dsa-norelu+cap"] == 1, dict(counters["hyscale"])
+else:
+    # another function under the same name: the cached graph (which calls the first) must
+    # not be served; the site is not matched, so the graph computes as eager does
+    hyscale_compile.register_score_mod("cap", lambda s: 3.0 * torch.tanh(s / 3.0))
+    assert compile_and_check() == 0, "served a graph compiled with another registration"
+    assert counters["hyscale"]["rewritten:table"] == 1, dict(counters["hyscale"])
+    # the same function again: the cache hits, and the op finds the mod by its key
+    hyscale_compile.register_score_mod("cap", lambda s: 30.0 * torch.tanh(s / 30.0), replace=True)
+    del looked_up[:]
+    assert compile_and_check() > 0, "the identical registration missed the cache"
+    assert mods.key_of("cap") in looked_up, looked_up
+print("ok")
+"""
+
+
+@pytest.mark.inductor
+def test_a_cached_graph_in_a_fresh_process_computes_what_it_was_compiled_from(tmp_path):
+    """Inductor's cache keys on the registrations (the pass's uuid): a process that
+    registers another function under the name misses it; one that registers the same
+    function hits it and finds the mod by its content key."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+               TORCHINDUCTOR_AUTOGRAD_CACHE="1", PYTHONPATH=root)
+    for phase in ("first", "second"):
+        res = subprocess.run([sys.executable, "-c", _CACHE_PROGRAM, phase], capture_output=True, text=True,
+                             cwd=root, env=env, timeout=600)
+        assert res.returncode == 0 and "ok" in res.stdout, f"{phase}: {res.stderr[-1500:]}"
 
 
 def test_constants_are_part_of_the_match(registered):
