@@ -245,13 +245,16 @@ class _CachedIndexer(torch.nn.Module):
 
 
 @pytest.mark.parametrize("index_put", [False, True])
-def test_kv_cache_buffer_written_in_forward_stays_fused(index_put):
+@pytest.mark.parametrize("grad", [False, True])
+def test_kv_cache_buffer_written_in_forward_stays_fused(index_put, grad):
     """A buffer the graph writes from activations before reading it is an activation."""
     torch.manual_seed(fresh_seed("kv_cache") % 1000)
     model, x = _CachedIndexer(index_put), torch.randn(2, 5, 16)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         report = hyscale_compile.explain(model, x, 2)
-        assert len(report.rewritten) == 1 and report.rewritten[0].variant == "dsa", str(report)
+    assert len(report.rewritten) == 1 and report.rewritten[0].variant == "dsa", str(report)
+    assert not report.rewritten[0].note, report.rewritten[0].line()
+    with torch.no_grad():
         model.k_cache.zero_()
         out = compiled(model)(x, 2)
         cache = model.k_cache.clone()
@@ -259,6 +262,19 @@ def test_kv_cache_buffer_written_in_forward_stays_fused(index_put):
         with stable_topk_in_eager():
             ref = model(x, 2)
     assert torch.equal(out, ref) and torch.equal(cache, model.k_cache)
+
+
+def test_router_weight_scaled_by_a_dynamic_size_is_left_alone():
+    """Under dynamic shapes a size is a graph input of its own (a SymInt): it carries no
+    values, so a weight scaled by one is still constant."""
+
+    def router(x):
+        return torch.topk(torch.sigmoid(x @ (ROUTER_W * x.shape[1])), 2)
+
+    with torch.no_grad():
+        report = hyscale_compile.explain(router, torch.randn(2, 4, 16), dynamic=True)
+    assert not report.rewritten and len(report.left_alone) == 1, str(report)
+    assert "comes only from a global tensor (G['ROUTER_W'])" in report.left_alone[0].reason, str(report)
 
 
 def test_weight_passed_as_argument_cannot_be_told_from_keys():
