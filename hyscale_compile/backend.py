@@ -12,7 +12,7 @@ compiles in 0.3-2 s on a 2-core CPU instead of 10-40 s, for tests and ``explain`
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -22,42 +22,75 @@ from .options import split_options
 __all__ = ["hyscale_backend", "hyscale_debug_backend"]
 
 
-def _param_indices(gm: fx.GraphModule, example_inputs) -> List[int]:
-    """Positions, among AOTAutograd's flat inputs, of parameters and buffers.
+def _input_kinds(gm: fx.GraphModule, example_inputs) -> Dict[int, Tuple[str, str]]:
+    """What each of AOTAutograd's flat inputs is, by position: ``(kind, source name)``, the
+    kind one of ``passes.canonicalize.CONSTANT_KINDS`` ("parameter", "global", "closure")
+    or "input" (an argument of the compiled frame, or a source we do not recognize: an
+    activation, as far as the pass can tell).
 
     AOTAutograd puts the module's own parameters and buffers first, then the graph's
-    placeholders in order (Dynamo lifts nn.Module parameters to placeholders, whose
-    ``grapharg`` source says where they came from)."""
+    placeholders in order; Dynamo records where each placeholder came from in its
+    ``grapharg`` source."""
     own = len(list(gm.named_parameters(remove_duplicate=False))) + len(list(gm.named_buffers(remove_duplicate=False)))
-    out = list(range(own))
+    out = {i: ("parameter", "") for i in range(own)}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, n in enumerate(placeholders):
         ex = example_inputs[i] if i < len(example_inputs) else None
-        if isinstance(ex, torch.nn.Parameter) or _is_param_source(n):
-            out.append(own + i)
+        src = getattr(n.meta.get("grapharg"), "source", None)
+        kind = "parameter" if isinstance(ex, torch.nn.Parameter) else _source_kind(src)
+        out[own + i] = (kind, _source_name(src))
     return out
 
 
-def _is_param_source(n: fx.Node) -> bool:
-    ga = n.meta.get("grapharg")
-    src = getattr(ga, "source", None)
+def _source_name(src) -> str:
     if src is None:
-        return False
+        return ""
     try:
-        from torch._dynamo.source import is_from_unspecialized_param_buffer_source
+        name = src.name() if callable(getattr(src, "name", None)) else getattr(src, "name", "")  # a method before 2.12
+        return name if isinstance(name, str) else ""
+    except Exception:  # a source without a name (NotImplementedError on some kinds)
+        return ""
 
-        if is_from_unspecialized_param_buffer_source(src):
-            return True
+
+def _source_kind(src) -> str:
+    """"parameter" (a parameter or buffer of an nn.Module), "closure" (a closure cell's
+    contents), "global" (reached from a module-level global), else "input"."""
+    if src is None:
+        return "input"
+    try:
+        from torch._dynamo import source as ds
     except ImportError:
+        return "input"
+    name = _source_name(src)
+    try:
+        if ds.is_from_unspecialized_param_buffer_source(src) or isinstance(src, ds.ParamBufferSource):
+            return "parameter"
+    except (AttributeError, TypeError):
         pass
-    name = src.name() if callable(getattr(src, "name", None)) else str(getattr(src, "name", ""))
-    return "._parameters[" in name or "._buffers[" in name or ".parameters[" in name or ".buffers[" in name
+    if "._parameters[" in name or "._buffers[" in name or ".parameters[" in name or ".buffers[" in name:
+        return "parameter"
+    chain = []
+    while src is not None:
+        chain.append(src)
+        src = getattr(src, "base", None)  # ChainedSource: from the accessed value back to its root
+    root = chain[-1]
+    # ClosureSource (fn.__closure__) and CellContentsSource are not in every torch version
+    closure = tuple(c for c in (getattr(ds, "ClosureSource", None), getattr(ds, "CellContentsSource", None)) if c)
+    if any(isinstance(s, closure) or getattr(s, "member", None) in ("cell_contents", "__closure__") for s in chain):
+        return "closure"
+    # the root frame's free variables: Dynamo reads them as locals it dereferences
+    if (isinstance(root, ds.LocalSource) and getattr(root, "is_derefed_cell_contents", False)
+            and not getattr(root, "is_input", True)):
+        return "closure"
+    if isinstance(root, (ds.GlobalSource, getattr(ds, "GlobalWeakRefSource", ds.GlobalSource))):
+        return "global"
+    return "input"
 
 
 def _make_pass(gm, example_inputs, hy_opts, chained=None):
     from .passes.selection_pass import HyScaleJointPass
 
-    return HyScaleJointPass(_param_indices(gm, example_inputs), chained=chained, options=hy_opts)
+    return HyScaleJointPass(_input_kinds(gm, example_inputs), chained=chained, options=hy_opts)
 
 
 def hyscale_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options: Optional[Dict[str, Any]] = None):

@@ -12,8 +12,9 @@ thresholds from ``position_ids``, ``[ks, ke)`` windows) become per-row key range
 a kernel can skip; any other mask stays a tensor operand.
 
 The result is validated: the top-k axis must be the key axis of the contraction, and the
-key operand must come from activations (a MoE router's or a sampler's top-k over a
-parameter's rows is not a selection: DESIGN.md, 'What counts as a selection').
+key operand must come from activations (a MoE router's or a sampler's top-k over the rows
+of a parameter, buffer, global or closure-captured tensor is not a selection: DESIGN.md,
+'What counts as a selection'; ``GraphFacts``).
 Anything unsupported raises ``Unsupported(reason)``; the site is then left exactly as
 it was and the reason goes to the diagnostics.
 """
@@ -205,6 +206,9 @@ class SiteMatch:
     sizes: Dict[str, Any]
     sorted: bool = True  # the top-k's own flag: False lets the op skip its final sort
     sort_elided: str = ""  # sorted=True, but nothing reads the order (order.py): the uses
+    # the key-side operand is a graph input not known to be constant (an argument): its
+    # source name, for the diagnostics (a weight passed as an argument looks the same)
+    key_argument: Optional[str] = None
 
 
 # --------------------------------------------------------------------------------------
@@ -212,12 +216,28 @@ class SiteMatch:
 # --------------------------------------------------------------------------------------
 
 
-class GraphFacts:
-    """Per-graph facts the analysis needs, computed once."""
+# Graph inputs that are not activations (DESIGN.md, 'What counts as a selection'): what
+# each kind is, for the diagnostics. The backend classifies Dynamo's source of each input.
+CONSTANT_KINDS = {"parameter": "a parameter or buffer", "global": "a global tensor",
+                  "closure": "a closure-captured tensor"}
 
-    def __init__(self, graph: fx.Graph, param_placeholders: Set[str]):
+
+class GraphFacts:
+    """Per-graph facts the analysis needs, computed once.
+
+    ``sources``: placeholder name -> (kind, Dynamo source name) for the graph inputs the
+    backend could classify; a kind in ``CONSTANT_KINDS`` makes the input constant. Inputs
+    of other kinds (the compiled function's arguments, sources not recognized) count as
+    activations. A constant buffer the graph writes before reading it is read back through
+    the functionalized write (``slice_scatter``, ``index_put``, ``copy``), whose written
+    value is then part of the dataflow: a KV cache filled from activations is an activation."""
+
+    def __init__(self, graph: fx.Graph, param_placeholders: Set[str] = frozenset(),
+                 sources: Optional[Dict[str, Tuple[str, str]]] = None):
         self.graph = graph
-        self.params = param_placeholders
+        self.sources = dict(sources or {})
+        self.sources.update({p: ("parameter", "") for p in param_placeholders})
+        self.params = {p for p, (kind, _) in self.sources.items() if kind in CONSTANT_KINDS}
         self.dep: Set[fx.Node] = set()  # nodes downstream of a contraction
         for n in graph.nodes:
             if n.op != "call_function":
@@ -261,20 +281,56 @@ class GraphFacts:
             return bool(v) if isinstance(v, (bool, int)) else None
         return None
 
-    def from_activations(self, n: fx.Node) -> bool:
-        """Does ``n`` depend on a graph input that is not a parameter or buffer?"""
-        seen, stack = set(), [n]
+    def is_constant_input(self, n) -> bool:
+        """A graph input (or attribute) that is a parameter, buffer, global or closure cell."""
+        return isinstance(n, fx.Node) and (n.op == "get_attr" or (n.op == "placeholder" and n.name in self.params))
+
+    def describe_input(self, n: fx.Node) -> str:
+        """'a global tensor (G['W'])', 'a parameter or buffer', ...: what the input is."""
+        if n.op == "get_attr":
+            return f"a constant tensor of the graph ({n.target})"
+        kind, name = self.sources.get(n.name, ("input", ""))
+        what = CONSTANT_KINDS.get(kind, "a graph input")
+        return f"{what} ({name})" if name else what
+
+    def argument_input(self, n) -> Optional[str]:
+        """The source name of the graph input ``n`` is (through views and casts) when that
+        input is not known to be constant: an argument of the compiled function, which may
+        be keys or a weight (the graph cannot tell); else None."""
+        src, _ = walk_views(n)
+        if isinstance(src, fx.Node) and src.op == "placeholder" and src.name not in self.params:
+            return self.sources.get(src.name, ("input", ""))[1] or src.name
+        return None
+
+    def constant_origin(self, n: fx.Node) -> Optional[str]:
+        """None when ``n`` depends on an activation (a graph input that is not constant);
+        else what it comes from ('a global tensor (G['W'])', 'constants', ...)."""
+        seen, stack, found = set(), [n], set()
         while stack:
             x = stack.pop()
             if x in seen:
                 continue
             seen.add(x)
             if x.op == "placeholder":
+                v = x.meta.get("val")
+                if v is not None and not isinstance(v, torch.Tensor):
+                    continue  # a SymInt input is a size, not a value the operand is computed from
                 if x.name not in self.params:
-                    return True
+                    return None
+                found.add(self.describe_input(x))
                 continue
+            if x.op == "get_attr":
+                found.add(self.describe_input(x))
             stack.extend(x.all_input_nodes)
-        return False
+        if not found:
+            return "constants"
+        shown = sorted(found)
+        return ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+
+    def from_activations(self, n: fx.Node) -> bool:
+        """Does ``n`` depend on a graph input that is not a parameter, buffer, global or
+        closure-captured tensor?"""
+        return self.constant_origin(n) is None
 
 
 def walk_views(n: fx.Node) -> Tuple[fx.Node, List[fx.Node]]:
@@ -463,6 +519,7 @@ class SiteAnalysis:
         self.chain = chain
         self.u = Unifier()
         self.scalar_operands: List[OperandPlan] = []  # 0-d run-time scales (``*_operand`` steps)
+        self.key_argument: Optional[str] = None  # check_selection: the key-side graph input, when unclassified
 
     # ---- entry -------------------------------------------------------------------------
     def run(self) -> SiteMatch:
@@ -583,21 +640,25 @@ class SiteAnalysis:
 
     # ---- selection criterion -------------------------------------------------------------
     def check_selection(self, ks: Side, qs: Side):
+        facts = self.facts
         q_src = qs.src
-        if q_src.op == "get_attr" or (q_src.op == "placeholder" and q_src.name in self.facts.params):
-            raise Unsupported("a contraction with a parameter (a linear layer), not a score contraction")
+        if facts.is_constant_input(q_src):
+            raise Unsupported(f"a contraction with {facts.describe_input(q_src)} (a linear layer), not a score contraction")
         src = ks.src
-        if src.op == "get_attr" or (src.op == "placeholder" and src.name in self.facts.params):
+        if facts.is_constant_input(src):
             raise Unsupported(
-                "not a selection: the key-side operand of the contraction is a parameter or buffer "
+                f"not a selection: the key-side operand of the contraction is {facts.describe_input(src)} "
                 "(a router or sampler top-k, not sparse attention)"
             )
-        if src.op == "call_function" and self.facts.constant(src) is not None:
+        if src.op == "call_function" and facts.constant(src) is not None:
             raise Unsupported("not a selection: the key-side operand is a constant")
-        if not self.facts.from_activations(src):
+        origin = facts.constant_origin(src)
+        if origin is not None:
             raise Unsupported(
-                "not a selection: the key-side operand is computed from parameters/constants only"
+                f"not a selection: the key-side operand of the contraction comes only from {origin} "
+                "(a router or sampler top-k, not sparse attention)"
             )
+        self.key_argument = facts.argument_input(src)
 
     # ---- phase 2: steps --------------------------------------------------------------------
     def collect_steps(self, chain, lays, key_labels):
@@ -1026,6 +1087,7 @@ class SiteAnalysis:
             topk=tk, spec=spec, q=q_plan, k=k_plan, w=w_plan, mask_operands=mask_operands,
             score_layout=y_lay, topk_dim=dim, k_arg=kk, values_used=values_used, roles=roles,
             other_consumers=self.other_consumers, sizes=sizes, sorted=self.sorted,
+            key_argument=self.key_argument,
         )
 
 
@@ -1204,21 +1266,18 @@ def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
 
 
 def _linear_layer(facts, n) -> bool:
-    """A contraction with a parameter or buffer operand (an nn.Linear and friends)."""
+    """A contraction with a parameter, buffer, global or closure-captured operand (an
+    nn.Linear and friends)."""
     if n.target in BIASED:
         return True
-    for a in n.args[:2]:
-        src, _ = walk_views(a)
-        if src.op == "get_attr" or (src.op == "placeholder" and src.name in facts.params):
-            return True
-    return False
+    return any(facts.is_constant_input(walk_views(a)[0]) for a in n.args[:2])
 
 
 def _biased(facts, n):
     src, _ = walk_views(n.args[2])
-    if src.op == "get_attr" or (src.op == "placeholder" and src.name in facts.params):
+    if facts.is_constant_input(src):
         raise Unsupported(
-            "not a selection: the key-side operand of the contraction is a parameter or buffer "
+            f"not a selection: the key-side operand of the contraction is {facts.describe_input(src)} "
             "(a router or sampler top-k, not sparse attention)"
         )
     raise Unsupported("the scores come from a contraction with an added bias (addmm/baddbmm)")

@@ -41,12 +41,16 @@ class SiteRecord:
     # joint graphs whose top-k values carry gradient: "sparse" (at the k selected keys) or
     # "dense: <why>" (the original backward, which rebuilds the score table); else ""
     backward: str = ""
+    # what the site's classification could not establish (a weight passed as an argument
+    # cannot be told from keys passed as one)
+    note: str = ""
 
     def line(self) -> str:
         where = f" at {self.source}" if self.source else ""
         if self.rewritten and self.variant == "table":
+            note = f"; note: {self.note}" if self.note else ""
             return (f"[rewritten: table] {self.node}{where}: selected from the materialized score table "
-                    f"(hyscale.topk_table, k={self.k}); not fused because: {self.reason}")
+                    f"(hyscale.topk_table, k={self.k}){note}; not fused because: {self.reason}")
         if self.rewritten:
             sz = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
             extra = f"; table still materialized by {', '.join(self.table_consumers)}" if self.table_consumers else ""
@@ -55,6 +59,8 @@ class SiteRecord:
                 vals += f" (unsorted: nothing reads the order; its uses end in {self.sort_elided})"
             elif not self.sorted:
                 vals += " (unsorted)"
+            if self.note:
+                vals += f"; note: {self.note}"
             if self.tiles:
                 extra += f"; {self.tiles}"
             if self.backward == "sparse":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Iterable, Optional, Sequence
+from typing import Dict, Iterable, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -20,7 +20,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from . import diagnostics, score_mods
 from .canonicalize import GraphFacts, Unsupported, analyse_site, shape_of
-from .table_select import score_contraction, select_from_table
+from .table_select import argument_operands, linear_operand, score_contraction, select_from_table
 from ..lowerings.spec import tile_skipping
 from .order import order_unread
 from .rewrite import apply_match
@@ -62,13 +62,25 @@ def canonicalize_noop_views(graph: fx.Graph) -> None:
             graph.erase_node(n)
 
 
-def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph_kind: str = "", replay: bool = True,
+InputKinds = Union[Iterable[int], Mapping[int, Tuple[str, str]]]
+
+
+def _input_kinds(inputs: InputKinds) -> Dict[int, Tuple[str, str]]:
+    """Positions -> (kind, source name); a plain list of positions names parameters or buffers."""
+    if isinstance(inputs, Mapping):
+        return {int(i): (str(k), str(n)) for i, (k, n) in inputs.items()}
+    return {int(i): ("parameter", "") for i in inputs}
+
+
+def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_kind: str = "", replay: bool = True,
                        elide_sort: bool = True) -> int:
     """Rewrite every selection top-k in ``graph``; returns how many were rewritten.
+    ``param_indices``: what the graph's inputs are, by position (``backend._input_kinds``:
+    position -> (kind, Dynamo source name)), or the positions of parameters and buffers.
     ``elide_sort``: pass sorted=False where nothing reads the top-k's order (order.py)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    params = {placeholders[i].name for i in param_indices if i < len(placeholders)}
-    facts = GraphFacts(graph, params)
+    kinds = _input_kinds(param_indices)
+    facts = GraphFacts(graph, sources={placeholders[i].name: kn for i, kn in kinds.items() if i < len(placeholders)})
     topks = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.topk.default]
     if topks:
         canonicalize_noop_views(graph)
@@ -91,7 +103,8 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
         except Unsupported as e:
             # no query-key score upstream (a router, a sampler): not a selection, and the
             # hint (what a user could register) does not apply
-            scored = score_contraction(facts, tk.args[0]) is not None
+            contraction = score_contraction(facts, tk.args[0])
+            scored = contraction is not None
             table = None
             if scored:
                 try:
@@ -100,11 +113,20 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
                     diagnostics.log.warning("hyscale: internal error selecting from the table at %s", tk.name,
                                             exc_info=True)
             reason = str(e) + e.hint if scored else str(e)
+            if not scored and not reason.startswith("not a selection"):
+                linear = linear_operand(facts, tk.args[0])  # a softmax router: the matcher stops at exp
+                if linear is not None:
+                    reason = (f"not a selection: the scores come from a contraction with {linear} "
+                              "(a router or sampler top-k, not sparse attention)")
             if table is not None:
                 count += 1
+                args = argument_operands(facts, contraction)
+                note = (f"the contraction reads the graph input(s) {', '.join(args)}, taken for activations (not "
+                        "parameters, buffers, globals or closure cells: the backend cannot tell a weight passed as "
+                        "an argument from keys)") if args else ""
                 diagnostics.record(diagnostics.SiteRecord(
                     node=tk.name, source=line, rewritten=True, variant="table", reason=reason, graph=graph_kind,
-                    k=tk.args[1], sizes={"T": shape_of(table.args[0])[-1]}))  # the op reads [..., T]
+                    k=tk.args[1], sizes={"T": shape_of(table.args[0])[-1]}, note=note))  # the op reads [..., T]
             else:
                 diagnostics.record(diagnostics.SiteRecord(node=tk.name, source=line, rewritten=False, reason=reason,
                                                           graph=graph_kind))
@@ -129,6 +151,9 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
                 sizes={k: v for k, v in m.sizes.items()}, spec=m.spec.describe(), values_used=m.values_used,
                 sorted=m.sorted, sort_elided=m.sort_elided, tiles=tile_skipping(m.spec),
                 table_consumers=m.other_consumers, graph=graph_kind, backward=backward,
+                note=(f"the key-side operand is the graph input {m.key_argument}, taken for keys (not a parameter, "
+                      "buffer, global or closure cell: the backend cannot tell a weight passed as an argument "
+                      "from keys)") if m.key_argument else "",
             )
         )
     score_mods.restore(graph, stand_ins)
@@ -144,15 +169,15 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
 class HyScaleJointPass(CustomGraphPass):
     """The selection rewrite as an Inductor custom graph pass (chains a prior pass)."""
 
-    def __init__(self, param_indices: Sequence[int] = (), chained: Optional[CustomGraphPass] = None, options=None):
-        self.param_indices = tuple(sorted(param_indices))
+    def __init__(self, param_indices: InputKinds = (), chained: Optional[CustomGraphPass] = None, options=None):
+        self.param_indices = tuple(sorted(_input_kinds(param_indices).items()))
         self.chained = chained
         self.options = dict(options or {})
 
     def __call__(self, graph: fx.Graph) -> None:
         if self.options.get("enable", True):
             kind = "joint" if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes) else "forward"
-            rewrite_selections(graph, self.param_indices, kind, replay=self.options.get("replay", True),
+            rewrite_selections(graph, dict(self.param_indices), kind, replay=self.options.get("replay", True),
                                elide_sort=self.options.get("elide_sort", True))
         if self.chained is not None:
             self.chained(graph)

@@ -20,13 +20,13 @@ report the site as selected from the table, with the reason the fused op did not
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .canonicalize import BIASED, CONTRACTIONS, GraphFacts, _linear_layer, val
+from .canonicalize import BIASED, CONTRACTIONS, GraphFacts, _linear_layer, val, walk_views
 from .layout import inverse_permutation
 from .partition import tag_saved
 from .rewrite import Emitter
@@ -55,6 +55,31 @@ def score_contraction(facts: GraphFacts, x: fx.Node) -> Optional[fx.Node]:
             continue
         stack.extend((a, depth + 1) for a in n.all_input_nodes)
     return None
+
+
+def linear_operand(facts: GraphFacts, x: fx.Node) -> Optional[str]:
+    """What the constant operand is of a linear layer ``x`` is computed from ('a global
+    tensor (G['W'])'), looking no further back than ``score_contraction``; None if none."""
+    seen, stack = set(), [(x, 0)]
+    while stack:
+        n, depth = stack.pop()
+        if n in seen or depth > MAX_DEPTH or not isinstance(n, fx.Node) or n.op != "call_function":
+            continue
+        seen.add(n)
+        if n.target in CONTRACTIONS or n.target in BIASED:
+            operands = n.args[:2] if n.target in CONTRACTIONS else n.args[:3]
+            for a in operands:
+                src, _ = walk_views(a)
+                if facts.is_constant_input(src):
+                    return facts.describe_input(src)
+            continue
+        stack.extend((a, depth + 1) for a in n.all_input_nodes)
+    return None
+
+
+def argument_operands(facts: GraphFacts, contraction: fx.Node) -> List[str]:
+    """The contraction's operands that are graph inputs not known to be constant."""
+    return [a for a in (facts.argument_input(x) for x in contraction.args[:2]) if a is not None]
 
 
 def select_from_table(graph: fx.Graph, facts: GraphFacts, tk: fx.Node, replay: bool = True) -> Optional[fx.Node]:

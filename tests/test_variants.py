@@ -13,7 +13,7 @@ import hyscale_compile
 from hyscale_compile.lowerings.reference import table_topk
 from hyscale_compile.testing import graph_text
 from tests.contract import fresh_seed, input_and_param_grads
-from tests.test_canonicalize import assert_same_outputs
+from tests.test_canonicalize import assert_same_outputs, compiled
 from tests.models.variant_forms import VARIANT_FORMS
 
 # where each family lands today: fused into the generated kernel, or selected from the table
@@ -174,3 +174,123 @@ def test_gpu_variant_equals_eager(name):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         else:
             assert torch.equal(a, b)
+
+
+# Routers and samplers over tensors that are not graph arguments: a module-level global, a
+# closure-captured tensor (Dynamo's grapharg sources, carried to the joint graph's inputs)
+ROUTER_W = torch.randn(16, 8, generator=torch.Generator().manual_seed(7))
+VOCAB_E = torch.randn(50, 16, generator=torch.Generator().manual_seed(8))
+
+
+def _softmax_router_over_global(x):
+    return torch.topk(torch.softmax(x @ ROUTER_W, -1), 2)
+
+
+def _sigmoid_router_over_global(x):
+    return torch.topk(torch.sigmoid(x @ ROUTER_W), 2)
+
+
+def _vocab_topk_over_global(h):
+    return torch.topk(h @ VOCAB_E.t(), 5)
+
+
+def _softmax_router_over_closure():
+    w = torch.randn(16, 8, generator=torch.Generator().manual_seed(9))
+
+    def router(x):
+        return torch.topk(torch.softmax(x @ w, -1), 2)
+
+    return router
+
+
+@pytest.mark.parametrize("name, kind", [("softmax_global", "global"), ("sigmoid_global", "global"),
+                                        ("vocab_global", "global"), ("softmax_closure", "closure")])
+@pytest.mark.parametrize("grad", [False, True])
+def test_routers_over_constant_tensors_are_left_alone(name, kind, grad):
+    """DESIGN.md: a top-k whose key-side operand is not computed from activations is never
+    rewritten; a global or closure-captured weight is as constant as a parameter."""
+    fn = {"softmax_global": _softmax_router_over_global, "sigmoid_global": _sigmoid_router_over_global,
+          "vocab_global": _vocab_topk_over_global, "softmax_closure": _softmax_router_over_closure()}[name]
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(fresh_seed(name) % 1000))
+    with torch.set_grad_enabled(grad):
+        report = hyscale_compile.explain(fn, x.requires_grad_(grad))
+    assert not report.rewritten and len(report.left_alone) == 1, str(report)
+    reason = report.left_alone[0].reason
+    assert reason.startswith("not a selection") and kind in reason and "router or sampler" in reason, reason
+
+
+class _CachedIndexer(torch.nn.Module):
+    """An indexer whose keys live in a module buffer written in forward, then read back
+    (DeepSeek's official ``self.k_cache[:bsz, start_pos:end_pos] = k`` ... ``[:bsz, :end_pos]``;
+    ``index_put``: gpt-fast's ``k_out[:, input_pos] = k``): the keys are activations."""
+
+    def __init__(self, index_put: bool):
+        super().__init__()
+        self.index_put = index_put
+        self.wq, self.wk = torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(16, 8, bias=False)
+        self.wh = torch.nn.Linear(16, 4, bias=False)
+        self.register_buffer("k_cache", torch.zeros(2, 12, 8), persistent=False)
+
+    def forward(self, x, start: int = 0):
+        b, s, _ = x.shape
+        q, k = self.wq(x).view(b, s, 4, 8), self.wk(x)
+        end = start + s
+        if self.index_put:
+            self.k_cache[:, torch.arange(start, end)] = k
+        else:
+            self.k_cache[:b, start:end] = k
+        keys = self.k_cache[:b, :end]
+        scores = (torch.einsum("bshd,btd->bsht", q, keys).relu() * self.wh(x)[..., None]).sum(2)
+        return scores.topk(3, dim=-1)[1]
+
+
+@pytest.mark.parametrize("index_put", [False, True])
+@pytest.mark.parametrize("grad", [False, True])
+def test_kv_cache_buffer_written_in_forward_stays_fused(index_put, grad):
+    """A buffer the graph writes from activations before reading it is an activation."""
+    torch.manual_seed(fresh_seed("kv_cache") % 1000)
+    model, x = _CachedIndexer(index_put), torch.randn(2, 5, 16)
+    with torch.set_grad_enabled(grad):
+        report = hyscale_compile.explain(model, x, 2)
+    assert len(report.rewritten) == 1 and report.rewritten[0].variant == "dsa", str(report)
+    assert not report.rewritten[0].note, report.rewritten[0].line()
+    with torch.no_grad():
+        model.k_cache.zero_()
+        out = compiled(model)(x, 2)
+        cache = model.k_cache.clone()
+        model.k_cache.zero_()
+        with stable_topk_in_eager():
+            ref = model(x, 2)
+    assert torch.equal(out, ref) and torch.equal(cache, model.k_cache)
+
+
+def test_router_weight_scaled_by_a_dynamic_size_is_left_alone():
+    """Under dynamic shapes a size is a graph input of its own (a SymInt): it carries no
+    values, so a weight scaled by one is still constant."""
+
+    def router(x):
+        return torch.topk(torch.sigmoid(x @ (ROUTER_W * x.shape[1])), 2)
+
+    with torch.no_grad():
+        report = hyscale_compile.explain(router, torch.randn(2, 4, 16), dynamic=True)
+    assert not report.rewritten and len(report.left_alone) == 1, str(report)
+    assert "comes only from a global tensor (G['ROUTER_W'])" in report.left_alone[0].reason, str(report)
+
+
+def test_weight_passed_as_argument_cannot_be_told_from_keys():
+    """A weight passed as an ordinary argument looks like keys passed as one: the site is
+    rewritten (outputs stay equal), and explain says the graph could not tell."""
+    x, w = torch.randn(2, 4, 16), torch.randn(16, 8)
+
+    def router(x, w):
+        return torch.topk(torch.sigmoid(x @ w), 2), torch.topk(torch.softmax(x @ w, -1), 2)
+
+    with torch.no_grad():
+        report = hyscale_compile.explain(router, x, w)
+        out = compiled(router)(x, w)
+        ref = router(x, w)
+    assert [s.variant for s in report.sites] == ["single-head", "table"], str(report)
+    for s in report.sites:
+        assert "cannot tell" in s.line() and "L['w']" in s.line(), s.line()
+    for a, b in zip(out, ref):
+        assert_same_outputs(a, b)
