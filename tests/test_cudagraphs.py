@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 import hyscale_compile
 from hyscale_compile.lowerings import reference as ref
 from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
+from hyscale_compile.lowerings import triton_hytopk
 from hyscale_compile.lowerings.triton_hytopk import hytopk_triton
 from tests.test_triton_hytopk import DSA, causal_hi, interpret, kernel_cache  # noqa: F401  (fixtures)
 
@@ -90,6 +91,8 @@ def test_default_launch_keeps_no_tensor_past_its_return(interpret, case, return_
     idx = out[1] if return_values else out
     want = ref.streaming_topk(q, k, w, masks, 5, spec, return_values=True)
     assert torch.equal(idx, want[1])
+    with pytest.raises(RuntimeError, match="default launch, which keeps no counter; pass config="):
+        triton_hytopk.redone_blocks()
 
 
 def _runtime_scaled(q, k, w, scale):
