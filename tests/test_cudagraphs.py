@@ -100,7 +100,7 @@ def _runtime_scaled(q, k, w, scale):
     # fused op takes it as a ``mul_operand`` step, read on the host at each call
     s = torch.einsum("bshd,btd->bsht", q, k).relu() * scale
     s = (s * w.unsqueeze(-1)).sum(2)
-    s = s.masked_fill(torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool).triu(1), float("-inf"))
+    s = s.masked_fill(torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s.topk(4, dim=-1).indices
 
 
@@ -334,3 +334,36 @@ def test_gpu_dsa_max_autotune_compiles_and_runs(cudagraph_checks):
         assert torch.isfinite(out).all(), i
     # (autotuned matmuls may round differently: reassociation-level differences only)
     torch.testing.assert_close(got[0][0], want[0][0], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_runtime_scalar_under_reduce_overhead_follows_the_scale(cudagraph_checks):
+    # the site goes to the table's selection: every replay reads the scale the call got (a
+    # negative one reverses the order, so a value frozen into the recording would show)
+    g = torch.Generator().manual_seed(12)
+    q, k, w = (torch.randint(-3, 4, shape, generator=g).float().cuda() for shape in ((2, 64, 4, 8), (2, 64, 8)))
+    w = torch.randint(1, 3, (2, 64, 4), generator=g).float().cuda()
+    scales = [torch.tensor(v, device="cuda") for v in (0.5, -0.25, 2.0)]
+    with torch.no_grad():
+        got, calls = _calls(_runtime_scaled, [(q, k, w, s) for s in scales], "reduce-overhead", 6)
+    for i, (idx,) in enumerate(got):
+        want = ref.stable_topk(_scores_of_scaled(q, k, w, scales[i % 3]), 4)[1]
+        assert torch.equal(idx, want), i
+
+
+@pytest.mark.gpu
+def test_gpu_runtime_scalar_capture_raises_clearly(cuda):
+    # called eagerly inside a user's own torch.cuda.graph capture, the op names the step
+    # that cannot be captured instead of failing inside the host read
+    from hyscale_compile.lowerings.spec import SpecError
+
+    spec = ScoreSpec(epilogue=(("relu",), ("mul_operand", 1)), reduce="weighted_sum", post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0),)).to_json()
+    g = torch.Generator().manual_seed(13)
+    q, k, w = (t.cuda() for t in _operands(g, S=64, T=64))
+    masks = [causal_hi(1, 64, 64, device="cuda"), torch.tensor(0.5, device="cuda")]
+    torch.ops.hyscale.hytopk(q, k, w, masks, 4, spec)  # (eager: compiles the kernel)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(SpecError, match="mul_operand.*CUDA graph"):
+        with torch.cuda.graph(graph):
+            torch.ops.hyscale.hytopk(q, k, w, masks, 4, spec)
