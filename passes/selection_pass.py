@@ -76,6 +76,12 @@ def _host_read_steps(spec) -> list:
     return [st[0] for st in (*spec.epilogue, *spec.post) if st[0].endswith("_operand")]
 
 
+def _on_cuda(tk: fx.Node) -> bool:
+    """Whether the top-k's scores live on a GPU (Inductor captures only CUDA graphs)."""
+    v = getattr(tk.args[0], "meta", {}).get("val")
+    return isinstance(v, torch.Tensor) and v.device.type == "cuda"
+
+
 def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph_kind: str = "", replay: bool = True,
                        elide_sort: bool = True, cudagraphs: bool = False) -> int:
     """Rewrite every selection top-k in ``graph``; returns how many were rewritten.
@@ -94,7 +100,7 @@ def rewrite_selections(graph: fx.Graph, param_indices: Iterable[int] = (), graph
         line = diagnostics.user_line(tk)
         try:
             m = analyse_site(facts, tk)
-            if cudagraphs and _host_read_steps(m.spec):
+            if cudagraphs and _on_cuda(tk) and _host_read_steps(m.spec):
                 # a capture would fail on the read (a GPU operand) or freeze its value into
                 # the recording (a later value ignored): the table's selection is device ops
                 raise Unsupported(f"a 0-d tensor operand of the scores ({', '.join(_host_read_steps(m.spec))}) is "

@@ -110,17 +110,23 @@ def _scaled_inputs():
             torch.tensor(0.35))
 
 
-def test_runtime_scalar_operand_is_not_fused_under_cuda_graphs():
+def test_runtime_scalar_operand_is_not_fused_under_cuda_graphs(monkeypatch):
     # A step that reads a device value on the host (``ScoreSpec.resolve_operands``) cannot
     # be captured: in a CUDA graph the read fails (GPU) or its value is frozen into the
-    # recording (a later scale would be ignored). With cudagraphs on, the pass leaves
-    # such a site to the score table's selection (hyscale.topk_table: device ops only)
-    # and says why; without them the fused op takes it as before.
+    # recording (a later scale would be ignored). With cudagraphs on and the scores on a
+    # GPU, the pass leaves such a site to the score table's selection (hyscale.topk_table:
+    # device ops only) and says why; otherwise the fused op takes it as before.
+    from hyscale_compile.passes import selection_pass
+
     args = _scaled_inputs()
     with torch.no_grad():
         (site,) = hyscale_compile.explain(_runtime_scaled, *args).rewritten
         assert "mul_operand" in site.spec and site.variant == "dsa", site.line()
         with torch._inductor.config.patch({"triton.cudagraphs": True}):
+            # (CPU graphs are never captured)
+            (site,) = hyscale_compile.explain(_runtime_scaled, *args).rewritten
+            assert "mul_operand" in site.spec and site.variant == "dsa", site.line()
+            monkeypatch.setattr(selection_pass, "_on_cuda", lambda tk: True)  # as if on a GPU
             report = hyscale_compile.explain(_runtime_scaled, *args)
             (site,) = report.sites
             assert site.variant == "table" and "CUDA graph" in site.reason, site.line()
