@@ -41,6 +41,7 @@ def parse_spec(spec: str) -> ScoreSpec:
 
 
 # Calls of the op's implementation in this process (benchmarks count selections per step).
+# A replayed CUDA graph launches the op's kernels without calling it: not counted.
 CALLS = {"hytopk": 0, "topk_table": 0}
 
 

@@ -158,6 +158,12 @@ def _hidden_everywhere(spec: ScoreSpec, masks, b0, b1, s0, s1, t0, t1, B, S) -> 
     return False
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream: then no
+    device value may be read on the host (the read fails the capture)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def streaming_topk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -179,6 +185,9 @@ def streaming_topk(
     # Key chunk of at least max(k, 256) keys keeps the merge cheap relative to the dot.
     tc = max(256, min(T, 1024))
     rows = max(1, chunk_bytes // (4 * H * tc))
+    # the chunk skips below read device values on the host; they never change the result,
+    # so a CUDA graph capture runs without them
+    shortcuts = not _capturing(device)
     for b in range(B):
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
@@ -190,12 +199,12 @@ def streaming_topk(
             kth = None  # per-row k-th best order key once every row holds k candidates
             for t0 in range(0, T, tc):
                 t1 = min(T, t0 + tc)
-                if kth is not None and bool((vals > -math.inf).sum(-1).min() >= topk) and _hidden_everywhere(
-                        spec, masks, b, b + 1, s0, s1, t0, t1, B, S):
+                if shortcuts and kth is not None and bool((vals > -math.inf).sum(-1).min() >= topk) and \
+                        _hidden_everywhere(spec, masks, b, b + 1, s0, s1, t0, t1, B, S):
                     continue  # nothing in this chunk can reach any row's top-k
                 y = score_block(q, k, w, masks, spec, b, b + 1, s0, s1, t0, t1, shape)
                 yk = order_keys(y)
-                if kth is not None and not bool((yk > kth).any()):
+                if shortcuts and kth is not None and not bool((yk > kth).any()):
                     continue  # no candidate beats any row's current k-th (ties lose: larger index)
                 t_idx = torch.arange(t0, t1, device=device).expand_as(y)
                 vals, keys, inds = _merge(vals, keys, inds, y, yk, t_idx, topk)

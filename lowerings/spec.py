@@ -248,6 +248,10 @@ class ScoreSpec:
                     t = operands[st[1]]
                     if t.numel() != 1:
                         raise SpecError(f"step {st!r}: operand has shape {tuple(t.shape)}, expected a scalar")
+                    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                        raise SpecError(f"step {st!r}: its 0-d operand is read on the host at each call, which a "
+                                        "CUDA graph capture cannot do (compiled with CUDA graphs, the backend "
+                                        "selects such sites from the score table instead)")
                     # the graph multiplies an fp32 tensor by this scalar in fp32
                     out.append((st[0][:3], float(t.to(torch.float32).item())))
                 else:

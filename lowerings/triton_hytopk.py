@@ -502,7 +502,10 @@ def hytopk_triton(
     # [0]: the persistent scheduler's block counter; then each program's lane counts
     # (BLOCK_N x BLOCK_M), where its compactions read them; last: blocks redone (presample)
     counter = torch.zeros(2 + nprog * block_m * cfg.block_n, dtype=torch.int32, device=device)
-    _LAST.counter = counter
+    # kept for redone_blocks() only where a config was passed (tests, benchmarks): the op's
+    # default launch keeps no tensor past its return, which CUDA graph trees require of
+    # every allocation in their pool that is not an output
+    _LAST.counter = None if defaulted else counter
     if cfg.profile and interpret:
         raise SpecError("config.profile reads the GPU's cycle counter: it needs a CUDA device")
     prof = torch.zeros((nprog, 32) if cfg.profile else (1,), dtype=torch.int64, device=device)
@@ -613,10 +616,14 @@ _LAST = threading.local()
 def redone_blocks() -> int:
     """Row blocks that the last ``hytopk_triton`` call on this thread scored twice because a
     sampled estimate (``HyTopKConfig.presample``) failed its check (waits for the GPU). 0
-    without presample."""
-    counter = getattr(_LAST, "counter", None)
-    if counter is None:
+    without presample. Only for a call that passed ``config`` (the default launch keeps
+    nothing past its return)."""
+    if not hasattr(_LAST, "counter"):
         raise RuntimeError("redone_blocks(): no hytopk_triton call on this thread yet")
+    counter = _LAST.counter
+    if counter is None:
+        raise RuntimeError("redone_blocks(): the last hytopk_triton call ran the default launch, which keeps no "
+                           "counter; pass config= (e.g. default_config(...)) to count redone blocks")
     return int(counter[-1].item())
 
 

@@ -62,6 +62,26 @@ def canonicalize_noop_views(graph: fx.Graph) -> None:
             graph.erase_node(n)
 
 
+def _cudagraphs() -> bool:
+    """Whether Inductor will run the compiled graphs as CUDA graphs (mode="reduce-overhead",
+    "max-autotune", or ``triton.cudagraphs`` set): read while the compile's config is in force."""
+    from torch._inductor import config as inductor_config
+
+    return bool(inductor_config.triton.cudagraphs)
+
+
+def _host_read_steps(spec) -> list:
+    """The spec's steps whose constant the op reads from a 0-d operand on the host at each
+    call (``ScoreSpec.resolve_operands``)."""
+    return [st[0] for st in (*spec.epilogue, *spec.post) if st[0].endswith("_operand")]
+
+
+def _on_cuda(tk: fx.Node) -> bool:
+    """Whether the top-k's scores live on a GPU (Inductor captures only CUDA graphs)."""
+    v = getattr(tk.args[0], "meta", {}).get("val")
+    return isinstance(v, torch.Tensor) and v.device.type == "cuda"
+
+
 InputKinds = Union[Iterable[int], Mapping[int, Tuple[str, str]]]
 
 
@@ -73,11 +93,13 @@ def _input_kinds(inputs: InputKinds) -> Dict[int, Tuple[str, str]]:
 
 
 def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_kind: str = "", replay: bool = True,
-                       elide_sort: bool = True) -> int:
+                       elide_sort: bool = True, cudagraphs: bool = False) -> int:
     """Rewrite every selection top-k in ``graph``; returns how many were rewritten.
     ``param_indices``: what the graph's inputs are, by position (``backend._input_kinds``:
     position -> (kind, Dynamo source name)), or the positions of parameters and buffers.
-    ``elide_sort``: pass sorted=False where nothing reads the top-k's order (order.py)."""
+    ``elide_sort``: pass sorted=False where nothing reads the top-k's order (order.py).
+    ``cudagraphs``: the graphs will be captured as CUDA graphs, so no site may become an
+    op that reads a device value on the host."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     kinds = _input_kinds(param_indices)
     facts = GraphFacts(graph, sources={placeholders[i].name: kn for i, kn in kinds.items() if i < len(placeholders)})
@@ -90,6 +112,12 @@ def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_ki
         line = diagnostics.user_line(tk)
         try:
             m = analyse_site(facts, tk)
+            if cudagraphs and _on_cuda(tk) and _host_read_steps(m.spec):
+                # a capture would fail on the read (a GPU operand) or freeze its value into
+                # the recording (a later value ignored): the table's selection is device ops
+                raise Unsupported(f"a 0-d tensor operand of the scores ({', '.join(_host_read_steps(m.spec))}) is "
+                                  "read on the host at each call, which a CUDA graph (mode='reduce-overhead' or "
+                                  "'max-autotune') cannot capture")
             if m.sorted and elide_sort:  # nothing reads the order: the op may skip its sort
                 try:
                     unread, uses = order_unread(tk, m.topk_dim)
@@ -178,14 +206,14 @@ class HyScaleJointPass(CustomGraphPass):
         if self.options.get("enable", True):
             kind = "joint" if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes) else "forward"
             rewrite_selections(graph, dict(self.param_indices), kind, replay=self.options.get("replay", True),
-                               elide_sort=self.options.get("elide_sort", True))
+                               elide_sort=self.options.get("elide_sort", True), cudagraphs=_cudagraphs())
         if self.chained is not None:
             self.chained(graph)
 
     def uuid(self) -> bytes:
         from hyscale_compile import registry
 
-        extra = repr((self.param_indices, sorted(self.options.items()), registry.fingerprint()))
+        extra = repr((self.param_indices, sorted(self.options.items()), registry.fingerprint(), _cudagraphs()))
         h = hashlib.sha256(get_hash_for_files(_source_files(), extra))
         if self.chained is not None:
             uuid_fn = getattr(self.chained, "uuid", None)

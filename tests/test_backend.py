@@ -125,6 +125,8 @@ def test_uuid_keys_on_registry_options_and_chained_pass(monkeypatch):
     assert isinstance(base, bytes) and base == HyScaleJointPass().uuid()
     assert HyScaleJointPass(options={"enable": False}).uuid() != base
     assert HyScaleJointPass(param_indices=[0]).uuid() != base
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):  # (runtime scalars then go to the table)
+        assert HyScaleJointPass().uuid() != base
     registry.register_score_mod("my_variant", lambda s: s * 0.5 + 1.0)
     try:
         assert HyScaleJointPass().uuid() != base  # a registration changes the key
