@@ -159,3 +159,16 @@ def test_per_row_tolerance_and_bad_arguments():
         assert_selection_equal(idx[:, :3], table)
     with pytest.raises(ValueError, match="per-row atol"):
         assert_selection_equal(idx, table, atol=torch.zeros(3))
+
+
+def test_readme_quick_start_check_runs():
+    """The README's quick-start check, as written (on the debug backend: no Inductor compile)."""
+    import os
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "assert_selection_equal" in b]
+    assert 'backend="hyscale"' in block
+    torch._dynamo.reset()
+    before = counters["hyscale"]["rewritten"]
+    exec(compile(block.replace('backend="hyscale"', 'backend="hyscale_debug"'), "README.md", "exec"), {})
+    assert counters["hyscale"]["rewritten"] == before + 1
