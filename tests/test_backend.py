@@ -85,6 +85,44 @@ def test_bad_options_name_the_problem(kwargs, exc, match):
     assert match in str(info.value)  # and the user sees it
 
 
+@pytest.mark.parametrize("backend", ["hyscale", "hyscale_debug"])
+@pytest.mark.parametrize(
+    "options, exc, match",
+    [
+        ({"triton.nonsense": 1}, ValueError, "unknown option 'triton.nonsense'"),
+        ({"patch": 1}, ValueError, "unknown option 'patch'"),  # a config module attribute, not a key
+        ({"triton.cudagraphs": "x"}, TypeError, "option 'triton.cudagraphs' must be bool, got str"),
+        ({"max_autotune": 1}, TypeError, "option 'max_autotune' must be bool, got int"),
+        ({"compile_threads": True}, TypeError, "option 'compile_threads' must be int or None, got bool"),
+        ({"max_autotune_gemm_backends": 3}, TypeError, "option 'max_autotune_gemm_backends' must be str"),
+    ],
+)
+def test_inductor_options_checked_against_inductor_config(backend, options, exc, match):
+    """Both backends check Inductor keys and their types against torch._inductor.config
+    (the debug backend ignores valid ones, but rejects what Inductor would not take)."""
+    from hyscale_compile.options import split_options
+
+    with pytest.raises(exc, match=match):
+        split_options(None, options)
+    f = torch.compile(lambda x: x + 1, backend=backend, options=options)
+    with pytest.raises(Exception) as info:
+        f(torch.randn(3))
+    err = getattr(info.value, "inner_exception", info.value)
+    assert isinstance(err, exc) and match in str(err), repr(info.value)
+
+
+def test_valid_inductor_options_accepted():
+    from hyscale_compile.options import split_options
+
+    good = {"triton.cudagraphs": False, "compile_threads": None, "max-autotune": False, "max_autotune_gemm_backends": "ATEN"}
+    inductor, ours = split_options(None, good)
+    assert inductor == {"triton.cudagraphs": False, "compile_threads": None, "max_autotune": False,
+                        "max_autotune_gemm_backends": "ATEN"} and ours == {}
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x + 1, backend="hyscale_debug", options=good)
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+
+
 def test_explain_rejects_non_callables():
     with pytest.raises(TypeError, match="must be callable"):
         hyscale_compile.explain(3, torch.randn(2))
