@@ -1,5 +1,6 @@
 """The backend's plumbing: registration, options, pass chaining, the cache key."""
 import os
+import re
 import subprocess
 import sys
 
@@ -154,14 +155,21 @@ def test_explain_names_the_op_that_stopped_the_walk():
     def plain_input(x):
         return x.topk(3, dim=-1).indices
 
+    def merged_axes(q, k, w):  # the top-k runs over (query, key) pairs: no per-row selection
+        s = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(2)
+        return s.reshape(1, -1).topk(3, dim=-1).indices
+
     q, k, w = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 16), torch.rand(1, 8, 2)
     with torch.no_grad():
         (site,) = hyscale_compile.explain(erfcx_scores, q, k, w).sites
         (plain,) = hyscale_compile.explain(plain_input, torch.randn(1, 8, 8)).sites
+        (merged,) = hyscale_compile.explain(merged_axes, q, k, w).sites
     assert "no contraction" not in site.reason, site.line()
     assert ("the walk back from the top-k stopped at aten.special_erfcx.default (not a view, cast, pointwise step "
             "or contraction the matcher knows)") in site.reason, site.line()
     assert "no contraction (einsum/matmul/bmm) feeds the top-k scores" in plain.reason, plain.line()
+    assert re.search(r"stopped at aten\.(_unsafe_)?view\.default \(which does not carry the top-k axis through",
+                     merged.reason), merged.line()
 
 
 def test_disabled_pass_still_records_diagnostics():
