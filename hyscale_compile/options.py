@@ -9,7 +9,8 @@ from typing import Any, Dict, Optional, Tuple
 
 # This backend's own options (``options={"hyscale.enable": False}``).
 HYSCALE_OPTIONS = {
-    "enable": (bool, "rewrite selections (False: plain Inductor, diagnostics still recorded)"),
+    "enable": (bool, "rewrite selections (default True; False: the graphs compile as plain Inductor's, and "
+                     "the diagnostics still record every site, with what the pass would have done)"),
     "capture": (list, "tests: a list that receives the graphs the debug backend ran"),
     "replay": (bool, "save the selection for the backward (default True); False keeps the "
                      "checkpoint policy's tag, so benchmarks can measure what replay saves"),
