@@ -1161,7 +1161,7 @@ def candidate_chains(facts: GraphFacts, x: fx.Node, dim: int):
         if node.target in CONTRACTIONS:
             out.append([(node, None)] + suffix)
         elif not ins:
-            known = node.target in _VIEWS or node.target in _CASTS or node.target in _REDUCTIONS or node.target in _POINTWISE
+            known = any(node.target in ops for ops in (_VIEWS, _CASTS, _REDUCTIONS, _POINTWISE))
             stops.append(_stop_name(node) + ("" if known else "*"))
             v = val(node)
             if (isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags

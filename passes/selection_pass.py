@@ -162,7 +162,8 @@ class HyScaleJointPass(CustomGraphPass):
         self.options = dict(options or {})
 
     def __call__(self, graph: fx.Graph) -> None:
-        kind = "joint" if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes) else "forward"
+        joint = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+        kind = "joint" if joint else "forward"
         enable = self.options.get("enable", True)
         try:
             rewrite_selections(graph, self.param_indices, kind, replay=self.options.get("replay", True),

@@ -60,12 +60,14 @@ def tolerance(q, k, w, spec: ScoreSpec) -> torch.Tensor:
     return (D + H + 2) * u * mag.amax(-1) + 1e-30
 
 
-def check_selection(idx: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor, k: int, values: Optional[torch.Tensor] = None):
+def check_selection(idx: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor, k: int, values: Optional[torch.Tensor] = None,
+                    sorted: bool = True):
     """Against the float64 reference ``ref``: per row, the selected scores are the top-k's
     as a multiset within the row's ``tol``; masked slots (-inf) hold the smallest-index -inf
-    keys in ascending order; values equal the reference at the selected keys within tol."""
+    keys (in ascending order when ``sorted``); values equal the reference at the selected
+    keys within tol."""
     assert idx.shape == (*ref.shape[:-1], k), (idx.shape, (*ref.shape[:-1], k))
-    assert_selection_equal(idx, ref, values=values, atol=tol, rtol=0.0)
+    assert_selection_equal(idx, ref, values=values, atol=tol, rtol=0.0, sorted=sorted)
 
 
 def assert_stable_topk(idx: torch.Tensor, scores32: torch.Tensor, k: int, values: Optional[torch.Tensor] = None):

@@ -115,7 +115,8 @@ def test_inductor_options_checked_against_inductor_config(backend, options, exc,
 def test_valid_inductor_options_accepted():
     from hyscale_compile.options import split_options
 
-    good = {"triton.cudagraphs": False, "compile_threads": None, "max-autotune": False, "max_autotune_gemm_backends": "ATEN"}
+    good = {"triton.cudagraphs": False, "compile_threads": None, "max-autotune": False,
+            "max_autotune_gemm_backends": "ATEN"}
     inductor, ours = split_options(None, good)
     assert inductor == {"triton.cudagraphs": False, "compile_threads": None, "max_autotune": False,
                         "max_autotune_gemm_backends": "ATEN"} and ours == {}
@@ -137,7 +138,8 @@ def _three_sites(q, k, w, x, router):
 def test_explain_counts_fused_table_and_left_alone_separately():
     q, k, w = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 16), torch.rand(1, 8, 2)
     with torch.no_grad():
-        report = hyscale_compile.explain(_three_sites, q, k, w, torch.randn(4, 8), torch.nn.Parameter(torch.randn(8, 6)))
+        report = hyscale_compile.explain(_three_sites, q, k, w, torch.randn(4, 8),
+                                         torch.nn.Parameter(torch.randn(8, 6)))
     text = str(report)
     assert text.splitlines()[0] == (
         "hyscale: 3 top-k site(s): 1 fused, 1 selected from the table, 1 left alone; 0 graph break(s)"), text
@@ -192,7 +194,8 @@ def test_disabled_pass_still_records_diagnostics():
     recs = diagnostics.records()
     assert len(recs) == 3 and not any(r.rewritten for r in recs), [r.line() for r in recs]
     fused, table, routed = recs
-    assert fused.reason.startswith("hyscale.enable=False; enabled, the pass would give: [rewritten] dsa k=3"), fused.line()
+    assert fused.reason.startswith(
+        "hyscale.enable=False; enabled, the pass would give: [rewritten] dsa k=3"), fused.line()
     assert "[rewritten: table]" in table.reason and "hyscale.enable=False" in table.reason, table.line()
     assert routed.reason.startswith("not a selection"), routed.line()
 
