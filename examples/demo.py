@@ -403,14 +403,14 @@ def main(argv=None) -> int:
     say(str(report))
     # What the demo expects: one site per layer, rewritten as the whole indexer (all S queries,
     # all H heads), so that neither the [S, H, T] logits nor the [S, T] table are built.
-    for site in report.rewritten:
+    for site in report.fused:
         sz = site.sizes
         if sz.get("S") != S or sz.get("H") != H or site.table_consumers:
             say(f"WARNING: site {site.node} was rewritten, but not as the whole indexer (expected S={S}, "
                 f"H={H}; got {', '.join(f'{k}={v}' for k, v in sz.items())}): part of the score "
                 f"computation still runs outside the op and its tables are still materialized.")
-    if len(report.rewritten) < cfg.layers:
-        say(f"WARNING: expected {cfg.layers} rewritten site(s), one per layer; got {len(report.rewritten)}")
+    if len(report.fused) < cfg.layers:
+        say(f"WARNING: expected {cfg.layers} fused site(s), one per layer; got {len(report.fused)}")
     del model
     gc.collect()
 

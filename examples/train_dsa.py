@@ -421,9 +421,9 @@ def main(argv=None) -> int:
     report = hyscale_compile.explain(copy.deepcopy(base), peek[0])
     say(str(report))
     say(f"      ({time.perf_counter() - t0:.1f} s)")
-    if len(report.rewritten) != compare.cfg.layers:
-        say(f"WARNING: expected {compare.cfg.layers} rewritten selection(s) (one per layer), got "
-            f"{len(report.rewritten)}: this is a hyscale_compile bug, please report it")
+    if len(report.fused) != compare.cfg.layers:
+        say(f"WARNING: expected {compare.cfg.layers} fused selection(s) (one per layer), got "
+            f"{len(report.fused)}: this is a hyscale_compile bug, please report it")
 
     losses: List[float] = []
     accs: List[float] = []

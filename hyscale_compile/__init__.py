@@ -7,6 +7,8 @@ Public API:
                                               the score (registry.py); unregister_score_mod,
                                               registered_score_mods, ScoreModError
     ScoreSpec, MaskTerm                       the score description the op carries
+    hyscale_compile.testing                   assert_selection_equal (compare a selection
+                                              by the contract, not torch.equal), stable_topk
 
 The op itself is ``torch.ops.hyscale.hytopk`` / ``hytopk_values`` (importing this
 package registers it; so does the backend).

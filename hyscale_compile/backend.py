@@ -8,7 +8,9 @@ or another library had put there, and otherwise leaves Inductor's config alone.
 
 ``hyscale_debug_backend`` runs the same pass and the same min-cut partitioner through
 AOTAutograd but executes the graphs eagerly (no Inductor codegen): a small graph
-compiles in 0.3-2 s on a 2-core CPU instead of 10-40 s, for tests and ``explain``.
+compiles in 0.3-2 s on a 2-core CPU instead of 10-40 s, for tests and ``explain``. Both
+check ``options`` the same way (``options.split_options``); Inductor keys have no effect on
+the debug backend.
 """
 from __future__ import annotations
 
@@ -114,7 +116,11 @@ def hyscale_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] =
 
 
 def hyscale_debug_backend(gm: fx.GraphModule, example_inputs, *, mode=None, options=None):
-    """Same pass and partitioner as ``hyscale``, graphs run eagerly (tests, explain)."""
+    """Same pass and partitioner as ``hyscale``, graphs run eagerly (tests, explain).
+
+    ``options`` is checked as ``hyscale``'s is: unknown or mistyped keys raise. Valid
+    Inductor keys are accepted and have no effect here (there is no Inductor codegen), so a
+    model's ``options`` work with either backend."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     import torch._inductor.lowering  # noqa: F401  (some of select_decomp_table's entries need it loaded)

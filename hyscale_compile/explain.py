@@ -20,7 +20,18 @@ class ExplainReport:
 
     @property
     def rewritten(self) -> List[SiteRecord]:
+        """Sites whose ``aten.topk`` was replaced: ``fused`` plus ``table``."""
         return [s for s in self.sites if s.rewritten]
+
+    @property
+    def fused(self) -> List[SiteRecord]:
+        """Sites that became the fused op (``hyscale.hytopk``): no score table."""
+        return [s for s in self.sites if s.rewritten and s.variant != "table"]
+
+    @property
+    def table(self) -> List[SiteRecord]:
+        """Sites selected from the score table the graph materializes (not fused)."""
+        return [s for s in self.sites if s.rewritten and s.variant == "table"]
 
     @property
     def left_alone(self) -> List[SiteRecord]:
@@ -28,8 +39,8 @@ class ExplainReport:
 
     def __str__(self) -> str:
         head = (
-            f"hyscale: {len(self.sites)} top-k site(s): {len(self.rewritten)} rewritten, "
-            f"{len(self.left_alone)} left alone; {self.graph_breaks} graph break(s)"
+            f"hyscale: {len(self.sites)} top-k site(s): {len(self.fused)} fused, {len(self.table)} selected from "
+            f"the table, {len(self.left_alone)} left alone; {self.graph_breaks} graph break(s)"
         )
         lines = [head] + ["  " + s.line() for s in self.sites]
         lines += [f"  [not compiled] {f}: Dynamo ran this frame eagerly, so the backend never saw its top-k "

@@ -1,11 +1,16 @@
-"""Validation of ``torch.compile(..., backend="hyscale", mode=..., options=...)``."""
+"""Validation of ``torch.compile(..., backend="hyscale"|"hyscale_debug", mode=..., options=...)``.
+
+Inductor keys (nested ones spelled "triton.cudagraphs") must be keys of
+``torch._inductor.config`` and their values of the type it declares, as for
+``backend="inductor"``; ``hyscale.*`` keys are this backend's own (``HYSCALE_OPTIONS``)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
 # This backend's own options (``options={"hyscale.enable": False}``).
 HYSCALE_OPTIONS = {
-    "enable": (bool, "rewrite selections (False: plain Inductor, diagnostics still recorded)"),
+    "enable": (bool, "rewrite selections (default True; False: the graphs compile as plain Inductor's, and "
+                     "the diagnostics still record every site, with what the pass would have done)"),
     "capture": (list, "tests: a list that receives the graphs the debug backend ran"),
     "replay": (bool, "save the selection for the backward (default True); False keeps the "
                      "checkpoint policy's tag, so benchmarks can measure what replay saves"),
@@ -41,7 +46,63 @@ def split_options(mode: Optional[str], options: Optional[Dict[str, Any]]) -> Tup
                 raise TypeError(f"hyscale: option {key!r} must be {typ.__name__}, got {type(value).__name__}")
             ours[name] = value
             continue
-        if not hasattr(inductor_config, key.replace("-", "_")) and "." not in key:
-            raise ValueError(f"hyscale: unknown option {key!r} (neither an Inductor config key nor 'hyscale.*')")
-        inductor[key.replace("-", "_")] = value
+        name = key.replace("-", "_")
+        _check_inductor_option(inductor_config, key, name, value)
+        inductor[name] = value
     return inductor, ours
+
+
+def _check_inductor_option(config, key: str, name: str, value: Any) -> None:
+    """``name`` must be a key of Inductor's config (nested ones as "triton.cudagraphs") and
+    ``value`` of its declared type, as ``backend="inductor"`` requires."""
+    entries = getattr(config, "_config", None)  # key -> entry with its default and declared type
+    known = entries if isinstance(entries, dict) else config.get_config_copy()
+    if name not in known:
+        raise ValueError(f"hyscale: unknown option {key!r} (neither an Inductor config key nor 'hyscale.*')")
+    entry = known[name]
+    typ = getattr(entry, "value_type", None)
+    if typ is None:  # no declared type: the default's (None: anything)
+        typ = type(getattr(entry, "default", entry))
+    if _accepts(typ, value) is False:
+        raise TypeError(f"hyscale: option {key!r} must be {_type_text(typ)}, got {type(value).__name__}")
+
+
+def _accepts(typ: Any, value: Any) -> Optional[bool]:
+    """Whether ``value`` is of the config's declared type; None where that cannot be told
+    (callables, forward references, generics' item types): then anything goes. A config
+    declared None takes anything; bool and int are told apart."""
+    import types
+    import typing
+
+    if typ is type(None):
+        return None
+    origin = typing.get_origin(typ)
+    if origin is typing.Union or origin is types.UnionType:
+        results = [_accepts(t, value) for t in typing.get_args(typ) if t is not type(None)]
+        results += [True] if value is None and type(None) in typing.get_args(typ) else []
+        return True if True in results else None if None in results else False
+    if origin is typing.Literal:
+        return value in typing.get_args(typ)
+    if origin is not None:
+        typ = origin  # list[str] -> list; the items are not checked
+    if not isinstance(typ, type) or typ is object:
+        return None
+    if typ is bool:
+        return isinstance(value, bool)
+    if typ is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if typ is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    try:
+        return isinstance(value, typ)
+    except TypeError:
+        return None
+
+
+def _type_text(typ: Any) -> str:
+    import typing
+
+    args = typing.get_args(typ)
+    if args and typing.get_origin(typ) is not typing.Literal:
+        return " or ".join("None" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
+    return getattr(typ, "__name__", str(typ))

@@ -24,8 +24,9 @@ def index_dtype(num_keys: int) -> torch.dtype:
     return torch.int32 if num_keys < 2**31 else torch.int64
 
 
-def check_operands(q, k, w, masks, topk, spec: ScoreSpec):
-    """Shape/dtype checks shared by every implementation; returns (B, S, H, D, T, Hk)."""
+def check_operands(q, k, w, masks, topk, spec: ScoreSpec, dtypes: bool = True):
+    """Shape/dtype checks shared by every implementation; returns (B, S, H, D, T, Hk).
+    ``dtypes=False``: any float operands (the float64 oracle, ``dense_scores``)."""
     if q.dim() != 4 or k.dim() != 4:
         raise SpecError(f"q must be [B,S,H,D] and k [B,T,Hk,D]; got {tuple(q.shape)} and {tuple(k.shape)}")
     B, S, H, D = q.shape
@@ -42,7 +43,44 @@ def check_operands(q, k, w, masks, topk, spec: ScoreSpec):
     if topk < 0 or topk > T:
         raise SpecError(f"k={topk} must be in [0, T={T}]")
     spec.validate(num_mask_operands=len(masks))
+    if dtypes:
+        check_operand_dtypes(q, k, w)
+    check_mask_shapes(masks, spec, B, S, T)
     return B, S, H, D, T, Hk
+
+
+# The operand dtypes the spec's arithmetic describes (DESIGN.md dtype rules): each of q, k
+# and w fp32, or bf16/fp16 that the graph upcast exactly to fp32 before the contraction
+# (any pair, QSA's bf16 queries x fp32 keys included). A float64 score path is selected
+# from the table instead, never fused: the op would compute it in fp32.
+OPERAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_operand_dtypes(q, k, w) -> None:
+    for name, t in (("q", q), ("k", k), ("w", w)):
+        if t is not None and t.dtype not in OPERAND_DTYPES:
+            raise SpecError(f"{name} has dtype {t.dtype}; the op scores in fp32 from float32, bfloat16 or float16 "
+                            "operands (float64 and integer operands are not part of any score description)")
+
+
+def _broadcasts(shape, target) -> bool:
+    return len(shape) <= len(target) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
+
+
+def check_mask_shapes(masks, spec: ScoreSpec, B: int, S: int, T: int) -> None:
+    """Each mask operand must broadcast to what its term reads: [B, S, T] for a mask tensor,
+    [B, S] for a range term's bounds."""
+    for term in spec.masks:
+        if term.kind == "range":
+            named = [(term.lo, "the range term's lo bound"), (term.hi, "the range term's hi bound")]
+            target, text = (B, S), "[B, S]"
+        else:
+            named = [(term.operand, "an additive mask" if term.kind == "add" else "a fill mask")]
+            target, text = (B, S, T), "[B, S, T]"
+        for i, what in named:
+            if i is not None and not _broadcasts(tuple(masks[i].shape), target):
+                raise SpecError(f"mask operand {i} ({what}) has shape {tuple(masks[i].shape)}; it must broadcast "
+                                f"to {text} = {target}")
 
 
 def _apply_elementwise(x: torch.Tensor, step, inplace: bool = False) -> torch.Tensor:
@@ -252,7 +290,7 @@ def _merge(vals, keys, inds, y, yk, t_idx, topk):
 
 def dense_scores(q, k, w, masks, spec: ScoreSpec, dtype=torch.float32) -> torch.Tensor:
     """The whole [B, S, T] table through the same arithmetic (tests and small shapes only)."""
-    shape = check_operands(q, k, w, masks, 0, spec)
+    shape = check_operands(q, k, w, masks, 0, spec, dtypes=False)
     B, S, H, D, T, Hk = shape
     return score_block(q, k, w, masks, spec, 0, B, 0, S, 0, T, shape, dtype)
 

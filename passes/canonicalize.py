@@ -1122,6 +1122,15 @@ def _opname(n) -> str:
     return getattr(t, "__name__", None) or str(t) if n.op == "call_function" else n.op
 
 
+def _stop_name(n: fx.Node) -> str:
+    """An op where the walk along the top-k axis ended, as 'aten.exp.default'; 'placeholder'
+    and the like for graph inputs."""
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return f"{t.namespace}.{t._schema.name.split('::')[-1]}.{t._overloadname}"
+    return _opname(n)
+
+
 _POINTWISE = {
     aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.add.Tensor, aten.add.Scalar,
     aten.sub.Tensor, aten.sub.Scalar, aten.relu.default, aten.clamp_min.default, aten.maximum.default,
@@ -1215,7 +1224,8 @@ def candidate_chains(facts: GraphFacts, x: fx.Node, dim: int):
         if node.target in CONTRACTIONS:
             out.append([(node, None)] + suffix)
         elif not ins:
-            stops.append(_opname(node))
+            known = any(node.target in ops for ops in (_VIEWS, _CASTS, _REDUCTIONS, _POINTWISE))
+            stops.append(_stop_name(node) + ("" if known else "*"))
             v = val(node)
             if (isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
                     and isinstance(v, torch.Tensor) and v.is_floating_point()):
@@ -1242,9 +1252,22 @@ def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
     dim = topk.kwargs.get("dim", args[2] if args[2] is not None else -1) % rank
     chains, (stops, unknown) = candidate_chains(facts, x, dim)
     if not chains:
-        where = f" (followed the top-k axis back to {', '.join(sorted(set(stops)))})" if stops else ""
         hint = (f"; {', '.join(sorted(set(unknown)))}: elementwise, and not known to the matcher (if a "
                 "contraction feeds it, teach it with hyscale_compile.register_score_mod)") if unknown else ""
+        # ops where the walk ended (a contraction may lie beyond them), rather than inputs;
+        # '*': an op the matcher does not know, else one that does not carry the axis
+        ops = sorted({s for s in stops if s not in ("placeholder", "get_attr")})
+        if ops:
+            why = []
+            alien = [s[:-1] for s in ops if s.endswith("*")]
+            known = [s for s in ops if not s.endswith("*")]
+            if alien:
+                why.append(f"{', '.join(alien)} (not a view, cast, pointwise step or contraction the matcher knows)")
+            if known:
+                why.append(f"{', '.join(known)} (which does not carry the top-k axis through: it merges, reduces or "
+                           "broadcasts it)")
+            raise Unsupported(f"the walk back from the top-k stopped at {' and at '.join(why)}", hint=hint)
+        where = f" (followed the top-k axis back to {', '.join(sorted(set(stops)))})" if stops else ""
         raise Unsupported(f"no contraction (einsum/matmul/bmm) feeds the top-k scores{where}", hint=hint)
     # A contraction that is a step of a deeper candidate (HF's weights matmul over the
     # scores) is the head reduction, not the score: never try it on its own, or a failure

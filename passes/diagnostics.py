@@ -47,9 +47,14 @@ class SiteRecord:
 
     def line(self) -> str:
         where = f" at {self.source}" if self.source else ""
+        tag, body = self._outcome()
+        return f"{tag} {self.node}{where}: {body}"
+
+    def _outcome(self):
+        """(tag, what happened): '[rewritten]', 'dsa k=8 ...'."""
         if self.rewritten and self.variant == "table":
             note = f"; note: {self.note}" if self.note else ""
-            return (f"[rewritten: table] {self.node}{where}: selected from the materialized score table "
+            return ("[rewritten: table]", f"selected from the materialized score table "
                     f"(hyscale.topk_table, k={self.k}){note}; not fused because: {self.reason}")
         if self.rewritten:
             sz = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
@@ -67,8 +72,17 @@ class SiteRecord:
                 extra += "; backward: sparse, at the k selected keys"
             elif self.backward:
                 extra += f"; backward: {self.backward} (the score table is rebuilt for it)"
-            return f"[rewritten] {self.node}{where}: {self.variant} k={self.k} {sz}{vals} | {self.spec}{extra}"
-        return f"[left alone] {self.node}{where}: {self.reason}"
+            return "[rewritten]", f"{self.variant} k={self.k} {sz}{vals} | {self.spec}{extra}"
+        return "[left alone]", self.reason
+
+    def disabled(self) -> "SiteRecord":
+        """This site as the pass reports it under ``hyscale.enable=False``: left alone, with
+        what the pass would have done."""
+        if not self.rewritten:
+            return self
+        tag, body = self._outcome()
+        return SiteRecord(node=self.node, source=self.source, rewritten=False, graph=self.graph,
+                          reason=f"hyscale.enable=False; enabled, the pass would give: {tag} {body}")
 
 
 def record(rec: SiteRecord) -> None:

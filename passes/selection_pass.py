@@ -93,13 +93,23 @@ def _input_kinds(inputs: InputKinds) -> Dict[int, Tuple[str, str]]:
 
 
 def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_kind: str = "", replay: bool = True,
-                       elide_sort: bool = True, cudagraphs: bool = False) -> int:
+                       elide_sort: bool = True, cudagraphs: bool = False, dry_run: bool = False) -> int:
     """Rewrite every selection top-k in ``graph``; returns how many were rewritten.
     ``param_indices``: what the graph's inputs are, by position (``backend._input_kinds``:
     position -> (kind, Dynamo source name)), or the positions of parameters and buffers.
     ``elide_sort``: pass sorted=False where nothing reads the top-k's order (order.py).
     ``cudagraphs``: the graphs will be captured as CUDA graphs, so no site may become an
-    op that reads a device value on the host."""
+    op that reads a device value on the host.
+    ``dry_run`` (``hyscale.enable=False``): rewrite a copy and leave ``graph`` as it is; the
+    diagnostics record every site as left alone, with what the pass would have done."""
+    record = diagnostics.record
+    if dry_run:
+        copy = fx.Graph(owning_module=graph.owning_module)
+        copy.output(copy.graph_copy(graph, {}))
+        graph = copy
+
+        def record(rec):
+            diagnostics.record(rec.disabled())
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     kinds = _input_kinds(param_indices)
     facts = GraphFacts(graph, sources={placeholders[i].name: kn for i, kn in kinds.items() if i < len(placeholders)})
@@ -152,18 +162,18 @@ def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_ki
                 note = (f"the contraction reads the graph input(s) {', '.join(args)}, taken for activations (not "
                         "parameters, buffers, globals or closure cells: the backend cannot tell a weight passed as "
                         "an argument from keys)") if args else ""
-                diagnostics.record(diagnostics.SiteRecord(
+                record(diagnostics.SiteRecord(
                     node=tk.name, source=line, rewritten=True, variant="table", reason=reason, graph=graph_kind,
                     k=tk.args[1], sizes={"T": shape_of(table.args[0])[-1]}, note=note))  # the op reads [..., T]
             else:
-                diagnostics.record(diagnostics.SiteRecord(node=tk.name, source=line, rewritten=False, reason=reason,
-                                                          graph=graph_kind))
+                record(diagnostics.SiteRecord(node=tk.name, source=line, rewritten=False, reason=reason,
+                                              graph=graph_kind))
             continue
         except Exception as e:  # a bug of ours must not break the user's compile: leave the site
             diagnostics.log.warning("hyscale: internal error at %s, site left alone", tk.name, exc_info=True)
-            diagnostics.record(diagnostics.SiteRecord(node=tk.name, source=line, rewritten=False,
-                                                      reason=f"internal error ({type(e).__name__}: {e}); please report",
-                                                      graph=graph_kind))
+            record(diagnostics.SiteRecord(node=tk.name, source=line, rewritten=False,
+                                          reason=f"internal error ({type(e).__name__}: {e}); please report",
+                                          graph=graph_kind))
             continue
         count += 1
         backward = ""
@@ -173,7 +183,7 @@ def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_ki
             except Exception as e:  # the forward rewrite stands; the dense backward stays
                 diagnostics.log.warning("hyscale: internal error in the sparse backward at %s", tk.name, exc_info=True)
                 backward = f"dense: internal error ({type(e).__name__}: {e}); please report"
-        diagnostics.record(
+        record(
             diagnostics.SiteRecord(
                 node=tk.name, source=line, rewritten=True, variant=m.spec.name, k=m.k_arg if not isinstance(m.k_arg, fx.Node) else str(m.k_arg.meta.get("val", m.k_arg)),
                 sizes={k: v for k, v in m.sizes.items()}, spec=m.spec.describe(), values_used=m.values_used,
@@ -185,6 +195,8 @@ def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_ki
             )
         )
     score_mods.restore(graph, stand_ins)
+    if dry_run:
+        return 0
     if count:
         graph.eliminate_dead_code()
         from torch._inductor.fx_passes.post_grad import stable_topological_sort  # noqa
@@ -203,10 +215,19 @@ class HyScaleJointPass(CustomGraphPass):
         self.options = dict(options or {})
 
     def __call__(self, graph: fx.Graph) -> None:
-        if self.options.get("enable", True):
-            kind = "joint" if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes) else "forward"
+        joint = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+        kind = "joint" if joint else "forward"
+        enable = self.options.get("enable", True)
+        try:
             rewrite_selections(graph, dict(self.param_indices), kind, replay=self.options.get("replay", True),
-                               elide_sort=self.options.get("elide_sort", True), cudagraphs=_cudagraphs())
+                               elide_sort=self.options.get("elide_sort", True), cudagraphs=_cudagraphs(),
+                               dry_run=not enable)
+        except Exception:
+            if enable:
+                raise
+            # diagnostics only: a failure must not break the user's (plain) compile
+            diagnostics.log.warning("hyscale: internal error recording diagnostics with hyscale.enable=False",
+                                    exc_info=True)
         if self.chained is not None:
             self.chained(graph)
 

@@ -1,5 +1,6 @@
 """The backend's plumbing: registration, options, pass chaining, the cache key."""
 import os
+import re
 import subprocess
 import sys
 
@@ -83,6 +84,120 @@ def test_bad_options_name_the_problem(kwargs, exc, match):
     err = getattr(info.value, "inner_exception", info.value)
     assert isinstance(err, exc) and match in str(err), repr(info.value)
     assert match in str(info.value)  # and the user sees it
+
+
+@pytest.mark.parametrize("backend", ["hyscale", "hyscale_debug"])
+@pytest.mark.parametrize(
+    "options, exc, match",
+    [
+        ({"triton.nonsense": 1}, ValueError, "unknown option 'triton.nonsense'"),
+        ({"patch": 1}, ValueError, "unknown option 'patch'"),  # a config module attribute, not a key
+        ({"triton.cudagraphs": "x"}, TypeError, "option 'triton.cudagraphs' must be bool, got str"),
+        ({"max_autotune": 1}, TypeError, "option 'max_autotune' must be bool, got int"),
+        ({"compile_threads": True}, TypeError, "option 'compile_threads' must be int or None, got bool"),
+        ({"max_autotune_gemm_backends": 3}, TypeError, "option 'max_autotune_gemm_backends' must be str"),
+    ],
+)
+def test_inductor_options_checked_against_inductor_config(backend, options, exc, match):
+    """Both backends check Inductor keys and their types against torch._inductor.config
+    (the debug backend ignores valid ones, but rejects what Inductor would not take)."""
+    from hyscale_compile.options import split_options
+
+    with pytest.raises(exc, match=match):
+        split_options(None, options)
+    f = torch.compile(lambda x: x + 1, backend=backend, options=options)
+    with pytest.raises(Exception) as info:
+        f(torch.randn(3))
+    err = getattr(info.value, "inner_exception", info.value)
+    assert isinstance(err, exc) and match in str(err), repr(info.value)
+
+
+def test_valid_inductor_options_accepted():
+    from hyscale_compile.options import split_options
+
+    good = {"triton.cudagraphs": False, "compile_threads": None, "max-autotune": False,
+            "max_autotune_gemm_backends": "ATEN"}
+    inductor, ours = split_options(None, good)
+    assert inductor == {"triton.cudagraphs": False, "compile_threads": None, "max_autotune": False,
+                        "max_autotune_gemm_backends": "ATEN"} and ours == {}
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x + 1, backend="hyscale_debug", options=good)
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def _three_sites(q, k, w, x, router):
+    """One fused selection, one selected from its table (a softmax over the keys), one
+    left alone (a router: the contraction's key side is a parameter)."""
+    s = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(2)
+    fused = s.topk(3, dim=-1).indices
+    table = torch.einsum("bshd,btd->bsht", q, k).softmax(-1).sum(2).topk(3, dim=-1).indices
+    routed = (x @ router).topk(2, dim=-1).indices
+    return fused, table, routed
+
+
+def test_explain_counts_fused_table_and_left_alone_separately():
+    q, k, w = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 16), torch.rand(1, 8, 2)
+    with torch.no_grad():
+        report = hyscale_compile.explain(_three_sites, q, k, w, torch.randn(4, 8),
+                                         torch.nn.Parameter(torch.randn(8, 6)))
+    text = str(report)
+    assert text.splitlines()[0] == (
+        "hyscale: 3 top-k site(s): 1 fused, 1 selected from the table, 1 left alone; 0 graph break(s)"), text
+    assert [s.node for s in report.fused] == ["topk"] and len(report.table) == 1 and len(report.left_alone) == 1
+    assert "[rewritten: table]" in text and "not fused because" in text
+
+
+def test_explain_names_the_op_that_stopped_the_walk():
+    """A contraction feeds the scores, but an elementwise op the matcher does not know sits
+    between: the reason names that op instead of claiming there is no contraction."""
+    def erfcx_scores(q, k, w):
+        s = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(2)
+        return torch.special.erfcx(s).topk(3, dim=-1).indices
+
+    def plain_input(x):
+        return x.topk(3, dim=-1).indices
+
+    def merged_axes(q, k, w):  # the top-k runs over (query, key) pairs: no per-row selection
+        s = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(2)
+        return s.reshape(1, -1).topk(3, dim=-1).indices
+
+    q, k, w = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 16), torch.rand(1, 8, 2)
+    with torch.no_grad():
+        (site,) = hyscale_compile.explain(erfcx_scores, q, k, w).sites
+        (plain,) = hyscale_compile.explain(plain_input, torch.randn(1, 8, 8)).sites
+        (merged,) = hyscale_compile.explain(merged_axes, q, k, w).sites
+    assert "no contraction" not in site.reason, site.line()
+    assert ("the walk back from the top-k stopped at aten.special_erfcx.default (not a view, cast, pointwise step "
+            "or contraction the matcher knows)") in site.reason, site.line()
+    assert "no contraction (einsum/matmul/bmm) feeds the top-k scores" in plain.reason, plain.line()
+    assert re.search(r"stopped at aten\.(_unsafe_)?view\.default \(which does not carry the top-k axis through",
+                     merged.reason), merged.line()
+
+
+def test_disabled_pass_still_records_diagnostics():
+    """hyscale.enable=False: nothing is rewritten, but every site is recorded, with what the
+    pass would have done."""
+    from hyscale_compile.passes import diagnostics
+
+    q, k, w = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 16), torch.rand(1, 8, 2)
+    args = (q, k, w, torch.randn(4, 8), torch.nn.Parameter(torch.randn(8, 6)))
+    captured = []
+    torch._dynamo.reset()
+    diagnostics.clear()
+    with torch.no_grad():
+        out = torch.compile(_three_sites, backend="hyscale_debug",
+                            options={"hyscale.enable": False, "hyscale.capture": captured})(*args)
+        eager = _three_sites(*args)
+    assert all(torch.equal(a, b) for a, b in zip(out, eager))
+    (graph,) = [g for kind, g in captured if kind == "inference"]
+    assert "hyscale" not in graph.code and "aten.topk" in graph.code  # plain graph
+    recs = diagnostics.records()
+    assert len(recs) == 3 and not any(r.rewritten for r in recs), [r.line() for r in recs]
+    fused, table, routed = recs
+    assert fused.reason.startswith(
+        "hyscale.enable=False; enabled, the pass would give: [rewritten] dsa k=3"), fused.line()
+    assert "[rewritten: table]" in table.reason and "hyscale.enable=False" in table.reason, table.line()
+    assert routed.reason.startswith("not a selection"), routed.line()
 
 
 def test_explain_rejects_non_callables():

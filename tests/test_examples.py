@@ -24,7 +24,7 @@ def test_demo_quick():
     out = proc.stdout
     assert proc.returncode == 0, f"demo exited {proc.returncode}\n{out[-4000:]}\n{proc.stderr[-4000:]}"
     # explain's report: the indexer's top-k was rewritten
-    assert re.search(r"^hyscale: 1 top-k site\(s\): 1 rewritten, 0 left alone", out, re.M), out[-4000:]
+    assert re.search(r"^hyscale: 1 top-k site\(s\): 1 fused, 0 selected from the table, 0 left alone", out, re.M), out[-4000:]
     assert re.search(r"^\s+\[rewritten\] topk at dsa_model\.py:\d+ in forward: ", out, re.M), out[-4000:]
     # the table, printed last: a header and one row per variant; hyscale equal to eager
     table = out[out.rindex("variant "):]

@@ -27,7 +27,8 @@ def test_hf_model_rewritten_and_equal(name, attn):
             assert site.variant == "dsa" and site.sizes["H"] == model.config.index_n_heads, site.line()
             assert not site.table_consumers, site.line()
         for site in report.left_alone:
-            assert "not a selection" in site.reason or "no contraction" in site.reason, site.line()
+            assert any(why in site.reason for why in (
+                "not a selection", "no contraction", "the walk back from the top-k stopped at")), site.line()
         ref = model(**kwargs).logits
         torch._dynamo.reset()
         out = torch.compile(model, backend="hyscale_debug")(**kwargs).logits

@@ -127,6 +127,50 @@ def test_op_dispatch_and_bad_input():
         torch.ops.hyscale.hytopk(q, k, w, [], 5, DSA.to_json())
 
 
+def test_operand_dtypes_checked():
+    """float64 and integer operands raise instead of being computed in fp32; the dtype
+    pairs the matcher emits (fp32/bf16/fp16 each side, QSA's bf16 queries x fp32 keys) run."""
+    q, k, w = make(0)
+    hi = causal_hi(2, 24, 40)
+    spec = DSA.to_json()
+    for args, match in [
+        ((q.double(), k, w), "q has dtype torch.float64"),
+        ((q, k.double(), w), "k has dtype torch.float64"),
+        ((q, k, w.double()), "w has dtype torch.float64"),
+        ((q.long(), k.long(), w), "q has dtype torch.int64"),
+        ((q, k.to(torch.int32), w), "k has dtype torch.int32"),
+        ((q, k, w.to(torch.int32)), "w has dtype torch.int32"),
+    ]:
+        with pytest.raises(SpecError, match=match) as info:
+            torch.ops.hyscale.hytopk(*args, [hi], 5, spec)
+        assert "float32, bfloat16 or float16" in str(info.value)
+    ref = streaming_topk(q, k, w, [hi], 5, DSA)
+    for qd, kd in [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16), (torch.float32, torch.float16)]:
+        qq, kk = q.to(qd), k.to(kd)
+        idx = torch.ops.hyscale.hytopk(qq, kk, w, [hi], 5, spec)
+        table = reference_f64(qq, kk, w, [hi], DSA)
+        check_selection(idx, table, tolerance(qq, kk, w, DSA), 5)
+    assert ref.dtype == torch.int32
+
+
+def test_mask_operand_shapes_named():
+    """A mask operand that does not broadcast to what its term needs is named, with the shape."""
+    q, k, w = make(0)  # B=2, S=24, T=40
+    with pytest.raises(SpecError, match=r"mask operand 0 \(the range term's hi bound\) has shape \(2, 5\); "
+                                        r"it must broadcast to \[B, S\] = \(2, 24\)"):
+        torch.ops.hyscale.hytopk(q, k, w, [causal_hi(2, 5, 40)], 5, DSA.to_json())
+    add = ScoreSpec(post=(("mask", 0),), masks=(MaskTerm("add", operand=0),))
+    with pytest.raises(SpecError, match=r"mask operand 0 \(an additive mask\) has shape \(2, 24, 39\); "
+                                        r"it must broadcast to \[B, S, T\] = \(2, 24, 40\)"):
+        torch.ops.hyscale.hytopk(q, k, w, [torch.zeros(2, 24, 39)], 5, add.to_json())
+    fill = ScoreSpec(post=(("mask", 0),), masks=(MaskTerm("fill", operand=0),))
+    with pytest.raises(SpecError, match=r"mask operand 0 \(a fill mask\) has shape \(3, 1, 40\)"):
+        torch.ops.hyscale.hytopk(q, k, w, [torch.zeros(3, 1, 40, dtype=torch.bool)], 5, fill.to_json())
+    # broadcastable shapes are fine
+    torch.ops.hyscale.hytopk(q, k, w, [torch.zeros(1, 40)], 5, add.to_json())
+    torch.ops.hyscale.hytopk(q, k, w, [causal_hi(2, 24, 40)[:1]], 5, DSA.to_json())
+
+
 _BITS_PROGRAM = """
 import hashlib, torch, hyscale_compile
 from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec

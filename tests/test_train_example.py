@@ -22,7 +22,7 @@ def test_train_dsa_smoke(tmp_path):
     out = proc.stdout
     assert proc.returncode == 0, f"train_dsa exited {proc.returncode}\n{out[-4000:]}\n{proc.stderr[-4000:]}"
     # explain: both layers' indexer top-k rewritten on the training (grad-enabled) graph
-    assert re.search(r"^hyscale: 2 top-k site\(s\): 2 rewritten, 0 left alone", out, re.M), out[-4000:]
+    assert re.search(r"^hyscale: 2 top-k site\(s\): 2 fused, 0 selected from the table, 0 left alone", out, re.M), out[-4000:]
     # the step-for-step check against the reference backend passed, on both steps
     assert re.search(r"^step-for-step check: PASSED: hyscale_debug loss matches aot_eager at all 2 step\(s\)",
                      out, re.M), out[-4000:]
