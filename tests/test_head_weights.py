@@ -193,3 +193,30 @@ def test_every_emitted_call_passes_the_op_checks_at_build_time(name):
         q, k, w, masks, topk, spec = (a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in n.args[:6])
         masks = [m.meta["val"] for m in n.args[3]]
         check_operands(q, k, w, masks, topk, ScoreSpec.from_json(spec))
+
+
+def test_a_call_the_op_would_reject_is_not_emitted(monkeypatch):
+    """If the op's checks reject the operands the rewrite built, the site is not fused: the
+    reason is in the diagnostics and the model computes what it did (the selection then
+    comes from the score table, as for any other score the kernel does not cover)."""
+    from hyscale_compile.lowerings.spec import SpecError
+    from hyscale_compile.passes import rewrite
+
+    def reject(*args, **kwargs):
+        raise SpecError("rejected for the test")
+
+    monkeypatch.setattr(rewrite, "check_operands", reject)
+
+    def fn(q, k, w):
+        return mul_sum_scores(q, k, w).topk(K, dim=-1).indices
+
+    args = _inputs("rejected", (H,))
+    with torch.no_grad():
+        report = hyscale_compile.explain(fn, *args)
+        assert len(report.sites) == 1 and report.sites[0].variant != "dsa", str(report)
+        assert "the op would reject the operands the rewrite builds: rejected for the test" in str(report), str(report)
+        cap = []
+        idx = _compiled(fn, options={"hyscale.capture": cap})(*args)
+    text = graph_text(next(g for kind, g in cap if kind == "inference").graph)
+    assert "hyscale.hytopk" not in text and "aten.expand" not in text, text
+    assert torch.equal(idx, stable_topk(mul_sum_scores(*args), K)[1])
