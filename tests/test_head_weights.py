@@ -13,6 +13,7 @@ from hyscale_compile.testing import graph_text
 from tests.contract import fresh_seed
 from tests.models.dsa_forms import FORMS
 from tests.models.variant_forms import VARIANT_FORMS
+from tests.test_variants import FUSED as VARIANT_FUSED
 
 B, S, T, H, D, K = 2, 8, 24, 4, 16, 5
 
@@ -189,6 +190,9 @@ def test_every_emitted_call_passes_the_op_checks_at_build_time(name):
     with torch.no_grad():
         _compiled(case.fn, options={"hyscale.capture": cap})(*case.args)
     calls = [n for kind, g in cap if kind in ("inference", "forward") for n in _op_calls(g.graph)]
+    # (every DSA-zoo selection fuses; of the other variants, those test_variants.py lists)
+    fused = name.startswith("dsa:") or name.split(":", 1)[1] in VARIANT_FUSED
+    assert len(calls) == (case.num_selections if fused else 0), name
     for n in calls:
         q, k, w, masks, topk, spec = (a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in n.args[:6])
         masks = [m.meta["val"] for m in n.args[3]]
