@@ -2,9 +2,11 @@
 
 For a ``SiteMatch`` (``canonicalize.py``) this builds the canonical operands with views
 and permutes of tensors the graph already has (q [B,S,H,D], k [B,T,Hk,D], w [B,S,H],
-masks [B,S,T] or per-row bounds [B,S]), calls the op, casts the int32 indices to the
-int64 that ``aten.topk`` gave, and lays them out the way the top-k's consumers expect.
-The score subgraph is then dead unless something else reads it, and DCE removes it.
+masks [B,S,T] or per-row bounds [B,S]; weights that broadcast over rows are expanded, a
+stride-0 view), checks them with the op's own operand checks, calls the op, casts the int32
+indices to the int64 that ``aten.topk`` gave, and lays them out the way the top-k's
+consumers expect. The score subgraph is then dead unless something else reads it, and DCE
+removes it.
 """
 from __future__ import annotations
 

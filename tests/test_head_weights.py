@@ -2,6 +2,8 @@
 [B, 1, H], [1, S, H], [B, S, 1]) fuse: the op gets them as a stride-0 expand to [B, S, H]
 (no copy). And what the matcher emits, the op accepts: the rewrite runs the op's operand
 checks on the fake operands before it replaces a site (``reference.check_operands``)."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -162,7 +164,10 @@ def test_broadcast_weights_through_inductor():
     with torch.no_grad():
         idx, code = run_and_get_code(torch.compile(fn, backend="hyscale"), *args)
         assert torch.equal(idx, stable_topk(mul_sum_scores(*args), K)[1])
-    assert "torch.ops.hyscale.hytopk.default(" in "\n".join(code)
+    code = "\n".join(code)
+    assert "torch.ops.hyscale.hytopk.default(" in code, code
+    # the weights [H] go in as a view with strides (0, 0, 1): no copy
+    assert re.search(rf"reinterpret_tensor\(arg\d+_1, \({B}, {S}, {H}\), \(0, 0, 1\)", code), code
 
 
 # ---------------------------------------------------------------------------------------
