@@ -12,6 +12,7 @@ import os
 from typing import Optional, Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .spec import MaskTerm, ScoreSpec, SpecError, dtype_of
 
@@ -24,28 +25,66 @@ def index_dtype(num_keys: int) -> torch.dtype:
     return torch.int32 if num_keys < 2**31 else torch.int64
 
 
+def _known(cond) -> bool:
+    """``cond`` holds: a plain bool when the op runs; on the rewrite's fake operands (symbolic
+    sizes) only where the shape environment proves it for every size the graph admits."""
+    return statically_known_true(cond)
+
+
+def _broadcasts(shape, target) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(_known(s == 1) or _known(s == t) for s, t in zip(reversed(tuple(shape)), reversed(tuple(target))))
+
+
 def check_operands(q, k, w, masks, topk, spec: ScoreSpec, dtypes: bool = True):
     """Shape/dtype checks shared by every implementation; returns (B, S, H, D, T, Hk).
-    ``dtypes=False``: any float operands (the float64 oracle, ``dense_scores``)."""
+    ``dtypes=False``: any float operands (the float64 oracle, ``dense_scores``).
+
+    The rewrite runs them on the fake operands (``node.meta["val"]``) before it replaces a
+    site (``passes/rewrite.py``), so a call it emits cannot fail them at run time: they read
+    only shapes and dtypes, and compare sizes without guarding on symbolic ones."""
     if q.dim() != 4 or k.dim() != 4:
         raise SpecError(f"q must be [B,S,H,D] and k [B,T,Hk,D]; got {tuple(q.shape)} and {tuple(k.shape)}")
     B, S, H, D = q.shape
     Bk, T, Hk, Dk = k.shape
-    if Dk != D or Bk not in (B, 1) or Hk == 0 or H % Hk != 0:
+    if not (_known(Dk == D) and (_known(Bk == B) or _known(Bk == 1)) and _known(Hk > 0) and _known(H % Hk == 0)):
         raise SpecError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not contract (need same D, batch, H % Hk == 0)")
     if spec.reduce == "weighted_sum":
-        if w is None or w.dim() != 3 or tuple(w.shape) != (B, S, H):
-            raise SpecError(f"weighted_sum needs w of shape [B,S,H]={(B, S, H)}; got {None if w is None else tuple(w.shape)}")
+        if w is None or w.dim() != 3 or not all(_known(a == b) for a, b in zip(w.shape, (B, S, H))):
+            raise SpecError(f"weighted_sum needs w of shape [B,S,H]={(B, S, H)} (weights that broadcast to it "
+                            f"are passed expanded, a stride-0 view); got {None if w is None else tuple(w.shape)}")
     elif w is not None:
         raise SpecError(f"reduce={spec.reduce!r} takes no weights")
-    if spec.reduce == "none" and H != 1:
+    if spec.reduce == "none" and not _known(H == 1):
         raise SpecError("reduce='none' needs H == 1 (fold heads into the batch)")
-    if topk < 0 or topk > T:
+    # (a k out of range only where it provably is: the graph's own top-k checks it at run time)
+    if _known(topk < 0) or _known(topk > T):
         raise SpecError(f"k={topk} must be in [0, T={T}]")
     spec.validate(num_mask_operands=len(masks))
     if dtypes:
         check_operand_dtypes(q, k, w)
     check_mask_shapes(masks, spec, B, S, T)
+    for term in spec.masks:
+        if term.kind in ("add", "fill"):
+            m = masks[term.operand]
+            if term.kind == "fill" and m.dtype != torch.bool:
+                raise SpecError(f"fill mask operand {term.operand} must be bool, got {m.dtype}")
+            if term.kind == "add" and (m.dtype == torch.bool or m.is_complex()):
+                raise SpecError(f"additive mask operand {term.operand} has dtype {m.dtype}")
+        else:
+            for bound in (term.lo, term.hi):
+                if bound is not None:
+                    m = masks[bound]
+                    if m.dtype.is_floating_point or m.dtype == torch.bool or m.is_complex():
+                        raise SpecError(f"range bound operand {bound} must be an integer tensor, got {m.dtype}")
+    # run-time scalars (``resolve_operands`` reads them; at run time they are constants already)
+    for st in tuple(spec.epilogue) + tuple(spec.post):
+        if st[0] in ("mul_operand", "div_operand"):
+            m = masks[st[1]]
+            if not (_known(m.numel() == 1) and m.is_floating_point()):
+                raise SpecError(f"step {st!r}: operand has shape {tuple(m.shape)} and dtype {m.dtype}, "
+                                "expected a floating-point scalar")
     return B, S, H, D, T, Hk
 
 
@@ -61,10 +100,6 @@ def check_operand_dtypes(q, k, w) -> None:
         if t is not None and t.dtype not in OPERAND_DTYPES:
             raise SpecError(f"{name} has dtype {t.dtype}; the op scores in fp32 from float32, bfloat16 or float16 "
                             "operands (float64 and integer operands are not part of any score description)")
-
-
-def _broadcasts(shape, target) -> bool:
-    return len(shape) <= len(target) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
 
 
 def check_mask_shapes(masks, spec: ScoreSpec, B: int, S: int, T: int) -> None:

@@ -9,7 +9,8 @@ Canonical operands (all views of what the graph already had; strides are free):
 
     q      [B, S, H, D]   queries, one row per (b, s), H indexer heads
     k      [B, T, Hk, D]  keys; Hk == 1 (MQA, DSA) or Hk == H / G (GQA)
-    w      [B, S, H]      per-head weights, only for ``reduce == "weighted_sum"``
+    w      [B, S, H]      per-head weights, only for ``reduce == "weighted_sum"`` (weights
+                          shared across rows come as a stride-0 expand)
     masks  list of tensors referenced by ``MaskTerm.operand`` / ``lo`` / ``hi``
 
 The score of key t for row (b, s) is, step by step and in this order:

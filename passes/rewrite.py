@@ -2,9 +2,11 @@
 
 For a ``SiteMatch`` (``canonicalize.py``) this builds the canonical operands with views
 and permutes of tensors the graph already has (q [B,S,H,D], k [B,T,Hk,D], w [B,S,H],
-masks [B,S,T] or per-row bounds [B,S]), calls the op, casts the int32 indices to the
-int64 that ``aten.topk`` gave, and lays them out the way the top-k's consumers expect.
-The score subgraph is then dead unless something else reads it, and DCE removes it.
+masks [B,S,T] or per-row bounds [B,S]; weights that broadcast over rows are expanded, a
+stride-0 view), checks them with the op's own operand checks, calls the op, casts the int32
+indices to the int64 that ``aten.topk`` gave, and lays them out the way the top-k's
+consumers expect. The score subgraph is then dead unless something else reads it, and DCE
+removes it.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..lowerings import ops as hy_ops  # noqa: F401  (registers torch.ops.hyscale)
+from ..lowerings.reference import check_operands
+from ..lowerings.spec import SpecError
 from . import layout as L
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -209,13 +213,14 @@ def apply_match(graph: fx.Graph, m: SiteMatch, replay: bool = True) -> Applied:
     try:
         q = em.operand(m.q)
         k = em.operand(m.k)
-        w = em.operand(m.w) if m.w is not None else None
+        w = _weights_per_row(em, em.operand(m.w), q) if m.w is not None else None
         masks = []
         for op in m.mask_operands:
             if isinstance(op, OperandPlan):
                 masks.append(em.operand(op))
             else:
                 masks.append(em.bound(op[1], op[2]))
+        _check_call(m, q, k, w, masks)
         spec = m.spec.to_json()
         # topk(sorted=False) passes its flag on (the op may then skip its sort); the default
         # is left out of the call
@@ -247,6 +252,37 @@ def apply_match(graph: fx.Graph, m: SiteMatch, replay: bool = True) -> Applied:
         if i in outs:
             gi.replace_all_uses_with(outs[i])
     return Applied(call=call, q=q, k=k, w=w, masks=masks, idx=idx, values=vals, values_out=outs.get(0))
+
+
+def _weights_per_row(em: Emitter, w: fx.Node, q: fx.Node) -> fx.Node:
+    """Weights with unit batch, query or head axes (one vector [H] for every token, [1, S, H],
+    [B, 1, H] ...) as the op's [B, S, H]: an expand, a stride-0 view of the same storage that
+    both implementations read by strides. Weights already [B, S, H] are left as they are."""
+    ws, qs = shape_of(w), shape_of(q)
+    if len(ws) != 3:
+        return w  # (_check_call names the problem)
+    sizes: List[Any] = []
+    for d in range(3):
+        if statically_known_true(ws[d] == qs[d]):
+            sizes.append(-1)
+        elif statically_known_true(ws[d] == 1):
+            s = qs[d]
+            sizes.append(int(s) if isinstance(s, int) or s.node.is_constant() else em.call(aten.sym_size.int, [q, d]))
+        else:
+            return w
+    if all(isinstance(s, int) and s == -1 for s in sizes):
+        return w
+    return em.call(aten.expand.default, [w, sizes])
+
+
+def _check_call(m: SiteMatch, q: fx.Node, k: fx.Node, w: Optional[fx.Node], masks: List[fx.Node]) -> None:
+    """The op's own operand checks, on the fake operands: a call the rewrite emits is one the
+    op accepts, so a site is left alone here (with the reason) rather than failing at run time."""
+    topk = val(m.k_arg) if isinstance(m.k_arg, fx.Node) else m.k_arg
+    try:
+        check_operands(val(q), val(k), None if w is None else val(w), [val(x) for x in masks], topk, m.spec)
+    except SpecError as e:
+        raise Unsupported(f"the op would reject the operands the rewrite builds: {e}") from None
 
 
 def _to_score_layout(em: Emitter, x: fx.Node, m: SiteMatch) -> fx.Node:

@@ -177,6 +177,16 @@ def _invert_views(em: Emitter, g: fx.Node, out: fx.Node, inp: fx.Node) -> fx.Nod
             sizes = [int(s) if isinstance(s, int) or s.node.is_constant() else em.call(aten.sym_size.int, [p, d])
                      for d, s in enumerate(val(p).shape)]
             g = em.call(aten.reshape.default, [g, sizes])
+        elif n.target is aten.expand.default:
+            # weights expanded over unit axes (rewrite._weights_per_row): the gradient sums
+            # over them, in fp32 as the original backward's reduction does
+            dims = [d for d, (a, b) in enumerate(zip(val(p).shape, val(n).shape))
+                    if statically_known_true(a == 1) and not statically_known_true(b == 1)]
+            if dims:
+                dt = val(g).dtype
+                g = em.call(aten.sum.dim_IntList, [g, dims, True], {"dtype": torch.float32})
+                if dt != torch.float32:
+                    g = em.call(torch.ops.prims.convert_element_type.default, [g, dt])
         else:
             raise KeepDense(f"internal: cannot invert {n.target} in the operand layout")
     return g

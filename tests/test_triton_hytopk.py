@@ -234,6 +234,25 @@ def test_random_threshold(interpret, dtype, seed):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("shape,w_dtype", [((1, 1, 4), torch.float32), ((1, 6, 4), torch.bfloat16),
+                                           ((2, 1, 4), torch.float32)])
+def test_stride0_weights_read_in_place(interpret, shape, w_dtype):
+    """Weights that broadcast over rows reach the op as an expand (rewrite._weights_per_row:
+    stride 0, no copy), of any float dtype: exact, and the same bits as the same weights
+    materialized; a folded epilogue scale (weight_scale) too."""
+    g = _gen(51 + shape[1] + shape[0])
+    B, S, T, H, D, topk = 2, 6, 48, 4, 16, 9
+    q, k, _ = int_operands(g, B, S, T, H, 1, D, torch.float32)
+    w = torch.randint(-2, 3, shape, generator=g).to(w_dtype).expand(B, S, H)
+    assert 0 in w.stride()
+    spec = ScoreSpec(epilogue=(("relu",), ("mul", 0.5)), post=DSA.post, masks=DSA.masks)
+    masks = [causal_hi(B, S, T)]
+    vals, idx = run_exact(q, k, w, masks, topk, spec)
+    v2, i2 = hytopk_triton(q, k, w.contiguous(), masks, topk, spec, return_values=True)
+    assert torch.equal(i2, idx) and torch.equal(v2.view(torch.int32), vals.view(torch.int32))
+
+
+@pytest.mark.interpret
 def test_bf16_integer_operands_exact(interpret):
     g = _gen(21)
     B, S, T, H, D, topk = 1, 18, 80, 4, 32, 24
@@ -1483,6 +1502,25 @@ def test_gpu_dsa_shape_bf16(cuda, monkeypatch):
     assert torch.equal(order.values, idx.sort(-1).values)
     assert torch.equal(vu.gather(-1, order.indices), vals.gather(-1, idx.sort(-1).indices))
     assert torch.equal(hytopk_triton(q, k, w, masks, topk, spec, sorted=False), iu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1, 64), (1, 2048, 64), (2, 1, 64)])
+def test_gpu_stride0_weights_same_bits(cuda, shape):
+    """Broadcast head weights as a stride-0 expand (what the rewrite passes): the same bits
+    as the materialized weights, at a DSA-like shape, bf16 operands with fp32 weights."""
+    B, S, H, D, topk = 2, 2048, 64, 128, 512
+    g = _gen(1101 + shape[1])
+    q = torch.randn(B, S, H, D, generator=g).to(cuda, torch.bfloat16)
+    k = torch.randn(B, S, 1, D, generator=g).to(cuda, torch.bfloat16)
+    w = (torch.randn(shape, generator=g) * H**-0.5).to(cuda).expand(B, S, H)
+    spec = ScoreSpec(epilogue=(("relu",), ("mul", D**-0.5)), post=DSA.post, masks=DSA.masks)
+    masks = [causal_hi(B, S, S, cuda)]
+    vals, idx = hytopk_triton(q, k, w, masks, topk, spec, return_values=True)
+    v2, i2 = hytopk_triton(q, k, w.contiguous(), masks, topk, spec, return_values=True)
+    torch.cuda.synchronize()
+    assert torch.equal(i2, idx) and torch.equal(v2.view(torch.int32), vals.view(torch.int32))
+    check_sorted_contract(vals[:, ::256].cpu(), idx[:, ::256].cpu())
 
 
 @pytest.mark.gpu

@@ -878,6 +878,43 @@ def _(seed: int) -> Case:
     )
 
 
+class _SharedHeadWeights(nn.Module):
+    """Per-head weights as one learned vector [H] shared by every token (no weights
+    projection): ``relu(q k) * head_w[:, None]`` broadcasts it over batch and queries."""
+
+    def __init__(self, n_heads: int = 4, head_dim: int = 16) -> None:
+        super().__init__()
+        self.h, self.d = n_heads, head_dim
+        self.wq = nn.Linear(HID, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(HID, head_dim, bias=False)
+        self.head_w = nn.Parameter(torch.rand(n_heads) + 0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seqlen = x.shape[1]
+        q = self.wq(x).unflatten(-1, (self.h, self.d))
+        k = self.wk(x)
+        s = torch.einsum("bshd,btd->bsht", q, k).relu()
+        s = (s * self.head_w[:, None]).sum(dim=2)
+        causal = torch.ones(seqlen, seqlen, dtype=torch.bool).tril()
+        s = s.masked_fill(~causal, NEG_INF)
+        idx = s.topk(K, dim=-1).indices
+        keep = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, idx, True) & causal
+        attn = torch.einsum("bsd,btd->bst", q.mean(2), k).masked_fill(~keep, NEG_INF)
+        return torch.einsum("bst,btd->bsd", attn.softmax(-1), k)
+
+
+@form("shared_head_weights_param")
+def _(seed: int) -> Case:
+    g = _gen(seed, 26)
+    m = _build(seed, _SharedHeadWeights)
+    return Case(
+        "shared_head_weights_param", m, (_randn(g, B, S, HID),), 1, 0, k=K,
+        notes="learned per-head weights nn.Parameter [H] broadcast over batch and queries (s * w[:, None]), "
+        "sum(dim=2), masked_fill(~tril, -inf), topk().indices; consumer zeros(bool).scatter_(idx, True) & causal",
+        tags=("broadcast_weights", "param_weights", "mask_fill_inf", "bool_scatter_consumer"),
+    )
+
+
 # ============================================================================ non-selections
 
 
