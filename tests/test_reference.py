@@ -223,10 +223,11 @@ def test_finite_operands_still_skip_hidden_chunks(monkeypatch):
     scored = []
     real = reference.score_block
     monkeypatch.setattr(reference, "score_block", lambda *a, **kw: scored.append(a[9]) or real(*a, **kw))
-    for where in ("k", None):
+    for nan in (True, False):
         q, k, w, masks, spec = _nonfinite_case("k", 1)
-        if where is None:
+        if not nan:
             k[0, _NAN_HIDDEN, 0, 3] = 1.0
         scored.clear()
+        streaming_topk(q, k, w, masks, 4, spec, chunk_bytes=1 << 26)
+        assert scored == ([0, 1024] if nan else [0]), scored  # the key chunk [1024, 1100) hides 1050
         _assert_eager_selection(q, k, w, masks, spec, 4, 1 << 26)
-        assert scored == ([0, 1024] if where else [0]), scored

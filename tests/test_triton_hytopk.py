@@ -582,7 +582,7 @@ def _nonfinite_kernel_case(form, where, sign):
         q[0, 3, 1, 2] = bad
     elif where == "w":
         w[0, 3, 0] = bad
-    else:
+    elif where == "mask":
         masks[-1][0, :, 55] = bad
     return q, k, w, masks, spec
 
@@ -607,6 +607,67 @@ def test_nonfinite_operand_in_skipped_tile_selected_like_eager(interpret, form, 
         assert (idx[0, :, 0] == 55).all()
     if where in ("q", "w"):
         assert idx[0, 3].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.interpret
+def test_finite_flag_on_device_and_host(interpret):
+    # finite_guard's proof: 1 (skip) for finite operands, 0 for NaN of either sign, inf, or
+    # scores that could overflow, from the device kernel (no host sync) and the CPU path's
+    # host check alike; a fill overwrites a NaN score, so only the later tensor counts there
+    from hyscale_compile.lowerings import score_bound as sb
+
+    def flags(form, where=None, value=None):
+        q, k, w, masks, spec = _nonfinite_kernel_case(form, None, 1)
+        if where is not None:
+            {"q": q, "k": k, "w": w, "mask": masks[-1]}[where].view(-1)[17] = value
+        assert "tl.load(SKIPF) != 0" in cg.render_kernel_source(spec, len(masks))
+        dev = sb.finite_flag(spec, q, k, w, masks).tolist()
+        assert dev == [int(sb.finite_holds(spec, q, k, w, masks))]
+        return dev[0]
+
+    assert flags("inf_add") == 1
+    for where in ("q", "k", "w"):
+        for value in (math.nan, -math.nan, math.inf, -math.inf):
+            assert flags("inf_add", where, value) == 0, (where, value)
+    assert flags("inf_add", "q", 1e37) == 0  # D max|q| max|k| H max|w| overflows fp32
+    assert flags("fill_then_tensor") == flags("fill_then_tensor", "q", math.nan) == 1
+    assert flags("fill_then_tensor", "mask", -math.inf) == 1  # -inf + -inf is -inf
+    for value in (math.nan, -math.nan, math.inf):
+        assert flags("fill_then_tensor", "mask", value) == 0, value
+
+
+def test_finite_guard_rules():
+    import hyscale_compile
+    from hyscale_compile.lowerings.spec import finite_guard, tile_skipping
+
+    add = MaskTerm(kind="range", hi=0, mode="add", value=-math.inf)
+    fill = MaskTerm(kind="range", hi=0)
+
+    def spec(post, masks, epilogue=(("relu",),)):
+        return ScoreSpec(epilogue=epilogue, post=post, masks=masks)
+
+    # masked_fill / where overwrite the score: no check
+    assert finite_guard(spec((("mul", 2.0), ("mask", 0)), (fill,))) is None
+    # s + where(hidden, -inf, 0): the scores before the term must be finite
+    g = finite_guard(spec((("mul", 2.0), ("mask", 0), ("mul", 0.5)), (add,)))
+    assert (g.terms, g.bounds, g.tensors) == ((0,), ((("mul", 2.0),),), ())
+    assert "proves the operands" in tile_skipping(spec((("mask", 0),), (add,)))
+    # an additive tensor after a -inf term: its values (-inf + NaN, -inf + inf)
+    g = finite_guard(spec((("mask", 0), ("mask", 1)), (fill, MaskTerm(kind="add", operand=1))))
+    assert (g.terms, g.bounds, g.tensors) == ((0,), (), (1,))
+    # two additive -inf ranges: the second's bound leaves the first out (-inf stays -inf)
+    two = spec((("mask", 0), ("mul", 3.0), ("mask", 1)), (add, MaskTerm(kind="range", lo=1, mode="add")))
+    g = finite_guard(two)
+    assert cg.skippable_mask_terms(two) == [0, 1] and g.bounds == ((), (("mul", 3.0),))
+    # nothing bounds a registered mod's output or a mask tensor's values: never skipped
+    assert cg.skippable_mask_terms(spec((("mask", 1), ("mask", 0)), (add, MaskTerm(kind="add", operand=1)))) == []
+    hyscale_compile.register_score_mod("recip_nan_test", lambda s: 1.0 / s)
+    try:
+        modded = spec((("mask", 0),), (add,), epilogue=(("mod", "recip_nan_test"),))
+        assert cg.skippable_mask_terms(modded) == [] and finite_guard(modded) is None
+        assert cg.skippable_mask_terms(dataclasses.replace(modded, masks=(fill,))) == [0]
+    finally:
+        hyscale_compile.unregister_score_mod("recip_nan_test")
 
 
 @pytest.mark.interpret
