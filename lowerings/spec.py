@@ -367,17 +367,16 @@ def _skip_terms(spec: ScoreSpec) -> tuple:
         j = step[1]
         later = [spec.masks[s[1]].operand for s in spec.post[pos + 1:]
                  if s[0] == "mask" and spec.masks[s[1]].kind == "add"]
-        if spec.masks[j].mode == "add":
+        adds = spec.masks[j].mode == "add"
+        if adds:
             steps = _bounded_steps_before(spec, pos, neg_inf)
             if steps is None:
                 continue  # nothing bounds the scores it adds -inf to: its tiles are scored
             bounds.append(steps)
-        elif not later:
-            terms.append(j)
-            continue
         terms.append(j)
-        guarded.append(j)
-        tensors.update(later)
+        if adds or later:
+            guarded.append(j)
+            tensors.update(later)
     guard = FiniteGuard(tuple(guarded), tuple(dict.fromkeys(bounds)), tuple(sorted(tensors))) if guarded else None
     return tuple(terms), guard
 
