@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call (docs/performance.md, "How the GPU numbers were taken"): install, GPU
 # tests, the joint-graph tests on this machine's torch, then the given benchmark steps.
-#   bash benchmarks/gpu_checks.sh tests sweep        # step names: tests, sweep, sparse, variants, varianttests, train, demo, matmul, qsa, power, presample
+#   bash benchmarks/gpu_checks.sh tests sweep        # step names: tests, sweep, sparse, variants, varianttests, train, demo, matmul, qsa, power, presample, finite
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -36,6 +36,8 @@ for step in "$@"; do
           >> "$OUT/presample.md" 2>> "$OUT/presample.log"; echo "presample $args rc=$?"
       done
       grep -E "^S=|^\| (default|presample)" "$OUT/presample.md" ;;
+    finite) timeout 300 python3 benchmarks/bench_finite_check.py --sizes ${FINITE_SIZES:-32768} > "$OUT/finite.md" 2> "$OUT/finite.log"
+             echo "finite rc=$?"; cat "$OUT/finite.md" ;;
     power) timeout 200 python3 benchmarks/power_during.py --seq ${POWER_SEQ:-131072} > "$OUT/power.md" 2> "$OUT/power.log"
              echo "power rc=$?"; cat "$OUT/power.md" ;;
     varianttests) timeout 300 python3 -m pytest -q -m gpu tests/test_variants.py > "$OUT/variant_tests.log" 2>&1

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .spec import MaskTerm, ScoreSpec, SpecError, dtype_of
+from .spec import MaskTerm, ScoreSpec, SpecError, dtype_of, finite_guard, skippable_mask_terms
 
 # Bytes of fp32 per-head logits one step may hold: rows x heads x keys x 4.
 DEFAULT_CHUNK_BYTES = int(os.environ.get("HYSCALE_CPU_CHUNK_BYTES", 16 << 20))
@@ -216,9 +216,14 @@ def score_block(q, k, w, masks, spec: ScoreSpec, b0, b1, s0, s1, t0, t1, shape, 
     return finish_scores(x, wb, spec, lambda y, term: _apply_mask(y, term, masks, b0, b1, s0, s1, t0, t1, B, S, T))
 
 
-def _hidden_everywhere(spec: ScoreSpec, masks, b0, b1, s0, s1, t0, t1, B, S) -> bool:
-    """True when some -inf range term hides every key of [t0, t1) for every row."""
-    for term in spec.skippable_ranges():
+def _hidden_everywhere(spec: ScoreSpec, masks, b0, b1, s0, s1, t0, t1, B, S, proven) -> bool:
+    """True when some -inf range term hides every key of [t0, t1) for every row (a term
+    of ``finite_guard`` only while ``proven()``: its checks hold for this call)."""
+    guard = finite_guard(spec)
+    for j in skippable_mask_terms(spec):
+        if guard is not None and j in guard.terms and not proven():
+            continue
+        term = spec.masks[j]
         hidden = torch.zeros((), dtype=torch.bool)
         if term.hi is not None:
             hi = _bcast_rows(masks[term.hi], B, S)[b0:b1, s0:s1]
@@ -261,6 +266,16 @@ def streaming_topk(
     # the chunk skips below read device values on the host; they never change the result,
     # so a CUDA graph capture runs without them
     shortcuts = not _capturing(device)
+
+    proof = []
+
+    def proven():
+        # finite_guard's checks, once per call and only when a chunk could be skipped
+        if not proof:
+            from .score_bound import finite_holds
+
+            proof.append(finite_holds(spec, q, k, w, masks))
+        return proof[0]
     for b in range(B):
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
@@ -273,7 +288,7 @@ def streaming_topk(
             for t0 in range(0, T, tc):
                 t1 = min(T, t0 + tc)
                 if shortcuts and kth is not None and bool((vals > -math.inf).sum(-1).min() >= topk) and \
-                        _hidden_everywhere(spec, masks, b, b + 1, s0, s1, t0, t1, B, S):
+                        _hidden_everywhere(spec, masks, b, b + 1, s0, s1, t0, t1, B, S, proven):
                     continue  # nothing in this chunk can reach any row's top-k
                 y = score_block(q, k, w, masks, spec, b, b + 1, s0, s1, t0, t1, shape)
                 yk = order_keys(y)

@@ -329,8 +329,93 @@ def skippable_mask_terms(spec: ScoreSpec) -> List[int]:
     Stricter than ``ScoreSpec.skippable_ranges``: the hidden value must be -inf *and* every
     post step after the term must keep -inf at -inf (a later ``neg``, ``relu``,
     ``sigmoid``, ``mul`` by a non-positive constant or a non -inf fill would change what a
-    hidden slot holds, so a tile could not be skipped without computing it).
+    hidden slot holds, so a tile could not be skipped without computing it). Some of them
+    hold -inf only while the operands are finite (``finite_guard``); a term whose guard no
+    bound can decide is left out.
     """
+    return list(_skip_terms(spec)[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class FiniteGuard:
+    """What a launch proves, per call, before it skips the hidden tiles of the -inf range
+    terms ``terms`` (``finite_guard``); where the proof fails it skips none of them.
+
+    bounds:  post-step tuples: every score is finite before a term that adds its -inf
+             (``score_bound.score_bound_flag(post_steps=...)``: the operands finite and no
+             step overflowing).
+    tensors: operand indices of additive mask tensors applied after such a term: each must
+             hold no NaN and no +inf (-inf + either is NaN).
+    """
+
+    terms: tuple
+    bounds: tuple
+    tensors: tuple
+
+
+def finite_guard(spec: ScoreSpec) -> Optional[FiniteGuard]:
+    """The checks that skipping the spec's -inf range terms waits for, or None when their
+    hidden keys are -inf whatever the operands hold.
+
+    A hidden key of a term with mode "fill" (masked_fill / where: the value overwrites the
+    score) is -inf; with mode "add" (``s + full(-inf).triu(1)``, the additive form) it is the
+    value of the arithmetic, s + (-inf), which is NaN where s is NaN or +inf (a NaN or inf
+    operand, inf * 0, inf - inf, an overflow), and torch.topk ranks NaN, of either sign,
+    above every other score: eager selects that key. Either way a later additive mask
+    tensor adds its own value to the -inf. So the launch proves the scores before each
+    "add" term finite and the later tensors free of NaN and +inf, on the device.
+    """
+    return _skip_terms(spec)[1]
+
+
+def _skip_terms(spec: ScoreSpec) -> tuple:
+    """(skippable -inf range terms, their ``FiniteGuard`` or None). (Not cached: a mod's
+    ``keeps_neg_inf`` may change when it is registered again.)"""
+    neg_inf = _neg_inf_terms(spec)
+    terms, guarded, bounds, tensors = [], [], [], set()
+    for pos, step in enumerate(spec.post):
+        if step[0] != "mask" or step[1] not in neg_inf:
+            continue
+        j = step[1]
+        later = [spec.masks[s[1]].operand for s in spec.post[pos + 1:]
+                 if s[0] == "mask" and spec.masks[s[1]].kind == "add"]
+        adds = spec.masks[j].mode == "add"
+        if adds:
+            steps = _bounded_steps_before(spec, pos, neg_inf)
+            if steps is None:
+                continue  # nothing bounds the scores it adds -inf to: its tiles are scored
+            bounds.append(steps)
+        terms.append(j)
+        if adds or later:
+            guarded.append(j)
+            tensors.update(later)
+    guard = FiniteGuard(tuple(guarded), tuple(dict.fromkeys(bounds)), tuple(sorted(tensors))) if guarded else None
+    return tuple(terms), guard
+
+
+def _bounded_steps_before(spec: ScoreSpec, pos: int, neg_inf) -> Optional[tuple]:
+    """The post steps before position ``pos`` for a bound on the scores there, or None when
+    a step's effect on the bound is unknown (a registered mod, a mask tensor, a finite
+    range term), or the epilogue has one. Earlier -inf range terms (``neg_inf``) and ranges
+    that hide nothing are left out: they keep a score or make it -inf, which every step
+    after them keeps."""
+    if any(s[0] not in _BOUNDED_STEPS for s in spec.epilogue):
+        return None
+    out = []
+    for s in spec.post[:pos]:
+        if s[0] == "mask":
+            term = spec.masks[s[1]]
+            if s[1] in neg_inf or (term.kind == "range" and term.lo is None and term.hi is None):
+                continue
+            return None
+        if s[0] not in _BOUNDED_STEPS:
+            return None
+        out.append(tuple(s))
+    return tuple(out)
+
+
+def _neg_inf_terms(spec: ScoreSpec) -> List[int]:
+    """Range terms whose hidden value is -inf with every later post step keeping -inf."""
     out = []
     for pos, step in enumerate(spec.post):
         if step[0] != "mask":
@@ -422,6 +507,8 @@ def tensor_mask_term(spec: ScoreSpec) -> Optional[tuple]:
 
 def tile_skipping(spec: ScoreSpec) -> str:
     """How a kernel for ``spec`` treats key tiles a mask hides (for the diagnostics)."""
+    if finite_guard(spec) is not None:
+        return "hidden key tiles skipped once the launch proves the operands that reach them finite (per call)"
     if skippable_mask_terms(spec):
         return "hidden key tiles skipped"
     if finite_range_term(spec) is not None:

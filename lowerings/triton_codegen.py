@@ -33,7 +33,7 @@ import tempfile
 import threading
 from typing import Dict, List, Tuple
 
-from .spec import ScoreSpec, SpecError, finite_range_term, skippable_mask_terms, tensor_mask_term
+from .spec import ScoreSpec, SpecError, finite_guard, finite_range_term, skippable_mask_terms, tensor_mask_term
 
 # Bumped whenever the template changes in a way the hash of the source would not show
 # (it always does today: the version is part of the source text).
@@ -111,8 +111,10 @@ def _mask_args(spec: ScoreSpec) -> List[str]:
             if term.hi is not None:
                 args += [f"HI{j}", f"stride_hi{j}_b", f"stride_hi{j}_s"]
     fin = finite_range_term(spec)
-    if fin is not None:
-        args.append("SKIPF")  # int32 [1]: 1 when the launch's bound proves the hidden value
+    if fin is not None or finite_guard(spec) is not None:
+        # int32 [1]: 1 when the launch's bound proves the hidden value (finite_range_term),
+        # or the operands reaching -inf hidden keys finite (finite_guard); never both
+        args.append("SKIPF")
     tmt = tensor_mask_term(spec)
     if tmt is not None:  # each row's visible key range of the mask tensor (triton_mask_ranges)
         args += ["RLO", "stride_rlo_b", "stride_rlo_s", "RHI", "stride_rhi_b", "stride_rhi_s"]
@@ -252,9 +254,14 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
     key_hi: every key t >= key_hi is hidden for every row of the block.
     """
     lines = ["key_lo = tl.zeros([], dtype=tl.int64)", "key_hi = tl.zeros([], dtype=tl.int64) + T"]
+    guard = finite_guard(spec)
     for j in skippable_mask_terms(spec):
         term = spec.masks[j]
-        lines += _narrow_lines(f"lo{j}" if term.lo is not None else None, f"hi{j}" if term.hi is not None else None)
+        # a term of finite_guard (s + -inf is NaN where s is NaN or +inf, and NaN ranks
+        # first): its tiles are skipped only where SKIPF proves the operands finite
+        ok = "(tl.load(SKIPF) != 0)" if guard is not None and j in guard.terms else ""
+        lines += _narrow_lines(f"lo{j}" if term.lo is not None else None, f"hi{j}" if term.hi is not None else None,
+                               ok)
     tmt = tensor_mask_term(spec)
     if tmt is not None:
         # a mask tensor: each row's visible key range, read off the tensor before the launch

@@ -16,9 +16,9 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .reference import check_operands, index_dtype
-from .spec import ScoreSpec, SpecError, dtype_of, finite_range_term, tensor_mask_term
+from .spec import ScoreSpec, SpecError, dtype_of, finite_guard, finite_range_term, tensor_mask_term
 from .triton_codegen import _interpreting, check_interpreter_mode, load_kernel, weight_scale
-from .score_bound import score_bound_flag
+from .score_bound import finite_flag, score_bound_flag
 from .triton_mask_ranges import mask_key_ranges
 from .triton_sort_rows import NETWORKS as SORT_NETWORKS, sort_rows_, sort_rows_launch
 
@@ -38,6 +38,10 @@ _AFTER_BUDGET = 512 << 20
 # own figure.
 _SMEM_PER_SM = 228 * 1024
 _SMEM_RESERVED = 1024
+# Benchmarks only (benchmarks/bench_finite_check.py): False passes finite_guard's flag as
+# 1 without computing it, so hidden tiles are skipped unchecked (wrong for NaN or inf
+# operands): what the check costs is the difference.
+_CHECK_FINITE = True
 
 
 def _next_pow2(n: int) -> int:
@@ -286,10 +290,9 @@ def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S:
                     raise SpecError(f"range bound operand {bound} must be an integer tensor, got {m.dtype}")
                 v = _row_view(m, B, S, f"range bound operand {bound}")[:, rows]
                 args += [v, v.stride(0), v.stride(1)]
-    fin = finite_range_term(spec)
-    if fin is not None:
+    if finite_range_term(spec) is not None or finite_guard(spec) is not None:
         if skip_flag is None:
-            raise SpecError("internal: the spec's finite range term needs hidden_value_flag")
+            raise SpecError("internal: the spec's hidden tiles need hidden_value_flag or finite_flag")
         args.append(skip_flag)
     if tensor_mask_term(spec) is not None:
         if ranges is None:
@@ -541,6 +544,9 @@ def hytopk_triton(
 
     fin = finite_range_term(spec)
     skip_flag = hidden_value_flag(spec, q, k, w_caller) if fin is not None else None
+    if finite_guard(spec) is not None:  # (finite_range_term is None then: -inf terms exist)
+        skip_flag = (finite_flag(spec, q, k, w_caller, masks) if _CHECK_FINITE
+                     else torch.ones(1, dtype=torch.int32, device=device))
     tmt = tensor_mask_term(spec)
     ranges = None
     if tmt is not None:  # a mask tensor: each row's visible key range, so hidden tiles are skipped

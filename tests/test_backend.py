@@ -274,3 +274,34 @@ def test_inductor_cache_never_serves_a_graph_compiled_without_the_pass():
         torch._dynamo.reset()
         _, code = run_and_get_code(torch.compile(f, backend="hyscale"), q, k, w)
         assert "torch.ops.hyscale.hytopk" in "\n".join(code)
+
+
+def test_nan_key_hidden_by_an_additive_mask_selected_like_eager():
+    """An additive -inf mask (``s + where(t >= n, -inf, 0)``, as DSA's ``+ full(-inf).triu(1)``):
+    a NaN key it hides is NaN in eager, which torch.topk ranks first. The rewrite's op
+    proves the operands finite before it skips hidden keys (here the CPU path's key chunk
+    [1024, 1100), hidden from every row), so it selects the NaN key too."""
+    from torch._dynamo.utils import counters
+
+    from hyscale_compile.lowerings.reference import stable_topk
+
+    def indexer(q, k, w):
+        s = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(2)
+        s = s + torch.where(torch.arange(s.shape[-1]) >= 1000, float("-inf"), 0.0)
+        return s, s.topk(4, dim=-1).indices
+
+    S = 1100
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-2, 3, (1, S, 2, 8), generator=g).float()
+    k = torch.randint(-2, 3, (1, S, 8), generator=g).float()
+    w = torch.randint(1, 3, (1, S, 2), generator=g).float()
+    k[0, 1050, 3] = -float("nan")
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        s, eager = indexer(q, k, w)
+        _, got = torch.compile(indexer, backend="hyscale_debug")(q, k, w)
+    assert counters["hyscale"]["rewritten"] == 1
+    # integer inputs: the op's fp32 scores are eager's, exactly, and ties go to the smaller key
+    assert torch.equal(got.long(), stable_topk(s, 4)[1])
+    assert (got[..., 0] == 1050).all() and (eager[..., 0] == 1050).all()

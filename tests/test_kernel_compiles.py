@@ -234,6 +234,7 @@ for add, dt in ((True, torch.float32), (True, torch.bfloat16), (False, torch.uin
 
 # the HyTopK kernel for HF's masks; the launch's device pre-passes are stubbed (CPU tensors)
 th.score_bound_flag = lambda *a, **kw: torch.ones(1, dtype=torch.int32)
+th.finite_flag = lambda *a, **kw: torch.ones(1, dtype=torch.int32)
 def ranges(spec, m, bound_flag):
     B, S_, T = m.shape
     j, needs_bound = tensor_mask_term(spec)
@@ -246,6 +247,7 @@ hi = torch.arange(1, S + 1).view(1, S)
 fmin = torch.finfo(torch.float32).min
 ep = (("mul", D ** -0.5), ("relu",))
 for name, term, masks in (
+        ("range_add_inf", MaskTerm(kind="range", hi=0, mode="add", value=-math.inf), [hi]),
         ("range_add_finfo", MaskTerm(kind="range", hi=0, mode="add", value=fmin), [hi]),
         ("range_fill_finfo", MaskTerm(kind="range", hi=0, mode="fill", value=fmin), [hi]),
         ("tensor_add", MaskTerm(kind="add", operand=0), [torch.empty(1, S, S)]),
@@ -279,6 +281,8 @@ def test_mask_kernels_compile_for_sm90(tmp_path):
     assert sum(ln.startswith("bound") for ln in lines) == 3 and sum(ln.startswith("ranges") for ln in lines) == 3
     shared = {ln.split()[1]: int(ln.split()[2]) for ln in lines if ln.startswith("hytopk")}
     stages = {ln.split()[1]: int(ln.split()[3]) for ln in lines if ln.startswith("hytopk")}
-    assert set(shared) == {"range_add_finfo", "range_fill_finfo", "tensor_add", "tensor_fill"}, lines
+    assert set(shared) == {"range_add_inf", "range_add_finfo", "range_fill_finfo", "tensor_add", "tensor_fill"}, lines
     assert all(0 < s <= 115712 for s in shared.values()), (shared, stages)
     assert stages["range_add_finfo"] == stages["range_fill_finfo"] == 3 and min(stages.values()) >= 2, stages
+    # DSA's additive -inf mask (skipping waits for the launch's finite flag): the same as the fill
+    assert stages["range_add_inf"] == 3 and shared["range_add_inf"] == shared["range_fill_finfo"], (shared, stages)

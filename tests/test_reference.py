@@ -207,3 +207,71 @@ def test_runtime_scalar_operands():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     with pytest.raises(SpecError, match="names no operand"):
         torch.ops.hyscale.hytopk(q, k, w, [hi], 9, with_operand.to_json())
+
+
+# A non-finite operand that reaches a hidden key's score (NaN, or +inf: inf + -inf) makes
+# it NaN in eager when the mask is additive (s + where(hidden, -inf, 0)), and torch.topk
+# ranks NaN (either sign) above everything: the op may skip a hidden chunk only once the
+# operands are proven finite. T > 1024: a second key chunk, hidden for every row.
+_NAN_T, _NAN_HIDDEN = 1100, 1050
+ADD_CAUSAL = ScoreSpec(epilogue=(("relu",), ("mul", 0.5)), post=(("mask", 0),),
+                       masks=(MaskTerm("range", hi=0, mode="add", value=-math.inf),))
+FILL_THEN_TENSOR = ScoreSpec(epilogue=(("relu",),), post=(("mask", 0), ("mask", 1)),
+                             masks=(MaskTerm("range", hi=0), MaskTerm("add", operand=1)))
+
+
+def _nonfinite_case(where, sign):
+    q, k, w = make(fresh_seed(f"nonfinite {where} {sign}"), B=1, S=6, T=_NAN_T, H=2, D=8, ints=True)
+    hi = torch.tensor([[990, 1000, 1010, 1020, 1023, 1001]])
+    masks, spec = [hi], ADD_CAUSAL
+    bad = sign * (math.inf if where.endswith("inf") else math.nan)
+    if where == "k":
+        k[0, _NAN_HIDDEN, 0, 3] = bad
+    elif where == "k_inf":  # +inf at a hidden key: q > 0 there, w > 0, so y = +inf, then inf + -inf
+        q[..., 3], w = 1.0, w.abs() + 1
+        k[0, _NAN_HIDDEN, 0, 3] = bad
+    elif where == "q":
+        q[0, 2, 1, 5] = bad
+    elif where == "w":
+        w[0, 4, 0] = bad
+    else:  # a later additive mask tensor: -inf + NaN (or + inf) is NaN
+        m = torch.zeros(1, 6, _NAN_T)
+        m[0, :, _NAN_HIDDEN] = bad
+        masks, spec = [hi, m], FILL_THEN_TENSOR
+    return q, k, w, masks, spec
+
+
+def _assert_eager_selection(q, k, w, masks, spec, topk, chunk_bytes):
+    vals, idx = streaming_topk(q, k, w, masks, topk, spec, return_values=True, chunk_bytes=chunk_bytes)
+    rv, ri = dense_scores(q, k, w, masks, spec).sort(dim=-1, descending=True, stable=True)
+    rv, ri = rv[..., :topk], ri[..., :topk]
+    assert torch.equal(idx.long(), ri), (idx, ri)
+    assert ((vals == rv) | (vals.isnan() & rv.isnan())).all(), (vals, rv)
+    return idx
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize("where", ["k", "k_inf", "q", "w", "mask_tensor"])
+def test_nonfinite_operand_in_hidden_chunk_selected_like_eager(where, sign):
+    q, k, w, masks, spec = _nonfinite_case(where, sign)
+    # one row per chunk, and every row in one chunk: the same selection as the whole table's
+    outs = [_assert_eager_selection(q, k, w, masks, spec, 4, cb) for cb in (4 * 2 * 1024, 1 << 26)]
+    assert torch.equal(outs[0], outs[1])
+    if where in ("k", "mask_tensor") or (where == "k_inf" and sign > 0):
+        assert (outs[0][..., 0] == _NAN_HIDDEN).all()  # NaN in every row, ranked first
+
+
+def test_finite_operands_still_skip_hidden_chunks(monkeypatch):
+    from hyscale_compile.lowerings import reference
+
+    scored = []
+    real = reference.score_block
+    monkeypatch.setattr(reference, "score_block", lambda *a, **kw: scored.append(a[9]) or real(*a, **kw))
+    for nan in (True, False):
+        q, k, w, masks, spec = _nonfinite_case("k", 1)
+        if not nan:
+            k[0, _NAN_HIDDEN, 0, 3] = 1.0
+        scored.clear()
+        streaming_topk(q, k, w, masks, 4, spec, chunk_bytes=1 << 26)
+        assert scored == ([0, 1024] if nan else [0]), scored  # the key chunk [1024, 1100) hides 1050
+        _assert_eager_selection(q, k, w, masks, spec, 4, 1 << 26)

@@ -572,6 +572,123 @@ def test_mask_key_ranges_random_rows(interpret, monkeypatch, kind):
         assert r.nlo[0, 1].item() == T  # (all hidden: nothing neutral)
 
 
+def _nonfinite_kernel_case(form, where, sign):
+    """One row block (16 rows), 16-key tiles, keys [32, 48) visible to every row: tiles
+    [0, 32) and [48, 64) would be skipped. A NaN (or the mask's own NaN) goes where eager
+    carries it into hidden scores: k at hidden key 5, all of q's or w's row 3, or the
+    additive mask tensor at hidden key 55."""
+    g = _gen(73)
+    B, S, T, H, D = 1, 16, 64, 2, 16
+    q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32)
+    lo, hi = torch.full((B, S), 32), torch.full((B, S), 48)
+    visible = (torch.arange(T) >= 32) & (torch.arange(T) < 48)
+    if form in ("inf_add", "finfo_add"):
+        value = -math.inf if form == "inf_add" else FINFO_MIN
+        masks = [lo, hi]
+        terms = (MaskTerm(kind="range", lo=0, hi=1, mode="add", value=value),)
+    elif form == "tensor_add":
+        masks = [torch.where(visible, 0.0, FINFO_MIN).expand(B, S, T).clone()]
+        terms = (MaskTerm(kind="add", operand=0),)
+    else:  # fill_then_tensor: a -inf fill, then an additive tensor (-inf + NaN is NaN)
+        masks = [lo, hi, torch.zeros(B, S, T)]
+        terms = (MaskTerm(kind="range", lo=0, hi=1), MaskTerm(kind="add", operand=2))
+    spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum",
+                     post=tuple(("mask", j) for j in range(len(terms))), masks=terms)
+    bad = sign * math.nan
+    if where == "k":
+        k[0, 5, 0, 7] = bad
+    elif where == "q":
+        q[0, 3, 1, 2] = bad
+    elif where == "w":
+        w[0, 3, 0] = bad
+    elif where == "mask":
+        masks[-1][0, :, 55] = bad
+    return q, k, w, masks, spec
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize("form,where", [("inf_add", "q"), ("inf_add", "k"), ("inf_add", "w"),
+                                        ("finfo_add", "q"), ("finfo_add", "k"), ("finfo_add", "w"),
+                                        ("tensor_add", "k"), ("tensor_add", "mask"), ("fill_then_tensor", "mask")])
+def test_nonfinite_operand_in_skipped_tile_selected_like_eager(interpret, form, where, sign):
+    # s + where(hidden, -inf, 0) is NaN where s is, and torch.topk ranks NaN (either sign)
+    # above everything: eager selects those hidden keys, so their tiles may be skipped only
+    # once the operands reaching them are proven finite (else every tile is scored)
+    q, k, w, masks, spec = _nonfinite_kernel_case(form, where, sign)
+    topk = 4
+    vals, idx = hytopk_triton(q, k, w, masks, topk, spec, return_values=True,
+                              config=HyTopKConfig(block_m=16, block_n=16))
+    check_exact(q, k, w, masks, topk, spec, vals, idx)
+    if where == "k" and form != "tensor_add":
+        assert (idx[0, :, 0] == 5).all() and vals[0, :, 0].isnan().all()
+    if where == "mask":
+        assert (idx[0, :, 0] == 55).all()
+    if where in ("q", "w"):
+        assert idx[0, 3].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.interpret
+def test_finite_flag_on_device_and_host(interpret):
+    # finite_guard's proof: 1 (skip) for finite operands, 0 for NaN of either sign, inf, or
+    # scores that could overflow, from the device kernel (no host sync) and the CPU path's
+    # host check alike; a fill overwrites a NaN score, so only the later tensor counts there
+    from hyscale_compile.lowerings import score_bound as sb
+
+    def flags(form, where=None, value=None):
+        q, k, w, masks, spec = _nonfinite_kernel_case(form, None, 1)
+        if where is not None:
+            {"q": q, "k": k, "w": w, "mask": masks[-1]}[where].view(-1)[17] = value
+        assert "tl.load(SKIPF) != 0" in cg.render_kernel_source(spec, len(masks))
+        dev = sb.finite_flag(spec, q, k, w, masks).tolist()
+        assert dev == [int(sb.finite_holds(spec, q, k, w, masks))]
+        return dev[0]
+
+    assert flags("inf_add") == 1
+    for where in ("q", "k", "w"):
+        for value in (math.nan, -math.nan, math.inf, -math.inf):
+            assert flags("inf_add", where, value) == 0, (where, value)
+    assert flags("inf_add", "q", 1e37) == 0  # D max|q| max|k| H max|w| overflows fp32
+    assert flags("fill_then_tensor") == flags("fill_then_tensor", "q", math.nan) == 1
+    assert flags("fill_then_tensor", "mask", -math.inf) == 1  # -inf + -inf is -inf
+    for value in (math.nan, -math.nan, math.inf):
+        assert flags("fill_then_tensor", "mask", value) == 0, value
+
+
+def test_finite_guard_rules():
+    import hyscale_compile
+    from hyscale_compile.lowerings.spec import finite_guard, tile_skipping
+
+    add = MaskTerm(kind="range", hi=0, mode="add", value=-math.inf)
+    fill = MaskTerm(kind="range", hi=0)
+
+    def spec(post, masks, epilogue=(("relu",),)):
+        return ScoreSpec(epilogue=epilogue, post=post, masks=masks)
+
+    # masked_fill / where overwrite the score: no check
+    assert finite_guard(spec((("mul", 2.0), ("mask", 0)), (fill,))) is None
+    # s + where(hidden, -inf, 0): the scores before the term must be finite
+    g = finite_guard(spec((("mul", 2.0), ("mask", 0), ("mul", 0.5)), (add,)))
+    assert (g.terms, g.bounds, g.tensors) == ((0,), ((("mul", 2.0),),), ())
+    assert "proves the operands" in tile_skipping(spec((("mask", 0),), (add,)))
+    # an additive tensor after a -inf term: its values (-inf + NaN, -inf + inf)
+    g = finite_guard(spec((("mask", 0), ("mask", 1)), (fill, MaskTerm(kind="add", operand=1))))
+    assert (g.terms, g.bounds, g.tensors) == ((0,), (), (1,))
+    # two additive -inf ranges: the second's bound leaves the first out (-inf stays -inf)
+    two = spec((("mask", 0), ("mul", 3.0), ("mask", 1)), (add, MaskTerm(kind="range", lo=1, mode="add")))
+    g = finite_guard(two)
+    assert cg.skippable_mask_terms(two) == [0, 1] and g.bounds == ((), (("mul", 3.0),))
+    # nothing bounds a registered mod's output or a mask tensor's values: never skipped
+    assert cg.skippable_mask_terms(spec((("mask", 1), ("mask", 0)), (add, MaskTerm(kind="add", operand=1)))) == []
+    hyscale_compile.register_score_mod("recip_nan_test", lambda s: 1.0 / s)
+    try:
+        modded = spec((("mask", 0),), (add,), epilogue=(("mod", "recip_nan_test"),))
+        assert cg.skippable_mask_terms(modded) == [] and finite_guard(modded) is None
+        assert cg.skippable_mask_terms(dataclasses.replace(modded, masks=(fill,))) == [0]
+    finally:
+        hyscale_compile.unregister_score_mod("recip_nan_test")
+
+
 @pytest.mark.interpret
 def test_mask_tensor_with_huge_scores_is_not_skipped(interpret):
     # an additive finfo.min tensor with scores near 1e37: the bound refuses the skip
@@ -1552,6 +1669,45 @@ def test_gpu_finite_hidden_value_same_selection(cuda):
         v, i = hytopk_triton(q, k, w, [mt], topk, ts, return_values=True)
         assert torch.equal(i, i_inf), kind
         assert torch.equal(v, torch.where(torch.isneginf(v_inf), fmin, v_inf) if kind == "add" else v_inf), kind
+
+
+@pytest.mark.gpu
+def test_gpu_nonfinite_operand_in_skipped_tile(cuda):
+    # DSA's additive causal mask (s + full(-inf).triu(1)): a NaN key hidden from a row is
+    # NaN in eager, which torch.topk ranks first; a NaN in a row's q or w makes every key of
+    # the row NaN (eager: keys 0..k-1). The launch proves the operands finite on the device
+    # before it skips hidden tiles; here it must not skip, and every other row and value
+    # stays bit for bit what the finite call gives
+    S, topk = 4096, 2048
+    q, k, w, spec, masks = _dsa_case(cuda, 1009, S)
+    spec = dataclasses.replace(spec, masks=(dataclasses.replace(spec.masks[0], mode="add", value=-math.inf),))
+    v0, i0 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True)
+    assert idx_fillers_ok(v0, i0)
+    r = 100
+    others = torch.arange(S, device=cuda) != r
+    for sign in (1.0, -1.0):
+        kn = k.clone()
+        kn[0, S - 1, 0, 7] = sign * math.nan  # hidden from every row but the last
+        v, i = hytopk_triton(q, kn, w, masks, topk, spec, return_values=True)
+        assert (i[0, :-1, 0] == S - 1).all() and v[0, :-1, 0].isnan().all()
+        assert torch.equal(i[0, :-1, 1:], i0[0, :-1, :-1])
+        assert torch.equal(v[0, :-1, 1:].view(torch.int32), v0[0, :-1, :-1].view(torch.int32))
+        for name in ("q", "w"):
+            qn, wn = q.clone(), w.clone()
+            if name == "q":
+                qn[0, r, 5, 9] = sign * math.nan
+            else:
+                wn[0, r, 5] = sign * math.nan
+            v, i = hytopk_triton(qn, k, wn, masks, topk, spec, return_values=True)
+            assert i[0, r].tolist() == list(range(topk)) and v[0, r].isnan().all(), name
+            assert torch.equal(i[0, others], i0[0, others]), name
+            assert torch.equal(v[0, others].view(torch.int32), v0[0, others].view(torch.int32)), name
+
+
+def idx_fillers_ok(vals, idx):
+    """Rows with fewer than k visible keys (row s of a causal mask holds s + 1) end with the
+    smallest hidden keys at -inf."""
+    return idx[0, 10, 11:].tolist() == list(range(11, idx.shape[-1])) and bool(torch.isneginf(vals[0, 10, 11:]).all())
 
 
 @pytest.mark.gpu
