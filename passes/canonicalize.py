@@ -340,12 +340,18 @@ def layout_through(src: fx.Node, ops: Sequence[fx.Node], prefix: str) -> Tuple[L
 
 
 def _resplit(src: Layout, derived: Layout) -> Layout:
-    split = {}
+    # a view splits an atom in two (``a/0`` outer, ``a/1`` inner) and may split a piece again
+    # ([B*S*H] -> [B, S, H] gives a/0, a/1/0, a/1/1): every level links to its parent
+    split: Dict[str, Dict[str, Atom]] = {}
     for d in derived:
         for a in d:
-            if "/" in a.label:
+            while "/" in a.label:
                 base = a.label.rsplit("/", 1)[0]
-                split.setdefault(base, []).append(a)
+                kids = split.setdefault(base, {})
+                if a.label in kids:
+                    break
+                kids[a.label] = a
+                a = Atom(base, None, a.bcast)  # an inner level: only its leaves are kept
     if not split:
         return src
     out = []
@@ -359,8 +365,8 @@ def _resplit(src: Layout, derived: Layout) -> Layout:
 
 def _leaves(label, split):
     out = []
-    for a in sorted(split[label], key=lambda x: x.label):
-        out.extend(_leaves(a.label, split) if a.label in split else [a])
+    for lab in sorted(split[label], key=lambda x: int(x.rsplit("/", 1)[1])):  # outer piece first
+        out.extend(_leaves(lab, split) if lab in split else [split[label][lab]])
     return out
 
 
