@@ -1184,6 +1184,10 @@ def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
     args = list(topk.args) + [None] * (5 - len(topk.args))
     dim = topk.kwargs.get("dim", args[2] if args[2] is not None else -1) % rank
     chains, (stops, unknown) = candidate_chains(facts, x, dim)
+    # A deeper contraction that reaches a later one as its plain operand, not through a head
+    # reduction, is part of computing that operand (the keys' Hadamard rotation ``k @ H``):
+    # the later contraction is the score, and the rotation stays as graph ops before the op.
+    chains = [c for c in chains if all(_head_reduction(n, ci) for n, ci in c[1:] if n.target in CONTRACTIONS)]
     if not chains:
         where = f" (followed the top-k axis back to {', '.join(sorted(set(stops)))})" if stops else ""
         hint = (f"; {', '.join(sorted(set(unknown)))}: elementwise, and not known to the matcher (if a "
@@ -1206,6 +1210,14 @@ def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
         except Unsupported as e:
             first = first or e
     raise first
+
+
+def _head_reduction(n: fx.Node, ci: int) -> bool:
+    """Can contraction ``n``, whose arg ``ci`` carries a deeper contraction's output, sum that
+    output over heads? Only with one output row (column): HF's weights matmul
+    ``bmm(w [n, 1, h], s [n, h, t])``."""
+    other = shape_of(n.args[1 - ci])
+    return len(other) >= 2 and L.is_one(other[-2] if ci == 1 else other[-1])
 
 
 def _linear_layer(facts, n) -> bool:
