@@ -263,6 +263,26 @@ def test_rotated_keys_are_part_of_the_score(source, sides, B):
     check_selection(idx, reference_f64(qr, kr, w, [hi], spec), tolerance(qr, kr, w, spec), 6, vals)
 
 
+@pytest.mark.parametrize("source", ["global", "parameter"])
+def test_rotated_router_stays_a_router(source):
+    """A rotation of the expert embeddings (a parameter) by a constant matrix leaves them
+    parameters: the key axis comes from a parameter, so the top-k is a router's (DESIGN.md,
+    'What counts as a selection'), even where the matrix is a global, a graph input."""
+
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts, self.h = torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(hadamard(16))
+
+        def forward(self, x):
+            e = self.experts @ (_H16 if source == "global" else self.h)
+            return (x @ e.t()).sigmoid().topk(2, dim=-1).indices
+
+    with torch.no_grad():
+        (site,) = hyscale_compile.explain(Router(), torch.randn(2, 10, 16)).sites
+    assert not site.rewritten and "not a selection" in site.reason, site.line()
+
+
 def test_pooled_keys_head_sum_and_dim0():
     """QSA-like: keys mean-pooled per block, relu(q.k) summed over heads / sqrt(d), a
     block-causal bound from position ids (``blk[None, None, :] > pos[..., None] // r``), and
