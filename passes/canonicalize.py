@@ -521,7 +521,7 @@ class SiteAnalysis:
                 f"the top-k runs over dim {dim}, which is not the key axis of the contraction "
                 "(it is shared by both operands or contracted)"
             )
-        self.check_selection(ks, qs)
+        self.check_selection(ks, qs, key_labels)
         steps, w_plan, reduced, mask_plans = self.collect_steps(chain, lays, key_labels)
         return self.assemble(
             tk, qs, ks, y_lay, dim, kk, key_atoms, steps, w_plan, reduced, mask_plans, qk
@@ -587,11 +587,13 @@ class SiteAnalysis:
         return [nb, lay[1], ()]
 
     # ---- selection criterion -------------------------------------------------------------
-    def check_selection(self, ks: Side, qs: Side):
+    def check_selection(self, ks: Side, qs: Side, key_labels):
         q_src = qs.src
         if q_src.op == "get_attr" or (q_src.op == "placeholder" and q_src.name in self.facts.params):
             raise Unsupported("a contraction with a parameter (a linear layer), not a score contraction")
-        src = ks.src
+        # the keys may be a linear map of another tensor (``k @ H``, ``E @ H``): the key axis
+        # must come from activations, whatever the matrix is (a global is a graph input too)
+        src = self.key_carrier(ks, key_labels)
         if src.op == "get_attr" or (src.op == "placeholder" and src.name in self.facts.params):
             raise Unsupported(
                 "not a selection: the key-side operand of the contraction is a parameter or buffer "
@@ -603,6 +605,12 @@ class SiteAnalysis:
             raise Unsupported(
                 "not a selection: the key-side operand is computed from parameters/constants only"
             )
+
+    def key_carrier(self, ks: Side, key_labels) -> fx.Node:
+        """The tensor the key axis comes from, through views and linear maps of the keys."""
+        lay = self.u.apply(ks.src_layout)
+        d = next((i for i, dim in enumerate(lay) if any(a.label in key_labels for a in dim)), None)
+        return ks.src if d is None else axis_source(ks.src, d)
 
     # ---- phase 2: steps --------------------------------------------------------------------
     def collect_steps(self, chain, lays, key_labels):
@@ -1135,6 +1143,31 @@ def _key_inputs(n: fx.Node, d: int) -> List[Tuple[int, int]]:
                 res.append((i, j))
         return res
     return []
+
+
+def axis_source(n: fx.Node, d: int) -> fx.Node:
+    """The tensor dim ``d`` of ``n`` comes from, through views, widening casts and linear maps
+    (the rows of ``k`` for ``k @ H``); it stops where the axis cannot be followed."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and (
+            n.target in CONTRACTIONS or n.target in _VIEWS or n.target in _CASTS):
+        ins = _key_inputs(n, d)
+        if len(ins) != 1:
+            break
+        (i, d), = ins
+        n = n.args[i]
+    return n
+
+
+def free_axes_from_activations(facts: GraphFacts, n: fx.Node) -> bool:
+    """Do both uncontracted axes of contraction ``n`` (its rows and columns) come from
+    activations? ``x @ (E @ H).T`` over rotated expert embeddings does not: a router."""
+    for d in ((0, 1) if n.target is aten.mm.default else (1, 2)):
+        src = axis_source(n, d)
+        if src.op == "get_attr" or (src.op == "placeholder" and src.name in facts.params):
+            return False
+        if not facts.from_activations(src):
+            return False
+    return True
 
 
 def candidate_chains(facts: GraphFacts, x: fx.Node, dim: int):
