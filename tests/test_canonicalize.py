@@ -215,9 +215,9 @@ class _RotatedIndexer(torch.nn.Module):
     """DSA scoring with DeepSeek's / Megatron's Hadamard rotation of q and k written as a plain
     matmul by a constant matrix (a global, one built in the graph, a buffer or a parameter)."""
 
-    def __init__(self, source, sides):
+    def __init__(self, source, sides, heads="mul_sum"):
         super().__init__()
-        self.source, self.sides = source, sides
+        self.source, self.sides, self.heads = source, sides, heads
         self.register_buffer("h_buf", hadamard(16))
         self.h_par = torch.nn.Parameter(hadamard(16))
 
@@ -231,7 +231,11 @@ class _RotatedIndexer(torch.nn.Module):
             q = self.rotate(q)
         if "k" in self.sides:
             k = self.rotate(k)
-        s = (torch.einsum("bshd,btd->bsht", q, k).relu() * w[..., None]).sum(2)
+        s = torch.einsum("bshd,btd->bsht", q, k).relu()
+        if self.heads == "matmul":  # HF's head sum: a weights matmul with one output row
+            s = torch.matmul(w.unsqueeze(-2), s).squeeze(-2)
+        else:
+            s = (s * w[..., None]).sum(2)
         S, T = s.shape[-2:]
         s = s.masked_fill(torch.arange(T)[None, :] > torch.arange(S)[:, None], float("-inf"))
         return s.topk(6, dim=-1)
@@ -239,18 +243,20 @@ class _RotatedIndexer(torch.nn.Module):
 
 # B=1: the key axis reaches the key rotation's matmul (a deeper contraction on the key axis);
 # B=2: [B*S*H, D] rows of the query rotation split in two levels to [B, S, H]
-@pytest.mark.parametrize("source, sides, B", [("global", "qk", 1), ("global", "qk", 2), ("in_graph", "qk", 1),
-                                              ("buffer", "qk", 2), ("parameter", "qk", 1), ("global", "k", 1),
-                                              ("in_graph", "k", 2), ("global", "q", 2)])
-def test_rotated_keys_are_part_of_the_score(source, sides, B):
+@pytest.mark.parametrize("source, sides, B, heads", [
+    ("global", "qk", 1, "mul_sum"), ("global", "qk", 2, "mul_sum"), ("in_graph", "qk", 1, "mul_sum"),
+    ("buffer", "qk", 2, "mul_sum"), ("parameter", "qk", 1, "mul_sum"), ("global", "k", 1, "mul_sum"),
+    ("in_graph", "k", 2, "mul_sum"), ("global", "q", 2, "mul_sum"), ("global", "k", 1, "matmul"),
+    ("in_graph", "qk", 2, "matmul")])
+def test_rotated_keys_are_part_of_the_score(source, sides, B, heads):
     """A linear map of the keys (or queries) by a constant matrix before the score contraction
     (the indexer's Hadamard rotation) is part of computing them, not a head-weights matmul: the
     site is fused, the rotation stays as graph ops before the op, and the op takes the rotated
     tensors."""
     S, H, D = 24, 4, 16
-    g = torch.Generator().manual_seed(fresh_seed(f"rotated {source} {sides} B={B}"))
+    g = torch.Generator().manual_seed(fresh_seed(f"rotated {source} {sides} B={B} {heads}"))
     q, k, w = torch.randn(B, S, H, D, generator=g), torch.randn(B, S, D, generator=g), torch.randn(B, S, H, generator=g)
-    model = _RotatedIndexer(source, sides)
+    model = _RotatedIndexer(source, sides, heads)
     with torch.no_grad():
         (site,) = hyscale_compile.explain(model, q, k, w).sites
         assert site.rewritten and site.variant == "dsa", site.line()
@@ -372,7 +378,11 @@ def test_diagnostics_say_how_hidden_tiles_are_treated(name, tiles):
 def test_mask_and_with_a_false_tensor_is_not_a_range():
     """``cond & full(False)`` hides every key: not the range of ``cond``; it stays a tensor mask."""
     def scores(q, k, w):
-        s = (torch.einsum("bshd,btd->bsht", q, k).relu() * w[..., None]).sum(2)
+        s = torch.einsum("bshd,btd->bsht", q, k).relu()
+        if self.heads == "matmul":  # HF's head sum: a weights matmul with one output row
+            s = torch.matmul(w.unsqueeze(-2), s).squeeze(-2)
+        else:
+            s = (s * w[..., None]).sum(2)
         S, T = s.shape[-2:]
         keep = (torch.arange(T)[None, :] <= torch.arange(S)[:, None]) & torch.zeros(S, T, dtype=torch.bool)
         return s.masked_fill(~keep, -math.inf)
