@@ -378,11 +378,7 @@ def test_diagnostics_say_how_hidden_tiles_are_treated(name, tiles):
 def test_mask_and_with_a_false_tensor_is_not_a_range():
     """``cond & full(False)`` hides every key: not the range of ``cond``; it stays a tensor mask."""
     def scores(q, k, w):
-        s = torch.einsum("bshd,btd->bsht", q, k).relu()
-        if self.heads == "matmul":  # HF's head sum: a weights matmul with one output row
-            s = torch.matmul(w.unsqueeze(-2), s).squeeze(-2)
-        else:
-            s = (s * w[..., None]).sum(2)
+        s = (torch.einsum("bshd,btd->bsht", q, k).relu() * w[..., None]).sum(2)
         S, T = s.shape[-2:]
         keep = (torch.arange(T)[None, :] <= torch.arange(S)[:, None]) & torch.zeros(S, T, dtype=torch.bool)
         return s.masked_fill(~keep, -math.inf)
