@@ -397,12 +397,18 @@ def layout_through(src: fx.Node, ops: Sequence[fx.Node], prefix: str) -> Tuple[L
 
 
 def _resplit(src: Layout, derived: Layout) -> Layout:
-    split = {}
+    # a view splits an atom in two (``a/0`` outer, ``a/1`` inner) and may split a piece again
+    # ([B*S*H] -> [B, S, H] gives a/0, a/1/0, a/1/1): every level links to its parent
+    split: Dict[str, Dict[str, Atom]] = {}
     for d in derived:
         for a in d:
-            if "/" in a.label:
+            while "/" in a.label:
                 base = a.label.rsplit("/", 1)[0]
-                split.setdefault(base, []).append(a)
+                kids = split.setdefault(base, {})
+                if a.label in kids:
+                    break
+                kids[a.label] = a
+                a = Atom(base, None, a.bcast)  # an inner level: only its leaves are kept
     if not split:
         return src
     out = []
@@ -416,8 +422,8 @@ def _resplit(src: Layout, derived: Layout) -> Layout:
 
 def _leaves(label, split):
     out = []
-    for a in sorted(split[label], key=lambda x: x.label):
-        out.extend(_leaves(a.label, split) if a.label in split else [a])
+    for lab in sorted(split[label], key=lambda x: int(x.rsplit("/", 1)[1])):  # outer piece first
+        out.extend(_leaves(lab, split) if lab in split else [split[label][lab]])
     return out
 
 
@@ -573,7 +579,7 @@ class SiteAnalysis:
                 f"the top-k runs over dim {dim}, which is not the key axis of the contraction "
                 "(it is shared by both operands or contracted)"
             )
-        self.check_selection(ks, qs)
+        self.check_selection(ks, qs, key_labels)
         steps, w_plan, reduced, mask_plans = self.collect_steps(chain, lays, key_labels)
         return self.assemble(
             tk, qs, ks, y_lay, dim, kk, key_atoms, steps, w_plan, reduced, mask_plans, qk
@@ -639,12 +645,14 @@ class SiteAnalysis:
         return [nb, lay[1], ()]
 
     # ---- selection criterion -------------------------------------------------------------
-    def check_selection(self, ks: Side, qs: Side):
+    def check_selection(self, ks: Side, qs: Side, key_labels):
         facts = self.facts
         q_src = qs.src
         if facts.is_constant_input(q_src):
             raise Unsupported(f"a contraction with {facts.describe_input(q_src)} (a linear layer), not a score contraction")
-        src = ks.src
+        # the keys may be a linear map of another tensor (``k @ H``, ``E @ H``): the key axis
+        # must come from activations, whatever the matrix is (a global is a graph input too)
+        src = self.key_carrier(ks, key_labels)
         if facts.is_constant_input(src):
             raise Unsupported(
                 f"not a selection: the key-side operand of the contraction is {facts.describe_input(src)} "
@@ -659,6 +667,12 @@ class SiteAnalysis:
                 "(a router or sampler top-k, not sparse attention)"
             )
         self.key_argument = facts.argument_input(src)
+
+    def key_carrier(self, ks: Side, key_labels) -> fx.Node:
+        """The tensor the key axis comes from, through views and linear maps of the keys."""
+        lay = self.u.apply(ks.src_layout)
+        d = next((i for i, dim in enumerate(lay) if any(a.label in key_labels for a in dim)), None)
+        return ks.src if d is None else axis_source(ks.src, d)
 
     # ---- phase 2: steps --------------------------------------------------------------------
     def collect_steps(self, chain, lays, key_labels):
@@ -1203,6 +1217,31 @@ def _key_inputs(n: fx.Node, d: int) -> List[Tuple[int, int]]:
     return []
 
 
+def axis_source(n: fx.Node, d: int) -> fx.Node:
+    """The tensor dim ``d`` of ``n`` comes from, through views, widening casts and linear maps
+    (the rows of ``k`` for ``k @ H``); it stops where the axis cannot be followed."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and (
+            n.target in CONTRACTIONS or n.target in _VIEWS or n.target in _CASTS):
+        ins = _key_inputs(n, d)
+        if len(ins) != 1:
+            break
+        (i, d), = ins
+        n = n.args[i]
+    return n
+
+
+def free_axes_from_activations(facts: GraphFacts, n: fx.Node) -> bool:
+    """Do both uncontracted axes of contraction ``n`` (its rows and columns) come from
+    activations? ``x @ (E @ H).T`` over rotated expert embeddings does not: a router."""
+    for d in ((0, 1) if n.target is aten.mm.default else (1, 2)):
+        src = axis_source(n, d)
+        if src.op == "get_attr" or (src.op == "placeholder" and src.name in facts.params):
+            return False
+        if not facts.from_activations(src):
+            return False
+    return True
+
+
 def candidate_chains(facts: GraphFacts, x: fx.Node, dim: int):
     """Chains [(node, chain arg)] from a contraction to ``x``, following the input that
     carries the top-k axis; nearest contraction first. A contraction whose key-carrying
@@ -1251,6 +1290,10 @@ def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
     args = list(topk.args) + [None] * (5 - len(topk.args))
     dim = topk.kwargs.get("dim", args[2] if args[2] is not None else -1) % rank
     chains, (stops, unknown) = candidate_chains(facts, x, dim)
+    # A deeper contraction that reaches a later one as its plain operand, not through a head
+    # reduction, is part of computing that operand (the keys' Hadamard rotation ``k @ H``):
+    # the later contraction is the score, and the rotation stays as graph ops before the op.
+    chains = [c for c in chains if all(_head_reduction(n, ci) for n, ci in c[1:] if n.target in CONTRACTIONS)]
     if not chains:
         hint = (f"; {', '.join(sorted(set(unknown)))}: elementwise, and not known to the matcher (if a "
                 "contraction feeds it, teach it with hyscale_compile.register_score_mod)") if unknown else ""
@@ -1286,6 +1329,14 @@ def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
         except Unsupported as e:
             first = first or e
     raise first
+
+
+def _head_reduction(n: fx.Node, ci: int) -> bool:
+    """Can contraction ``n``, whose arg ``ci`` carries a deeper contraction's output, sum that
+    output over heads? Only with one output row (column): HF's weights matmul
+    ``bmm(w [n, 1, h], s [n, h, t])``."""
+    other = shape_of(n.args[1 - ci])
+    return len(other) >= 2 and L.is_one(other[-2] if ci == 1 else other[-1])
 
 
 def _linear_layer(facts, n) -> bool:

@@ -122,6 +122,9 @@ class Emitter:
         """View/permute ``plan.node`` into the canonical groups (missing axes -> size 1)."""
         x = plan.node
         lay = plan.layout
+        shape = shape_of(x)
+        if len(lay) != len(shape) or not all(L.same_size(L.dim_size(d), s) for d, s in zip(lay, shape)):
+            raise Unsupported(f"internal: the layout {lay} does not cover operand {x.name} of shape {tuple(shape)}")
         # 1. one tensor dim per atom
         flat: List[Optional[L.Atom]] = []
         for d in lay:

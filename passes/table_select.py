@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .canonicalize import BIASED, CONTRACTIONS, GraphFacts, _linear_layer, val, walk_views
+from .canonicalize import BIASED, CONTRACTIONS, GraphFacts, _linear_layer, free_axes_from_activations, val, walk_views
 from .layout import inverse_permutation
 from .partition import tag_saved
 from .rewrite import Emitter
@@ -50,7 +50,7 @@ def score_contraction(facts: GraphFacts, x: fx.Node) -> Optional[fx.Node]:
         if n.target in CONTRACTIONS:
             if _linear_layer(facts, n):
                 continue
-            if all(facts.from_activations(a) for a in n.args[:2]):
+            if free_axes_from_activations(facts, n):
                 return n
             continue
         stack.extend((a, depth + 1) for a in n.all_input_nodes)

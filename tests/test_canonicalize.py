@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 import hyscale_compile
 from hyscale_compile.lowerings.reference import stable_topk
-from tests.contract import fresh_seed
-from tests.models.dsa_forms import FORMS, topk_inputs
+from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
+from tests.contract import check_selection, fresh_seed, reference_f64, tolerance
+from tests.models.dsa_forms import FORMS, hadamard, topk_inputs
 from tests.test_order import order_free
 
 
@@ -205,6 +206,87 @@ def test_key_projection_is_not_mistaken_for_the_score_contraction():
     (site,) = report.rewritten
     assert site.variant == "dsa" and site.sizes == {"B": 1, "S": 32, "H": 4, "D": 16, "T": 32}, site.line()
     assert not site.table_consumers
+
+
+_H16 = hadamard(16)  # a module-level tensor: Dynamo lifts it to a graph input, not a parameter
+
+
+class _RotatedIndexer(torch.nn.Module):
+    """DSA scoring with DeepSeek's / Megatron's Hadamard rotation of q and k written as a plain
+    matmul by a constant matrix (a global, one built in the graph, a buffer or a parameter)."""
+
+    def __init__(self, source, sides, heads="mul_sum"):
+        super().__init__()
+        self.source, self.sides, self.heads = source, sides, heads
+        self.register_buffer("h_buf", hadamard(16))
+        self.h_par = torch.nn.Parameter(hadamard(16))
+
+    def rotate(self, x):
+        h = {"global": lambda: _H16, "in_graph": lambda: hadamard(x.shape[-1]), "buffer": lambda: self.h_buf,
+             "parameter": lambda: self.h_par}[self.source]()
+        return x @ h
+
+    def forward(self, q, k, w):
+        if "q" in self.sides:
+            q = self.rotate(q)
+        if "k" in self.sides:
+            k = self.rotate(k)
+        s = torch.einsum("bshd,btd->bsht", q, k).relu()
+        if self.heads == "matmul":  # HF's head sum: a weights matmul with one output row
+            s = torch.matmul(w.unsqueeze(-2), s).squeeze(-2)
+        else:
+            s = (s * w[..., None]).sum(2)
+        S, T = s.shape[-2:]
+        s = s.masked_fill(torch.arange(T)[None, :] > torch.arange(S)[:, None], float("-inf"))
+        return s.topk(6, dim=-1)
+
+
+# B=1: the key axis reaches the key rotation's matmul (a deeper contraction on the key axis);
+# B=2: [B*S*H, D] rows of the query rotation split in two levels to [B, S, H]
+@pytest.mark.parametrize("source, sides, B, heads", [
+    ("global", "qk", 1, "mul_sum"), ("global", "qk", 2, "mul_sum"), ("in_graph", "qk", 1, "mul_sum"),
+    ("buffer", "qk", 2, "mul_sum"), ("parameter", "qk", 1, "mul_sum"), ("global", "k", 1, "mul_sum"),
+    ("in_graph", "k", 2, "mul_sum"), ("global", "q", 2, "mul_sum"), ("global", "k", 1, "matmul"),
+    ("in_graph", "qk", 2, "matmul")])
+def test_rotated_keys_are_part_of_the_score(source, sides, B, heads):
+    """A linear map of the keys (or queries) by a constant matrix before the score contraction
+    (the indexer's Hadamard rotation) is part of computing them, not a head-weights matmul: the
+    site is fused, the rotation stays as graph ops before the op, and the op takes the rotated
+    tensors."""
+    S, H, D = 24, 4, 16
+    g = torch.Generator().manual_seed(fresh_seed(f"rotated {source} {sides} B={B} {heads}"))
+    q, k, w = torch.randn(B, S, H, D, generator=g), torch.randn(B, S, D, generator=g), torch.randn(B, S, H, generator=g)
+    model = _RotatedIndexer(source, sides, heads)
+    with torch.no_grad():
+        (site,) = hyscale_compile.explain(model, q, k, w).sites
+        assert site.rewritten and site.variant == "dsa", site.line()
+        assert site.sizes == {"B": B, "S": S, "H": H, "D": D, "T": S} and not site.table_consumers, site.line()
+        vals, idx = compiled(model)(q, k, w)
+        qr, kr = (q @ _H16 if "q" in sides else q), (k @ _H16 if "k" in sides else k)
+    spec = ScoreSpec(epilogue=(("relu",),), post=(("mask", 0),), masks=(MaskTerm("range", hi=0),))
+    hi = (torch.arange(S) + 1).expand(B, S)
+    kr = kr[:, :, None]
+    check_selection(idx, reference_f64(qr, kr, w, [hi], spec), tolerance(qr, kr, w, spec), 6, vals)
+
+
+@pytest.mark.parametrize("source", ["global", "parameter"])
+def test_rotated_router_stays_a_router(source):
+    """A rotation of the expert embeddings (a parameter) by a constant matrix leaves them
+    parameters: the key axis comes from a parameter, so the top-k is a router's (DESIGN.md,
+    'What counts as a selection'), even where the matrix is a global, a graph input."""
+
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts, self.h = torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(hadamard(16))
+
+        def forward(self, x):
+            e = self.experts @ (_H16 if source == "global" else self.h)
+            return (x @ e.t()).sigmoid().topk(2, dim=-1).indices
+
+    with torch.no_grad():
+        (site,) = hyscale_compile.explain(Router(), torch.randn(2, 10, 16)).sites
+    assert not site.rewritten and "not a selection" in site.reason, site.line()
 
 
 def test_pooled_keys_head_sum_and_dim0():

@@ -1118,6 +1118,18 @@ def make_all(seed: int = 0) -> list[Case]:
     return [make(seed) for make in FORMS.values()]
 
 
+def hadamard(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The orthonormal [n, n] Sylvester-Hadamard matrix (n a power of two), built from ``ones`` and
+    ``cat``: what DeepSeek's and Megatron's indexers rotate q and k by (``rotate_activation``:
+    ``hadamard_transform(x, scale=n**-0.5)`` equals ``x @ hadamard(n)``)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"hadamard: n={n} is not a power of two")
+    h = torch.ones(1, 1, dtype=dtype)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h * n**-0.5
+
+
 def topk_inputs(case: Case) -> list[tuple[torch.Tensor, int, int]]:
     """Run ``case`` in eager and record (scores, k, dim) of every topk call."""
     from torch.overrides import TorchFunctionMode

@@ -1,0 +1,210 @@
+"""Megatron-Core's DSA indexer (megatron-core==0.16.1, ``megatron/core/transformer/
+experimental_attention_variant/dsa.py``) on the CPU, at a tiny bf16 configuration.
+
+``DSAttention`` and its ``DSAIndexer`` are built from their module specs (``ModuleSpec`` /
+``build_module``, as ``get_dsa_module_spec_for_backend`` writes them) with CPU stand-ins where
+the spec names Transformer Engine: ``Linear`` takes ``TELinear``'s arguments (the indexer asks for
+``parallel_mode="duplicated"``, no bias) and ``k_norm`` is Megatron's ``WrappedTorchNorm``.
+Megatron needs its parallel state: ``parallel_state_1x1()`` makes a gloo process group of world
+size 1 and calls ``initialize_model_parallel(1, 1)``. Its RoPE asks for
+``torch.cuda.current_device()`` at init and at the first forward even with
+``use_cpu_initialization``; ``cpu_current_device()`` answers ``"cpu"``.
+
+The indexer (``forward_with_scores``)::
+
+    q = rope(linear_wq_b(qr).reshape(S, B, H, D)); k = rope(k_norm(linear_wk(x)))  # [S, B, D]
+    q, k = rotate_activation(q), rotate_activation(k)   # hadamard_transform(x, scale=D**-0.5)
+    weights = linear_weights_proj(x) * H**-0.5 * D**-0.5
+    s = relu(einsum('sbhd,tbd->sbht', q.float(), k.float())) * weights[..., None]
+    s = s.sum(2).transpose(0, 1) + mask            # [B, S, T]; DSAttention: triu(-inf, 1)
+    return s, s.topk(min(index_topk, S), dim=-1)[1]
+
+``rotate_activation`` calls ``fast_hadamard_transform.hadamard_transform`` (a CUDA extension, a
+graph break under Dynamo). ``ROTATIONS`` stands in for it: ``"matmul"`` (a plain traced matmul by
+the +-1 Sylvester matrix built in the graph), ``"matmul_global"`` (by a module-level matrix:
+Dynamo makes it a graph input), ``"custom_op"`` (an opaque ``torch.library`` op) and
+``"graph_break"`` (the matmul behind ``torch._dynamo.graph_break()``). Patch it in with
+``use_rotation(name)`` (a context manager) and call ``build``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Callable, Dict
+
+import torch
+
+S_HIDDEN, Q_LORA, H, D, TOPK, POS = 64, 32, 16, 32, 8, 8
+HEADS, QK_DIM, V_DIM = 4, 16, 16  # the attention DSAttention's output is computed with
+
+
+def megatron_available() -> bool:
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _sylvester(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The unnormalized +-1 Hadamard matrix (``fast_hadamard_transform`` multiplies by ``scale``)."""
+    h = torch.ones(1, 1, dtype=dtype)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h
+
+
+_GLOBAL_H = {torch.bfloat16: _sylvester(D, torch.bfloat16), torch.float32: _sylvester(D, torch.float32)}
+
+
+def _matmul(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return (x @ _sylvester(x.shape[-1], x.dtype)) * scale
+
+
+def _matmul_global(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return (x @ _GLOBAL_H[x.dtype]) * scale
+
+
+@torch.library.custom_op("hyscale_tests::hadamard_transform", mutates_args=())
+def _hadamard_op(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return _matmul(x, scale)
+
+
+@_hadamard_op.register_fake
+def _(x, scale):
+    return torch.empty_like(x)
+
+
+def _custom_op(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return _hadamard_op(x, scale)
+
+
+def _graph_break(x: torch.Tensor, scale: float) -> torch.Tensor:
+    torch._dynamo.graph_break()
+    return _matmul(x, scale)
+
+
+ROTATIONS: Dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    "matmul": _matmul, "matmul_global": _matmul_global, "custom_op": _custom_op, "graph_break": _graph_break,
+}
+
+
+@contextlib.contextmanager
+def use_rotation(name: str):
+    """Make ``dsa.hadamard_transform`` (None without the CUDA extension) the ``name`` rotation."""
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    old = dsa.hadamard_transform
+    dsa.hadamard_transform = ROTATIONS[name]
+    try:
+        yield
+    finally:
+        dsa.hadamard_transform = old
+
+
+@contextlib.contextmanager
+def cpu_current_device():
+    old = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = old
+
+
+@contextlib.contextmanager
+def parallel_state_1x1():
+    """A gloo process group of world size 1 and Megatron's model-parallel state (1, 1)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    own = not dist.is_initialized()
+    path = None
+    if own:
+        fd, path = tempfile.mkstemp(prefix="hyscale_gloo_")
+        os.close(fd)
+        os.unlink(path)  # the file store creates it
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        if own:
+            dist.destroy_process_group()
+            if path and os.path.exists(path):
+                os.unlink(path)
+
+
+class Linear(torch.nn.Module):
+    """A CPU stand-in for ``TELinear`` in the indexer's spec (``parallel_mode="duplicated"``: no
+    tensor parallelism); returns ``(output, bias)`` as Megatron's linear layers do."""
+
+    def __init__(self, input_size, output_size, *, config, init_method, bias, skip_bias_add,
+                 skip_weight_param_allocation, parallel_mode, **_):
+        super().__init__()
+        if parallel_mode != "duplicated" or bias or skip_weight_param_allocation:
+            raise ValueError(f"Linear stand-in: parallel_mode={parallel_mode!r}, bias={bias} not supported")
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        init_method(self.weight)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight), None
+
+
+def build(seed: int, B: int = 1, S: int = 32):
+    """``(attention, args)``: a ``DSAttention`` in eval mode and the positional arguments of its
+    forward (query, key, value, attention_mask=None, x, qr); call it with
+    ``attn_mask_type=AttnMaskType.causal``. Needs ``parallel_state_1x1()`` and
+    ``cpu_current_device()``."""
+    from megatron.core.transformer.experimental_attention_variant import dsa
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    torch.manual_seed(seed)  # Megatron initializes parameters from the global generator
+    cfg = MLATransformerConfig(
+        num_layers=1, hidden_size=S_HIDDEN, num_attention_heads=HEADS, q_lora_rank=Q_LORA, kv_lora_rank=32,
+        qk_head_dim=QK_DIM, qk_pos_emb_head_dim=POS, v_head_dim=V_DIM, dsa_indexer_n_heads=H,
+        dsa_indexer_head_dim=D, dsa_indexer_topk=TOPK, rope_type="rope", normalization="RMSNorm", bf16=True,
+        params_dtype=torch.bfloat16, init_method_std=0.2, use_cpu_initialization=True,
+    )
+    spec = ModuleSpec(module=dsa.DSAttention, submodules=dsa.DSAttentionSubmodules(indexer=ModuleSpec(
+        module=dsa.DSAIndexer, submodules=dsa.DSAIndexerSubmodules(
+            linear_wq_b=Linear, linear_wk=Linear, k_norm=WrappedTorchNorm, linear_weights_proj=Linear))))
+    att = build_module(spec, config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                       attention_type="self").eval()
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    query = torch.randn(S, B, HEADS, QK_DIM + POS, generator=g).to(bf)
+    key = torch.randn(S, B, HEADS, QK_DIM + POS, generator=g).to(bf)
+    value = torch.randn(S, B, HEADS, V_DIM, generator=g).to(bf)
+    x = torch.randn(S, B, S_HIDDEN, generator=g).to(bf)
+    qr = torch.randn(S, B, Q_LORA, generator=g).to(bf)
+    return att, (query, key, value, None, x, qr)
+
+
+def causal_mask(S: int) -> torch.Tensor:
+    """The fp32 mask ``DSAttention`` gives its indexer under ``AttnMaskType.causal``."""
+    return torch.triu(torch.full((S, S), float("-inf")), diagonal=1)
+
+
+def index_inputs(indexer, x, qr, mask):
+    """Run ``indexer.forward_with_scores`` in eager; returns ``(scores, topk, q, weights, k)``
+    with the (rotated) q, the scaled weights and k its ``_compute_index_scores`` received."""
+    seen = []
+    inner = indexer._compute_index_scores
+
+    def spy(q, weights, k):
+        seen.append((q, weights, k))
+        return inner(q, weights, k)
+
+    indexer._compute_index_scores = spy
+    try:
+        scores, topk = indexer.forward_with_scores(x, qr, mask=mask)
+    finally:
+        del indexer._compute_index_scores
+    (q, w, k), = seen
+    return scores, topk, q, w, k
