@@ -88,3 +88,27 @@ def test_editable_install_exposes_the_wheels_modules(tmp_path):
     assert {"hyscale_compile.backend", "hyscale_compile.passes.canonicalize",
             "hyscale_compile.lowerings.ops"} <= set(from_wheel["modules"]), from_wheel
     assert from_editable["modules"] == from_wheel["modules"], (from_editable, from_wheel)
+
+
+_CHECKOUT = r"""
+import importlib.util, json, sys
+sys.path.insert(0, sys.argv[1])  # as the benchmarks and the tests run: the checkout first
+import hyscale_compile, hyscale_compile.lowerings.ops, hyscale_compile.passes.canonicalize
+print(json.dumps({"file": hyscale_compile.__file__, "lowerings": hyscale_compile.lowerings.__file__,
+                  "passes": hyscale_compile.passes.__file__,
+                  "extra": [n for n in ("hyscale_compile.tests", "hyscale_compile.hyscale_compile",
+                                        "hyscale_compile.benchmarks") if importlib.util.find_spec(n) is not None]}))
+"""
+
+
+def test_source_checkout_maps_only_the_two_subpackages(tmp_path):
+    # Run from the checkout without an install, hyscale_compile/ makes the root's passes/ and
+    # lowerings/ its subpackages, and nothing else of the root.
+    out = subprocess.run([sys.executable, "-I", "-c", _CHECKOUT, ROOT], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["file"] == os.path.join(ROOT, "hyscale_compile", "__init__.py"), got
+    assert got["lowerings"] == os.path.join(ROOT, "lowerings", "__init__.py"), got
+    assert got["passes"] == os.path.join(ROOT, "passes", "__init__.py"), got
+    assert got["extra"] == [], got
