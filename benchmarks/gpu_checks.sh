@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call (docs/performance.md, "How the GPU numbers were taken"): install, GPU
 # tests, the joint-graph tests on this machine's torch, then the given benchmark steps.
-#   bash benchmarks/gpu_checks.sh tests sweep        # step names: tests, sweep, sparse, variants, varianttests, train, demo, matmul, qsa, power, presample, finite
+#   bash benchmarks/gpu_checks.sh tests sweep        # step names: tests, sweep, sparse, variants, varianttests, train, demo, matmul, qsa, presample, finite
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -30,7 +30,7 @@ for step in "$@"; do
     matmul) timeout 120 python3 benchmarks/matmul_rate.py > "$OUT/matmul.md" 2> "$OUT/matmul.log"; echo "matmul rc=$?"; cat "$OUT/matmul.md" ;;
     qsa) timeout 200 python3 benchmarks/sweep_qsa_config.py --seq 32768 --keys ${QSA_KEYS:-fp32} ${QSA_CONFIGS:+--configs $QSA_CONFIGS} \
              > "$OUT/qsa.md" 2> "$OUT/qsa.log"; echo "qsa rc=$?"; cat "$OUT/qsa.md" ;;
-    presample)  # v23b's A/B (docs/kernel-design.md): the default (presample=128 up to 128K keys) against no estimate, iid and struct, 32K and 128K
+    presample)  # v23b's A/B (docs/history.md): the default (presample=128 up to 128K keys) against no estimate, iid and struct, 32K and 128K
       for args in "--seq 32768 --inputs iid" "--seq 32768 --inputs struct" "--seq 131072 --inputs iid" "--seq 131072 --inputs struct"; do
         timeout 150 python3 benchmarks/sweep_hytopk_config.py $args --no-score-only --configs "presample=0;default;presample=0;default" \
           >> "$OUT/presample.md" 2>> "$OUT/presample.log"; echo "presample $args rc=$?"
@@ -38,8 +38,6 @@ for step in "$@"; do
       grep -E "^S=|^\| (default|presample)" "$OUT/presample.md" ;;
     finite) timeout 300 python3 benchmarks/bench_finite_check.py --sizes ${FINITE_SIZES:-32768} > "$OUT/finite.md" 2> "$OUT/finite.log"
              echo "finite rc=$?"; cat "$OUT/finite.md" ;;
-    power) timeout 200 python3 benchmarks/power_during.py --seq ${POWER_SEQ:-131072} > "$OUT/power.md" 2> "$OUT/power.log"
-             echo "power rc=$?"; cat "$OUT/power.md" ;;
     varianttests) timeout 300 python3 -m pytest -q -m gpu tests/test_variants.py > "$OUT/variant_tests.log" 2>&1
              echo "variant gpu tests rc=$?: $(tail -1 "$OUT/variant_tests.log")" ;;
     *) echo "unknown step $step" ;;

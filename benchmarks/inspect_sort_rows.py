@@ -7,7 +7,7 @@ on any machine (no GPU needed) and count what ptxas made of each network.
     python benchmarks/inspect_sort_rows.py --dump DIR           # also ttgir/ptx/sass per build
 
 The kernel is specialized as ``sort_rows_`` launches it (int32 indices, fp32 values, R from
-the warps; ``write_values=False`` as ``calibrate_sort.py --modes lib`` times it, unless
+the warps; ``write_values=False`` as ``profile_hytopk.py --target sort_rows`` runs it, unless
 ``--write-values``); Triton's ``warmup`` runs against a stand-in sm_90 driver (as in
 inspect_hytopk.py), so nothing is launched.
 

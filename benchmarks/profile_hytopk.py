@@ -7,9 +7,9 @@ On the GPU machine (ncu must be able to read the counters):
     python benchmarks/profile_hytopk.py --target sort_rows --seq 32768 --out $OUT   # the rows' sort kernel
 
 ``--target sort_rows`` profiles the rows' sort kernel instead (``sort_rows_``'s default at
-2,048 keys, ``--seq`` rows of ``calibrate_sort.py``'s "tail" data), adding the memory
-workload tables (shared-memory bank conflicts of the network's moves: docs/kernel-design.md
-v28c asks for them).
+2,048 keys, ``--seq`` rows of distinct positive scores, |N(0, 1)| + 1.5, like a row's top-k
+of real scores), adding the memory workload tables (shared-memory bank conflicts of the
+network's moves).
 
 This runs ncu on itself (``--child``: one warm-up launch, then the profiled one), exports
 the per-instruction source page as CSV, and prints the lines of the generated kernel that
@@ -35,11 +35,12 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 def child_sort_rows(rows: int, config: str) -> None:
     import torch
 
-    import calibrate_sort as cs
     from hyscale_compile.lowerings.triton_sort_rows import sort_rows_
     from sweep_hytopk_config import parse_fields
 
-    _, idx, val = cs.make_rows(rows, 2048, seed=rows, data="tail")
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    val = torch.randn(rows, 2048, device="cuda", generator=g).abs_() + 1.5
+    idx = torch.randint(0, 1 << 20, (rows, 2048), device="cuda", generator=g, dtype=torch.int32)
     kw = parse_fields(config) if config else {}  # sort_rows_'s keywords, e.g. "rows_per_program=2,num_warps=8"
     for _ in range(2):  # the first launch compiles; ncu skips it
         sort_rows_(idx.clone(), val, write_values=False, index_bound=int(idx.max()) + 1, **kw)

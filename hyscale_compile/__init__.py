@@ -13,16 +13,29 @@ Public API:
 The op itself is ``torch.ops.hyscale.hytopk`` / ``hytopk_values`` (importing this
 package registers it; so does the backend).
 """
+import importlib.util as _ilu
 import os as _os
+import sys as _sys
 
 # ``passes/`` and ``lowerings/`` live at the repository root and install as
-# ``hyscale_compile.passes`` / ``hyscale_compile.lowerings`` (setuptools package-dir). In a
-# source checkout, or under an editable install whose finder maps only top-level names
-# (older setuptools), make the subpackages resolvable from the root as well.
+# ``hyscale_compile.passes`` / ``hyscale_compile.lowerings`` (setuptools package-dir). Run
+# from a source checkout (the tests, the benchmarks), load the checkout's two as those
+# subpackages; only those two: putting the root on __path__ would make the rest of the
+# checkout (tests/, this directory again) importable under hyscale_compile.
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if all(_os.path.isfile(_os.path.join(_root, *p)) for p in (("pyproject.toml",), ("passes", "__init__.py"), ("lowerings", "__init__.py"))):
-    if _root not in __path__:
-        __path__.append(_root)
+    _subs = [s for s in ("lowerings", "passes") if f"{__name__}.{s}" not in _sys.modules]
+    _specs = {s: _ilu.spec_from_file_location(f"{__name__}.{s}", _os.path.join(_root, s, "__init__.py"),
+                                              submodule_search_locations=[_os.path.join(_root, s)]) for s in _subs}
+    for _s, _spec in _specs.items():  # both in sys.modules before either runs, as for any import cycle
+        _sys.modules[_spec.name] = globals()[_s] = _ilu.module_from_spec(_spec)
+    try:
+        for _spec in _specs.values():
+            _spec.loader.exec_module(_sys.modules[_spec.name])
+    except BaseException:
+        for _spec in _specs.values():
+            _sys.modules.pop(_spec.name, None)
+        raise
 
 from . import lowerings as _lowerings  # noqa: F401
 from . import passes as _passes  # noqa: F401
