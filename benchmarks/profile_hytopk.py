@@ -8,8 +8,8 @@ On the GPU machine (ncu must be able to read the counters):
 
 ``--target sort_rows`` profiles the rows' sort kernel instead (``sort_rows_``'s default at
 2,048 keys, ``--seq`` rows of ``calibrate_sort.py``'s "tail" data), adding the memory
-workload tables (shared-memory bank conflicts of the network's moves: docs/kernel-design.md
-v28c asks for them).
+workload tables: the network moves its keys through shared memory, so its bank conflicts
+are part of its cost.
 
 This runs ncu on itself (``--child``: one warm-up launch, then the profiled one), exports
 the per-instruction source page as CSV, and prints the lines of the generated kernel that
