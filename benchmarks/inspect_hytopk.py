@@ -143,7 +143,7 @@ def sass_counts(cubin: bytes, bindir: str) -> tuple[dict, str]:
 
 def _hot_loop(ins: list) -> dict:
     """Instruction counts inside the innermost loop that holds the last wgmma (the scored-tile
-    loop; a sample loop's copy of the tile code, v23, comes before it): from the target of the
+    loop; the sampled estimate's copy of the tile code comes before it): from the target of the
     first backward branch that jumps over it, to that branch."""
     parsed = []
     for ln in ins:

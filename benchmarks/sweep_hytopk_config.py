@@ -5,8 +5,9 @@
 
 For each ``HyTopKConfig`` in the list: the full kernel's median time, the same kernel with
 selection off (``score_only``: what the scoring alone costs under that config), whether
-sampled rows pass the DESIGN.md threshold check, and whether the indices are bit-identical
-to the first config's (launch parameters must never change the result). Shape and inputs
+sampled rows pass the contract's threshold check (docs/contract.md, "Exact top-k"), and
+whether the indices are bit-identical to the first config's (launch parameters must never
+change the result). Shape and inputs
 are ``bench_hytopk.py``'s (H=64, D=128, k=2048, causal, bf16, iid). Prints a table last;
 configs past ``--deadline`` seconds are listed as skipped.
 """
@@ -40,8 +41,8 @@ CONFIGS = {
 def default_fields(seq: int) -> dict:
     """The launch's own default at the DSA shape, as the config fields it sets (every field
     that differs from ``HyTopKConfig()``'s, so that an option the default turns on, such as
-    v23b's presample, is in "default" too: until session 14 only six fields were copied, and
-    "default" here ran without the estimate the library's default takes)."""
+    the sampled estimate (``presample``), is in "default" too; a fixed list of fields would
+    silently drop the next one)."""
     from hyscale_compile.lowerings.triton_hytopk import HyTopKConfig, default_config
 
     # the benchmark's keys ([1, S, 1, D] bf16, contiguous) take TMA key tiles

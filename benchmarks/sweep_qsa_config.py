@@ -112,8 +112,8 @@ def graph_topk(qc, kbar, hi):
 
 
 def check_rows(idx, qc, kbar, hi, rows) -> float:
-    """Share of the sampled rows whose selection passes DESIGN.md's threshold check against
-    float64 scores of the same keys."""
+    """Share of the sampled rows whose selection passes the contract's threshold check
+    (docs/contract.md, "Exact top-k") against float64 scores of the same keys."""
     kb = kbar[0, :, 0].double()
     ok = 0
     for r in rows:

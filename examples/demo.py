@@ -455,7 +455,7 @@ def main(argv=None) -> int:
             say(f"      {v}: differs from eager: {err}")
             if v == "hyscale":
                 # torch.topk breaks ties in an unspecified order; hyscale breaks them by the smaller
-                # key index (DESIGN.md, "Equality with eager"). Compare with eager run under that
+                # key index (docs/contract.md, "Equality with eager"). Compare with eager run under that
                 # rule: equal there means the two differ only in how ties were broken.
                 say("      hyscale: re-running eager with a stable top-k (ties -> smaller key index) ...")
                 if stable is None:

@@ -33,14 +33,14 @@ configuration on the same device (at 32K tokens and k=2048, fp32 reassociation a
 near-tied selections, so an exact comparison there is not meaningful).
 
 Unique selections. ``torch.topk`` breaks ties in an unspecified order while the hyscale op
-resolves them to the smaller key index (DESIGN.md, "Deterministic ties" and "Equality with
+resolves them to the smaller key index (docs/contract.md, "Ties" and "Equality with
 eager"), so the two backends may only be compared on inputs whose selections are unique. The
 setup uses 16 indexer heads (an exact-zero index score needs all 16 ReLUs to be zero, so ReLU
 zero ties essentially never reach the k-th place), and before every compared step
 ``check_unique_selection`` recomputes every indexer's scores in float64 from the inputs that layer
 actually got (forward pre-hooks on an eager forward of *both* model copies) and requires, for each
 query row with more than k valid (causal) keys, that the k-th and (k+1)-th largest scores differ by
-more than ``UNIQUE_SAFETY`` x DESIGN.md's fp32 error bound of a score,
+more than ``UNIQUE_SAFETY`` x the contract's fp32 error bound of a score,
 ``(D + H + 2) * 2^-24 * max_t sum_h |w_h| sum_d |q_hd k_td| / sqrt(D)``. Each backend's fp32
 score is within that bound of the exact one, so twice the bound covers the two backends' arithmetic,
 and the rest of the factor covers their layer inputs, which differ by fp32 rounding from layer 2 on.
@@ -80,7 +80,7 @@ except ImportError:  # a plain progress line instead
 # by far more (~1e-3), so this bound separates the two.
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
 # A row's selection counts as unique when its k-th and (k+1)-th index scores differ by more than
-# UNIQUE_SAFETY x DESIGN.md's fp32 error bound of a score (see the module docstring).
+# UNIQUE_SAFETY x the contract's fp32 error bound of a score (see the module docstring).
 UNIQUE_SAFETY = 4.0
 MAX_REDRAWS = 50
 

@@ -15,7 +15,7 @@ original graph's op (so gradients equal the original's wherever the selection is
 relu passes gradient where its input is > 0; a rounding cast rounds the gradient to its
 dtype (the backward of ``.to(bf16).to(fp32)``); masked slots follow the original mask form:
 a fill (``masked_fill`` / ``where``) passes no gradient to the hidden score, an additive
-mask does (DESIGN.md, 'Values and gradients').
+mask does (docs/contract.md, "Values and gradients").
 
 This runs inside a custom op's implementation, below autograd, so the chain rule is
 written out here rather than taken from ``torch.autograd``. Precision: fp32 arithmetic

@@ -1,8 +1,8 @@
 """Each row's visible key range, read off a mask tensor before the HyTopK launch.
 
 A mask that reaches the op as a tensor (HF's runtime ``attention_mask``, Megatron's mask
-argument) hides keys the kernel can only see by reading the tensor, so it used to score
-every key of every row. For a spec whose only mask step is such a tensor
+argument) hides keys the kernel can only see by reading the tensor, so without ranges it
+scores every key of every row. For a spec whose only mask step is such a tensor
 (``spec.tensor_mask_term``), this pass gives each row (b, s) the range [lo, hi) outside
 which every key is hidden, with one hidden value for the whole tensor: the fill value of a
 bool mask, or the smallest value v_h of an additive one (-inf, or the dtype's finfo.min).
@@ -37,9 +37,9 @@ def _visible_range_kernel(M, stride_b, stride_s, stride_t, RLO, RHI, NLO, NHI, R
     # - fill (bool) masks: the first and last visible key;
     # - additive masks: the row's minimum (NaN if it holds one) and the first and last key
     #   that differ from it (mask_key_ranges turns them into the visible range once the
-    #   tensor's minimum, the hidden value, is known: before, a separate pass read it);
+    #   tensor's minimum, the hidden value, is known, so no second pass reads the row);
     # - both: the row's first run of neutral keys [nlo, nhi) (an additive 0, a fill's
-    #   visible polarity), where the HyTopK kernel need not read the mask (v26).
+    #   visible polarity), where the HyTopK kernel need not read the mask.
     row = tl.program_id(0)
     b = row // S
     s = row - b * S
@@ -119,7 +119,7 @@ class MaskRanges(NamedTuple):
     hidden: Optional[torch.Tensor]  # fp32 [1]: an additive mask's hidden value (its smallest)
     flag: Optional[torch.Tensor]  # int32 [1]: the bound's verdict, when the term needs one
     nlo: torch.Tensor  # int32 [B, S]: the row's first neutral run [nlo, nhi), where the
-    nhi: torch.Tensor  # kernel skips reading the mask (v26)
+    nhi: torch.Tensor  # kernel skips reading the mask
 
 
 def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound_flag: Callable[..., torch.Tensor]) -> MaskRanges:

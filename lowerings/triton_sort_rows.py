@@ -5,7 +5,7 @@ HyTopK's fused kernel can sort each row's k keys at the end of its row block, bu
 programs of 255 registers share an SM, and the sort's shuffles and barriers stall with
 little else to issue. ``sort="after"`` has the fused kernel write each row unsorted (indices
 into the output, fp32 values beside them) and this kernel sort the rows, one row per
-program at the occupancy its own registers allow (docs/kernel-design.md, v17).
+program at the occupancy its own registers allow (docs/kernel.md, "The final sort").
 
 ``sort_rows_reference`` is the same order in PyTorch (tests).
 """
@@ -79,14 +79,13 @@ def sort_rows_(idx: torch.Tensor, vals: torch.Tensor, write_values: bool = True,
     give the same order. None: at 2,048 keys (padded: 1,025-2,048) "f64" where
     ``index_bound`` <= 2^20, else "transpose", both with 4 warps per row; below, "minmax"
     with 2.
-    H200, 2,048 keys, this function's launches timed: 131,072 rows minmax 6.80 ms at 2
-    warps (9.84 at 4), transpose 4.61 at 2 and 4.45 at 4; 32,768 rows 1.73 (2.48), 1.17
-    and 1.12; f64 3.74 (2 warps) and 3.68 (4); 0.95 and 0.93. So the default
-    at 2,048 keys is "f64" with 4 warps per row where ``index_bound`` allows it, else
-    "transpose".
-    Rows per program (v30): the warps of one row each ran on their own scheduler at their own
-    place in the straight-line code, so every instruction fetch missed (31% of stall samples); two
-    rows per program put two warps in step on each scheduler: f64, 4 warps per row, 32,768
+    H200, 2,048 keys: 131,072 rows minmax 6.80 ms at 2 warps (9.84 at 4), transpose 4.61 at
+    2 and 4.45 at 4, f64 3.74 and 3.68; 32,768 rows 1.73 (2.48), 1.17 and 1.12, 0.95 and
+    0.93. So the default at 2,048 keys is "f64" with 4 warps per row where ``index_bound``
+    allows it, else "transpose".
+    Two rows per program: the warps of one row each ran on their own scheduler at their own
+    place in the straight-line code, so every instruction fetch missed (31% of stall
+    samples); two rows put two warps in step on each scheduler: f64, 4 warps per row, 32,768
     rows 0.923 -> 0.879 ms, 131,072 rows 3.665 -> 3.477 (4 rows per program: 1.174 / 4.611,
     one program of 16 warps per SM)."""
     if idx.shape != vals.shape:

@@ -3,11 +3,11 @@
 Some selections cannot become the fused op (yet): NSA and InfLLM-v2 normalize each head
 with a softmax over all keys, MoBA writes forced blocks with in-place slice assignments,
 InfLLM-v2 max-pools compressed scores into blocks, and NSA and MoBA read the score table
-again elsewhere (the compressed-attention output, ``gate >= thr``). DESIGN.md's rule for
-such sites: still replace the top-k, selecting from the existing tensor under the same
-rules. This pass does that for every top-k the fused analysis left alone whose scores come
-from a query-key contraction (two activations, not a linear layer, so MoE routers and
-samplers stay ``aten.topk``):
+again elsewhere (the compressed-attention output, ``gate >= thr``). The rule for such sites
+(docs/contract.md, "Other consumers of the scores"): still replace the top-k, selecting from
+the existing tensor under the same rules. This pass does that for every top-k the fused
+analysis left alone whose scores come from a query-key contraction (two activations, not a
+linear layer, so MoE routers and samplers stay ``aten.topk``):
 
     topk(x, k, dim)  ->  idx = hyscale.topk_table(x moved to [..., T], k)   (int32, saved)
                          values = aten.gather(x, dim, idx)                (if read)

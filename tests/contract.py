@@ -1,5 +1,6 @@
-"""DESIGN.md's exactness contract as reusable checks (the selection checks themselves are the
-public ``hyscale_compile.testing.assert_selection_equal``; here: seeds and tolerances)."""
+"""The exactness contract (docs/contract.md) as reusable checks (the selection checks
+themselves are the public ``hyscale_compile.testing.assert_selection_equal``; here: seeds and
+tolerances)."""
 from __future__ import annotations
 
 import os

@@ -20,7 +20,7 @@ def f(q, k, w):
     s = (torch.einsum('bshd,btd->bsht', q, k).relu() * w.unsqueeze(-1)).sum(2)
     return s.topk(3, dim=-1).indices
 # inputs whose top-3 is unique in every row (ReLU zeros can tie at the boundary, and
-# torch.topk breaks ties in an unspecified order): DESIGN.md, "Equality with eager"
+# torch.topk breaks ties in an unspecified order): docs/contract.md, "Equality with eager"
 g = torch.Generator().manual_seed(0)
 while True:
     q, k, w = torch.randn(1, 8, 2, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.rand(1, 8, 2, generator=g)

@@ -1,7 +1,7 @@
 """The matcher (passes/canonicalize.py) over the zoo of DSA-family spellings.
 
 Every selection becomes a ``torch.ops.hyscale`` call, every other top-k stays ``aten.topk``
-with a reason, and outputs equal eager (DESIGN.md: on inputs whose selection is unique;
+with a reason, and outputs equal eager (docs/contract.md: on inputs whose selection is unique;
 against a stable reference where ties are the point). Compiles go through the debug
 backend (the same pass and partitioner, no Inductor codegen)."""
 import math
@@ -163,7 +163,7 @@ def test_unlisted_spellings(fn):
         out = compiled(fn)(q, k, w)
         (scores, kk, _), = spy_topk(fn, q, k, w)
     # ReLU zero ties and masked slots make indices tie-dependent: compare the selected
-    # scores as multisets (DESIGN.md 'Equality with eager'), and the tie rule exactly
+    # scores as multisets (docs/contract.md, "Equality with eager"), and the tie rule exactly
     ref = torch.gather(scores, -1, scores.topk(kk, dim=-1).indices).sort(-1).values
     got = torch.gather(scores, -1, out.long()).sort(-1).values
     assert torch.equal(got, ref)

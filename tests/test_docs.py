@@ -1,6 +1,7 @@
 """The docs a reader opens describe today: no session or version-label talk.
 
-README.md and docs/*.md must not say "session 19", "an earlier session" or "v23b". The
+README.md and docs/*.md must not mention a development session (numbered or not) or an
+experiment's version label (the checker's own test shows both). The
 experiment history lives in git and, as a list of rejected decisions, in docs/history.md,
 the one doc exempt here. Inline code and code blocks are not checked: they hold the code's own
 names (a tile range `[v0, v1)`), not version labels; session talk is looked for everywhere
@@ -12,10 +13,11 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXEMPT = {"history.md"}
 
-# "session 19", "Sessions 7-9", "this session's output": the development sessions
+# any mention of the development sessions, numbered or not
 SESSION = re.compile(r"\b[Ss]essions?\b")
-# "v23b", "v7": version labels of the kernel's experiments. Not "InfLLM-v2" or "DeepSeek-V3.2"
-# (a model name: after "-", or capitalized), not "cu130" or "sm_90" (inside a word).
+# version labels of the kernel's experiments ("v", digits, an optional letter). Not
+# "InfLLM-v2" or "DeepSeek-V3.2" (a model name: after "-", or capitalized), not "cu130" or
+# "sm_90" (inside a word).
 VERSION = re.compile(r"(?<![-\w.])v\d+[a-z]?\b")
 FENCE = re.compile(r"^\s*```")
 INLINE_CODE = re.compile(r"`[^`]*`")

@@ -4,7 +4,7 @@ The Triton interpreter accepts code that compiled Triton rejects (a constexpr re
 inside ``tl.static_range`` passed every interpreter test and failed on the H200), so CI also
 compiles the DSA kernel for sm_90 through ``benchmarks/inspect_hytopk.py``, in a subprocess
 that imports triton without ``TRITON_INTERPRET``. It checks the compile and that the scored
-tile loop keeps the shape the speed depends on (docs/kernel.md): shared memory for
+tile loop keeps the shape the speed depends on (docs/kernel.md, "The launch"): shared memory for
 two programs per SM, no layout conversions or atomics per tile, bounded spill code.
 """
 from __future__ import annotations
@@ -56,14 +56,13 @@ def test_dsa_kernel_compiles_for_sm90(tmp_path):
         # the 1 KiB the driver reserves per block
         assert smem <= 115712, f"{name}: {smem} B of shared memory: only one program fits per SM"
         if name == "default":
-            # TMA key tiles and held weights (v9), and since v23b the sampled estimate's loop
-            # before the tile loop (presample=128: 413 instructions and 2 spill instructions
-            # in the tile loop at session 13's offline build; 415 and 4 with v32's third
-            # key-tile stage, 114,712 B): the append stays in the head sum's layout,
-            # no layout conversion (barriers) or atomics per tile. The dot's columns put the
-            # query rows in the quad lanes, so the head sum needs no shuffle and each score
-            # lives in one lane: 416 instructions and 4 spill reloads per tile in session 6's
-            # build (610 with v8's column order, 743 with pointer loads)
+            # TMA key tiles, held weights and the sampled estimate's loop before the tile
+            # loop (presample=128; with the third key-tile stage, 114,712 B, the offline build
+            # has 415 instructions and 4 spill instructions in the tile loop): the append stays
+            # in the head sum's layout, no layout conversion (barriers) or atomics per tile.
+            # The dot's columns put the query rows in the quad lanes, so the head sum needs no
+            # shuffle and each score lives in one lane (rows in registers took 610
+            # instructions per tile, pointer loads 743)
             assert loop_bar <= 3 and loop_atom == 0, row
             assert loop_shfl == 0, f"the head sum left the threads (column order): {row}"
             assert loop_spill <= 8, f"more spill code inside the tile loop than the 4 of v9: {row}"
@@ -71,14 +70,14 @@ def test_dsa_kernel_compiles_for_sm90(tmp_path):
         elif name == "profile=1":  # the section timers (benchmarks/profile_sections.py) compile
             assert loop_atom == 0, row
         elif name == "l2_prefetch=4":
-            # the L2 hints (v13, an option): a few address instructions per tile, no barrier
+            # the L2 hints (an option, off by default): a few address instructions per tile, no barrier
             assert loop_bar <= 3 and loop_atom == 0 and loop_spill <= 8 and loop < 480, row
         elif name == "sort=bitonic":
-            # the final sort inside the fused kernel (the default before v17; kept for more
-            # than two "after" launches): the tile loop as the default's (416 / 4 in v17)
+            # the final sort inside the fused kernel (taken where "after" would need more
+            # than two launches): the tile loop as the default's
             assert loop_bar <= 3 and loop_atom == 0 and loop_spill <= 8 and loop < 470, row
         elif name.startswith("tma=0"):
-            # the pointer-load path (keys TMA cannot address): v8's loop, 743 / 3
+            # the pointer-load path (keys TMA cannot address): 743 instructions, 3 spills
             assert loop_bar <= 2 and loop_atom == 0 and loop_spill <= 8, row
         else:  # score-only: nothing spilled in the loop
             assert loop_spill == 0, f"spill code inside the tile loop: {row}"
@@ -91,7 +90,7 @@ def test_dsa_kernel_compiles_for_sm90(tmp_path):
 @pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
 def test_qsa_split_kernel_compiles_for_sm90(tmp_path):
     # bf16 queries against fp32 keys (QSA's pooled keys) take three bf16 tensor-core dots
-    # per tile (_dot_split3, docs/kernel-design.md v16): 3 dots x 8 k-steps of 16 = 24
+    # per tile (_dot_split3, docs/kernel.md "Scoring a tile"): 3 dots x 8 k-steps of 16 = 24
     # wgmma instructions at the default 64-key tiles, where the fp32 path had none
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
@@ -136,10 +135,10 @@ for name, net, warps, rows in [(n, v, 2, 1) for n, v in NETWORKS.items()] + [
 @pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
 def test_sort_rows_minmax_network_compiles_for_sm90(tmp_path):
     # The rows' sort kernel at the DSA row length (2,048 keys, 2 and 4 warps): the minmax network
-    # (docs/kernel-design.md v20) compares each in-register pair once, so it has about half
+    # (docs/kernel.md, "The final sort") compares each in-register pair once, so it has about half
     # tl.sort's 64-bit compares (2,786 against 5,456 ISETP when measured), and its pair
     # splitting stays in registers (no shared-memory loads beyond tl.sort's). The transpose
-    # network (v27) compares every pair once (2,131 ISETP) and moves the keys through shared
+    # network compares every pair once (2,131 ISETP) and moves the keys through shared
     # memory instead of shuffling them (32 shuffles against 1,344): its moves are the only
     # layout conversions besides the store's (if the layout pass stopped honouring the
     # anchor, the splits would convert at most steps and the shuffles or converts would show)
@@ -163,11 +162,11 @@ def test_sort_rows_minmax_network_compiles_for_sm90(tmp_path):
     _, _, spill_4, shfl_4, cvt_4, _ = counts["transpose4"]
     moves_4 = sum(1 for order, _ in _transpose_plan(11, 4) if order)
     assert spill_4 == 0 and shfl_4 <= 64 and cvt_4 <= moves_4 + 2, counts
-    # the f64 network (v28, the default launch): the same moves, each pair compared by one
+    # the f64 network (the default launch): the same moves, each pair compared by one
     # DSETP (66 steps x 8 pairs per thread at 4 warps: 528 when measured; at 2 warps ptxas
     # repeated 15 of 1,056) and no 64-bit integer compare left (an ISETP per key word, or
     # max.f64's emulation, two DSETP per pair, would show here)
-    # Two rows per program (v30): each thread does the same pairs, and one move more puts the
+    # Two rows per program: each thread does the same pairs, and one move more puts the
     # loaded rows in the plan's first layout (the rows' bits warp bits; 16 conversions when
     # measured): had the rows' bits landed in registers, every step would convert.
     for name, pairs, moves_f in (("f64", 66 * 16, moves), ("f644", 66 * 8, moves_4), ("f644x2", 66 * 8, moves_4 + 1)):
@@ -230,11 +229,12 @@ for name, term, masks in (
 
 @pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
 def test_mask_kernels_compile_for_sm90(tmp_path):
-    # Session 15's kernels (docs/kernel-design.md v24/v25): the score bound, a mask tensor's
-    # key ranges, and the HyTopK kernel for HF's finite masks and for mask tensors, whose
-    # shared memory must still let two programs share an SM at the stage count the default
-    # launch takes (_resident_stages: 3 for the range forms as at the DSA shape, v32; the
-    # mask-tensor forms' 1 KiB more scratch makes 3 stages 115,736 B, so they keep 2)
+    # The kernels that skip finite hidden values (docs/kernel.md, "Skipping hidden tiles"): the
+    # score bound, a mask tensor's key ranges, and the HyTopK kernel for HF's finite masks and
+    # for mask tensors, whose shared memory must still let two programs share an SM at the
+    # stage count the default launch takes (_resident_stages: 3 for the range forms as at the
+    # DSA shape; the mask-tensor forms' 1 KiB more scratch makes 3 stages 115,736 B, so they
+    # keep 2)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")

@@ -159,8 +159,8 @@ def _flattened_k(q, k, w):  # a view that merges k with the query axis
     return idx.reshape(idx.shape[0], -1).amax(-1)
 
 
-# A review (a helper session) found these reading the order through the other axes: each
-# row comes back in its own order, so ops that move rows against each other read it.
+# These read the order through the other axes: each row comes back in its own order, so ops
+# that move rows against each other read it.
 def _same_picks_as_previous_query(q, k, w):
     i = _scores(q, k, w).topk(K, dim=-1).indices
     return (i[:, 1:] == i[:, :-1]).all(-1)

@@ -1,4 +1,4 @@
-"""The op's CPU implementation (lowerings/reference.py) against DESIGN.md's contract."""
+"""The op's CPU implementation (lowerings/reference.py) against the contract (docs/contract.md)."""
 import math
 
 import pytest

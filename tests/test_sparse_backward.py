@@ -2,7 +2,7 @@
 
 When top-k values carry gradient, the rewrite's backward works at the k selected keys per
 query (``hyscale.hytopk_values_backward``), never rebuilding the dense query x key table,
-and its gradients equal the original's (DESIGN.md, 'Values and gradients')."""
+and its gradients equal the original's (docs/contract.md, "Values and gradients")."""
 import math
 
 import pytest
@@ -61,7 +61,7 @@ def test_op_gradients_equal_dense_reference(name):
     picked = dense.gather(-1, idx.long())
     finite = picked > -math.inf
     assert torch.equal(finite, vals > -math.inf)
-    # values within DESIGN.md's per-row tolerance: with bf16-rounded logits the op's fp32
+    # values within the contract's per-row tolerance: with bf16-rounded logits the op's fp32
     # logit and the float64 one can round to neighbouring bf16 values (a fixed 1e-5 failed
     # for seed 701400901: 3.5e-5 off)
     row_tol = tolerance(q, k, w, spec).unsqueeze(-1).expand_as(vals)
@@ -271,7 +271,7 @@ def test_relu_spellings_differentiate_like_autograd_at_zero(spelling):
 
 
 def test_dense_scores_also_in_the_loss_keep_the_dense_backward():
-    """A loss that reads the dense scores keeps its dense backward (DESIGN.md); the
+    """A loss that reads the dense scores keeps its dense backward (docs/contract.md); the
     selection is still rewritten, the diagnostics say why the backward is dense."""
 
     class AlsoDense(GatedSelect):

@@ -1,5 +1,5 @@
 """hyscale_compile.testing.assert_selection_equal: the check a user runs instead of
-``torch.equal(compiled(x), eager(x))`` (DESIGN.md, "Equality with eager"), positive and
+``torch.equal(compiled(x), eager(x))`` (docs/contract.md, "Equality with eager"), positive and
 negative cases."""
 import math
 import re

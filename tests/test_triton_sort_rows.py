@@ -188,7 +188,7 @@ def test_sort_rows_default_network(monkeypatch):
         assert spy.rows[-1] == 1, spy.rows  # (one row: one per program)
     sort_rows_(idx[:, :512].contiguous(), vals[:, :512].contiguous(), index_bound=512)
     assert spy.networks[-1] == tsr.NETWORKS["minmax"]
-    # two rows per program for f64 at 2,048 keys (v30), one for the others
+    # two rows per program for f64 at 2,048 keys, one for the others
     for bound, rows in ((2048, 2), (None, 1)):
         sort_rows_(idx.repeat(3, 1), vals.repeat(3, 1), index_bound=bound)
         assert spy.rows[-1] == rows, (bound, spy.rows)
@@ -231,7 +231,7 @@ def test_gpu_sort_rows_dsa_length(network):
         idx, vals = idx0.clone(), vals0.clone()
         sort_rows_(idx, vals, num_warps=num_warps, network=network, index_bound=4 * 2048)
         _check(idx.cpu(), vals.cpu(), idx0.cpu(), vals0.cpu())
-    if network in ("transpose", "f64"):  # several rows per program (v30)
+    if network in ("transpose", "f64"):  # several rows per program
         for rpp, num_warps in ((2, None), (2, 8), (4, 16), (4, 8)):
             idx, vals = idx0.clone(), vals0.clone()
             sort_rows_(idx, vals, num_warps=num_warps, network=network, index_bound=4 * 2048, rows_per_program=rpp)
@@ -360,7 +360,7 @@ def test_sort_rows_network(network, other, k, num_warps):
 @pytest.mark.parametrize("rows_per_program", [2, 4])
 @pytest.mark.parametrize("k,n,R,reg_bits", [(2048, 2048, 4, 4), (1500, 2048, 8, 5), (45, 64, 1, 2), (64, 64, 1, 0)])
 def test_network_several_rows(network, rows_per_program, k, n, R, reg_bits):
-    # several rows in one network call (v30): each row sorted on its own, as torch.sort does
+    # several rows in one network call: each row sorted on its own, as torch.sort does
     _interpreting()
     keys = _keys_for(network, 900 + 10 * network + rows_per_program + k, 8, k)
     got = _network_sort(keys, n, R, reg_bits, -1, network=network, rows_per_program=rows_per_program)

@@ -3,7 +3,7 @@ CSA, as their public implementations write them): every selection becomes a
 ``torch.ops.hyscale`` call (the fused op where the score fits a ScoreSpec, else
 ``topk_table`` over the table the graph materializes, passes/table_select.py), and outputs
 equal eager run with a stable (value desc, index asc) top-k, the tie rule the rewrite
-follows (DESIGN.md, "Equality with eager")."""
+follows (docs/contract.md, "Equality with eager")."""
 import contextlib
 
 import pytest
@@ -207,7 +207,7 @@ def _softmax_router_over_closure():
                                         ("vocab_global", "global"), ("softmax_closure", "closure")])
 @pytest.mark.parametrize("grad", [False, True])
 def test_routers_over_constant_tensors_are_left_alone(name, kind, grad):
-    """DESIGN.md: a top-k whose key-side operand is not computed from activations is never
+    """docs/contract.md: a top-k whose key-side operand is not computed from activations is never
     rewritten; a global or closure-captured weight is as constant as a parameter."""
     fn = {"softmax_global": _softmax_router_over_global, "sigmoid_global": _sigmoid_router_over_global,
           "vocab_global": _vocab_topk_over_global, "softmax_closure": _softmax_router_over_closure()}[name]

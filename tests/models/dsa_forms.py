@@ -23,9 +23,9 @@ Fields of ``Case``:
   seed actually used and ``RAW_FORMS`` holds the makers without the re-draw.
 * ``tags``: free-form labels (``no_grad``, ``bf16``, ``runtime_mask``, ``values_used``, ...).
 
-The spellings follow the public code described in ``/work/shared/research/variants.md`` §1-3
-(official DeepSeek inference code, Hugging Face transformers 5.24 ports, Megatron-LM reference,
-the ``ref_fp8_mqa_logits`` kernel-test reference, GLM-5), with deliberate variation (in-place ops,
+The spellings follow the public code of the DSA family (official DeepSeek inference code,
+Hugging Face transformers 5.24 ports, Megatron-LM reference, the ``ref_fp8_mqa_logits``
+kernel-test reference, GLM-5), with deliberate variation (in-place ops,
 ``w[..., None]`` vs ``unsqueeze``, ``clamp(min=0)`` for ReLU, ``/ sqrt(d)`` for the scale, einsum
 head sums, ``dim=0`` topk, ``index_select`` / advanced-index / ``gather`` consumers).
 

@@ -4,8 +4,7 @@ implementations spell them (NSA, MoBA, InfLLM-v2, Qwen QSA, DeepSeek-V4 CSA via 
 Conventions follow ``tests/models/dsa_forms.py`` (same ``Case`` dataclass, seeded generators):
 ``VARIANT_FORMS[name](seed) -> Case`` and ``case.fn(*case.args)`` runs the model eagerly in fp32 at
 tiny shapes and returns tensors that *use* the selection. The op sequences mirror the public code
-recorded in ``/work/shared/research/variants.md`` §4-7 and were checked against the stored public
-sources named in the comment above each builder (einsum strings, ``masked_fill`` / in-place slice
+and were checked against the stored public sources named in the comment above each builder (einsum strings, ``masked_fill`` / in-place slice
 assignment / ``softmax`` / ``view(...).sum`` / ``topk`` call forms and post-processing are kept);
 what was trimmed or replaced (einops / einx calls, CUDA kernels, flash-attn) is stated there.
 
