@@ -272,7 +272,7 @@ def test_rotated_keys_are_part_of_the_score(source, sides, B, heads):
 @pytest.mark.parametrize("source", ["global", "parameter"])
 def test_rotated_router_stays_a_router(source):
     """A rotation of the expert embeddings (a parameter) by a constant matrix leaves them
-    parameters: the key axis comes from a parameter, so the top-k is a router's (DESIGN.md,
+    parameters: the key axis comes from a parameter, so the top-k is a router's (docs/contract.md,
     'What counts as a selection'), even where the matrix is a global, a graph input."""
 
     class Router(torch.nn.Module):
