@@ -139,7 +139,7 @@ def test_runtime_scalar_operand_is_not_fused_under_cuda_graphs(monkeypatch):
 def _scores_of_scaled(q, k, w, scale):
     s = torch.einsum("bshd,btd->bsht", q.double(), k.double()).relu() * scale.double()
     s = (s * w.double().unsqueeze(-1)).sum(2)
-    return s.masked_fill(torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool).triu(1), float("-inf"))
+    return s.masked_fill(torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
 
 
 def test_reference_reads_no_device_value_while_capturing(monkeypatch):
