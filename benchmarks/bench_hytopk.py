@@ -41,7 +41,8 @@ head mixes them with random weights plus noise), w ~ N(0,1)/8. See ``make_inputs
 
 Columns: median time (triton.testing.do_bench), peak extra memory (max_memory_allocated
 minus what was allocated before the call), ratio to the floor, and "exact": a threshold
-check on sampled rows against float64 scores (DESIGN.md tol = (D+H+2) u sum_h|w_h| sum_d|q k|).
+check on sampled rows against float64 scores (docs/contract.md, "Exact top-k": tol = (D+H+2) u
+sum_h|w_h| sum_d|q k|).
 Progress goes to stderr; full logs and a JSON land in --out (default $OUT).
 """
 from __future__ import annotations
@@ -255,7 +256,7 @@ def sample_rows(S):
 
 
 def check_rows(idx, q, k, w, rows):
-    """True when every sampled row's selection passes the DESIGN.md threshold check."""
+    """True when every sampled row's selection passes the threshold check of docs/contract.md."""
     dev = q.device
     r = torch.tensor(rows, device=dev)
     qs = q[0, r].double()                      # [n, H, D]
@@ -416,7 +417,7 @@ def main():
             # scoring alone (diagnostic)
             if "hytopk:score-only" not in skip:
                 # the launch's own default at this shape, selection off (a bare HyTopKConfig
-                # would be v8's pointer loads, 1 stage, re-read weights: a slower kernel)
+                # would take pointer loads, 1 stage and re-read weights: a slower kernel)
                 tma = th.default_takes_tma(k.unsqueeze(2), S, True)
                 cfg = dataclasses.replace(th.default_config(S, S, TOPK, q.device, True, D, H, tma=tma), score_only=True)
                 ms, peak, _, _ = measure(
@@ -499,7 +500,7 @@ def main():
         q, k, w = make_inputs(S, "iid", seed=77)
         hi = (torch.arange(S, device="cuda") + 1).view(1, S)
         # one untimed call first: at 1M the launch takes a configuration the smaller sizes did
-        # not compile (the fused sort), and until session 14 its compile (~10 s) was timed too
+        # not compile (the fused sort), whose compile (~10 s) must not be timed
         log(f"[bench] S={S}: warm call (compiles)")
         hytopk_op(q, k, w, hi, spec_json)
         ms, peak, idx, _ = measure(lambda: hytopk_op(q, k, w, hi, spec_json), once=True)

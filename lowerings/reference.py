@@ -21,7 +21,7 @@ DEFAULT_CHUNK_BYTES = int(os.environ.get("HYSCALE_CPU_CHUNK_BYTES", 16 << 20))
 
 
 def index_dtype(num_keys: int) -> torch.dtype:
-    """int32 indices while every key index fits, else int64 (DESIGN.md, 'The op')."""
+    """int32 indices while every key index fits, else int64 (docs/contract.md, 'Values and gradients')."""
     return torch.int32 if num_keys < 2**31 else torch.int64
 
 
@@ -88,10 +88,11 @@ def check_operands(q, k, w, masks, topk, spec: ScoreSpec, dtypes: bool = True):
     return B, S, H, D, T, Hk
 
 
-# The operand dtypes the spec's arithmetic describes (DESIGN.md dtype rules): each of q, k
-# and w fp32, or bf16/fp16 that the graph upcast exactly to fp32 before the contraction
-# (any pair, QSA's bf16 queries x fp32 keys included). A float64 score path is selected
-# from the table instead, never fused: the op would compute it in fp32.
+# The operand dtypes the spec's arithmetic describes (docs/contract.md, "Exact along the
+# graph's own dtype path"): each of q, k and w fp32, or bf16/fp16 that the graph upcast
+# exactly to fp32 before the contraction (any pair, QSA's bf16 queries x fp32 keys
+# included). A float64 score path is selected from the table instead, never fused: the op
+# would compute it in fp32.
 OPERAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

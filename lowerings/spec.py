@@ -23,7 +23,7 @@ The score of key t for row (b, s) is, step by step and in this order:
     idx   = top-k of y over t, ties to the smaller t, masked slots as the graph gives them
 
 Every ``round`` step rounds an fp32 value to the named dtype and back, which
-reproduces a graph that computed that step in bf16/fp16 (DESIGN.md dtype rule 2).
+reproduces a graph that computed that step in bf16/fp16 (docs/contract.md, dtype rule 2).
 """
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ class ScoreSpec:
     post: tuple = ()  # elementwise steps and ("mask", i) steps, i indexing ``masks``
     masks: tuple = ()  # MaskTerm
     score_dtype: str = "float32"
-    # Dot precision for fp32 operands: "ieee" or "tf32" (DESIGN.md dtype rule 3).
+    # Dot precision for fp32 operands: "ieee" or "tf32" (docs/contract.md, dtype rule 3).
     fp32_precision: str = "ieee"
 
     # -- serialization -------------------------------------------------------------------
@@ -266,8 +266,8 @@ class ScoreSpec:
 
     def skippable_ranges(self) -> Sequence[MaskTerm]:
         """Range terms whose hidden keys end up -inf whatever the score: tiles fully outside
-        them can be skipped without computing anything (DESIGN.md: 'a key tile is skipped
-        only when the mask proves every key in it masked')."""
+        them can be skipped without computing anything (docs/contract.md, 'Skipping hidden
+        keys': only a tile whose every key is proven hidden)."""
         return [self.masks[j] for j in skippable_mask_terms(self)]
 
     def describe(self) -> str:

@@ -16,7 +16,7 @@ Only the score arithmetic depends on the spec (``_epilogue``, ``_post`` and the
 reduction inside ``_score_tile``). The selection machinery (packing scores into
 ordered int64 keys, the threshold-filtered candidate buffer, the bitonic merges, the
 tile skipping) is the same for every spec and lives in ``_KERNEL_TEMPLATE`` below.
-See docs/kernel-design.md for the algorithm and why it was chosen.
+See docs/kernel.md for the algorithm and why it was chosen.
 
 Whether Triton runs a kernel compiled or interpreted (``TRITON_INTERPRET=1``) is
 decided when ``@triton.jit`` decorates the function, i.e. when the generated module is
@@ -118,7 +118,7 @@ def _mask_args(spec: ScoreSpec) -> List[str]:
     tmt = tensor_mask_term(spec)
     if tmt is not None:  # each row's visible key range of the mask tensor (triton_mask_ranges)
         args += ["RLO", "stride_rlo_b", "stride_rlo_s", "RHI", "stride_rhi_b", "stride_rhi_s"]
-        # and its first run of neutral keys, where the tile loop does not read the tensor (v26)
+        # and its first run of neutral keys, where the tile loop does not read the tensor
         args += ["NLO", "stride_nlo_b", "stride_nlo_s", "NHI", "stride_nhi_b", "stride_nhi_s"]
         if spec.masks[tmt[0]].kind == "add":
             args.append("FILLV")  # the additive tensor's hidden value (its smallest)
@@ -167,8 +167,9 @@ def weight_scale(spec: ScoreSpec):
 
     For an epilogue that is exactly ``mul c`` and ``relu`` (either order, c finite and > 0)
     under a weighted head sum, ``relu(x * c) * w == relu(x) * (c * w)`` up to the order of the
-    two roundings of the product, i.e. fp32 reassociation (DESIGN.md, "Exact"). The launcher
-    then passes ``w * c`` and the kernel skips one multiply per (key, head) element."""
+    two roundings of the product, i.e. fp32 reassociation (docs/contract.md, "Exact along
+    the graph's own dtype path"). The launcher then passes ``w * c`` and the kernel skips one
+    multiply per (key, head) element."""
     if spec.reduce != "weighted_sum" or len(spec.epilogue) != 2:
         return None
     ops = [st[0] for st in spec.epilogue]
@@ -276,7 +277,7 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
             lines.append("fill_hi = _pack(fill_v, tl.zeros([], dtype=tl.int64)) >> 32")
     fin = finite_range_term(spec)
     if fin is not None:
-        # v24: hidden keys all hold one finite value below every visible score (a fill, or
+        # hidden keys all hold one finite value below every visible score (a fill, or
         # an add: fl(s + v) == v) when the run-time bound on |score|, SKIPF, says so:
         # skipped like -inf ones, fillers of value v
         j = fin[0]
@@ -292,8 +293,8 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
                     lines.append(f"{role}{j} = _as_key({role}{j}, T, IDX32)")
     if tmt is not None:
         # the mask tensor's first neutral run (triton_mask_ranges) every row of the block
-        # shares, where the tile loop does not read it (v26); scalars: per-row vectors held
-        # through the tile loop spilled (v26c)
+        # shares, where the tile loop does not read it; scalars, because per-row vectors held
+        # through the tile loop spilled
         j = tmt[0]
         lines.append(_row_load(f"nlo{j}", "NLO", "stride_nlo", "0"))
         lines.append(_row_load(f"nhi{j}", "NHI", "stride_nhi", "0"))
@@ -315,7 +316,7 @@ def _render_post(spec: ScoreSpec) -> str:
         if term.kind in ("add", "fill"):
             load_ok, other = "ok", "0"
             if tmt is not None and tmt[0] == j:
-                # v26: not read on the row's first neutral run, where it would change nothing:
+                # not read on the row's first neutral run, where it would change nothing:
                 # the load's "other" is the neutral value (an additive 0, a fill's visible side)
                 lines.append(f"mread{j} = ok & ((keys[:, None] < mlo{j}) | (keys[:, None] >= mhi{j}))")
                 load_ok, other = f"mread{j}", "0" if term.kind == "add" or term.where else "1"
@@ -543,7 +544,7 @@ def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_k
     """The generated kernel for ``spec`` (a JITFunction, or an InterpretedFunction under
     ``TRITON_INTERPRET=1``). Modules are cached per (source, interpret mode) in-process,
     and the lookup per (spec, mods, mode): rendering the source takes ~0.6 ms of host time,
-    more than a whole 8K launch's GPU time once was (docs/kernel-design.md, session 16)."""
+    more than a whole 8K launch's GPU time once was."""
     interp = _interpreting()
     # the spec by its JSON: always hashable, keeps -0.0 apart from 0.0 (equal as floats,
     # rendered differently), and equal NaN constants give equal keys

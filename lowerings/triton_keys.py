@@ -53,7 +53,7 @@ def _low_bits_in_registers(keys, N: tl.constexpr, R: tl.constexpr):
     # and transposed, the repeat bits become bits 0..log2(R)-1 and the vector bits follow,
     # so the low four bits are all registers (2048 int64 keys, 4 warps: R = 4; checked in the
     # TTGIR). sm_90: shuffles 2756 -> 2308 and barriers 225 -> 221 over the kernel; 29.5 ->
-    # 27.4 ms at 32K (docs/kernel-design.md, v9).
+    # 27.4 ms at 32K.
     if R > 1:
         keys = tl.reshape(tl.trans(tl.reshape(keys, [R, N // R])), [N])
     return keys
@@ -164,8 +164,8 @@ def _sort_desc_minmax(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.const
 # same output bits), every step once per pair in registers (_cx_reg). A step whose bit j is
 # a lane or warp bit in the current layout is preceded by a move (_move_bits): the keys go
 # through shared memory into a layout whose register bits are the next REG_BITS distinct
-# bits the network works on, so that the next steps are register steps (docs/kernel-design.md
-# v27). 2,048 keys, 2 warps: 11 moves replace minmax's 21 per-element steps across lanes
+# bits the network works on, so that the next steps are register steps (docs/kernel.md,
+# "The final sort"). 2,048 keys, 2 warps: 11 moves replace minmax's 21 per-element steps across lanes
 # and warps (1,344 shuffles per thread -> 32).
 
 @triton.constexpr_function
@@ -291,8 +291,8 @@ def _sort_desc_transpose(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.co
     # SKIP (tests only): the index of one compare-exchange step left out (its move kept).
     # F64: the keys are _pack_f64's, compared as doubles (_sort_desc_f64). ROWS > 1: keys
     # [ROWS * N], ROWS rows (row-major) sorted at once, each descending (the rows' sort
-    # kernel: the warps of several rows go in step through the code, docs/kernel-design.md
-    # v30); one move first puts them in the layout the plan starts from, the rows' bits as
+    # kernel: the warps of several rows go in step through the code, docs/kernel.md, "The
+    # final sort"); one move first puts them in the layout the plan starts from, the rows' bits as
     # warp bits (Triton's load layout would put the rows in registers).
     LOG_N: tl.constexpr = _log2c(N)
     LOG_ROWS: tl.constexpr = _log2c(ROWS)
@@ -315,7 +315,7 @@ def _sort_desc_transpose(keys, N: tl.constexpr, R: tl.constexpr, REG_BITS: tl.co
 # bits, so indices < 2^20). Each pair's compare is then one DSETP on the FP64 pipe, where
 # an int64 compare takes two ISETP on the integer ALU pipe, which is what the transpose
 # network waits on; and the pair's second key comes from two exact FP64 adds instead of two
-# integer selects (docs/kernel-design.md, v28 and v28b). (Not tl.maximum on doubles: sm_90
+# integer selects (docs/history.md, "The final sort"). (Not tl.maximum on doubles: sm_90
 # has no double min/max; ptxas emulates max.f64 with a DSETP, two selects and a NaN fix-up,
 # 18,216 instructions against 7,856.)
 

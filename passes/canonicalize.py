@@ -13,7 +13,7 @@ a kernel can skip; any other mask stays a tensor operand.
 
 The result is validated: the top-k axis must be the key axis of the contraction, and the
 key operand must come from activations (a MoE router's or a sampler's top-k over the rows
-of a parameter, buffer, global or closure-captured tensor is not a selection: DESIGN.md,
+of a parameter, buffer, global or closure-captured tensor is not a selection: docs/contract.md,
 'What counts as a selection'; ``GraphFacts``).
 Anything unsupported raises ``Unsupported(reason)``; the site is then left exactly as
 it was and the reason goes to the diagnostics.
@@ -216,8 +216,8 @@ class SiteMatch:
 # --------------------------------------------------------------------------------------
 
 
-# Graph inputs that are not activations (DESIGN.md, 'What counts as a selection'): what
-# each kind is, for the diagnostics. The backend classifies Dynamo's source of each input.
+# Graph inputs that are not activations (docs/contract.md, 'What counts as a selection'):
+# what each kind is, for the diagnostics. The backend classifies Dynamo's source of each input.
 CONSTANT_KINDS = {"parameter": "a parameter or buffer", "global": "a global tensor",
                   "closure": "a closure-captured tensor"}
 

@@ -15,7 +15,7 @@ sets ``TRITON_INTERPRET=1`` *before anything imports triton* when there is no GP
 machine run ``pytest -m gpu`` for the compiled tests and ``TRITON_INTERPRET=1 pytest -m
 interpret`` for the interpreter tests (each set skips itself in the other mode).
 
-Exactness (DESIGN.md): on exactly representable inputs (small integers), indices and
+Exactness (docs/contract.md, "Exact top-k"): on exactly representable inputs (small integers), indices and
 values must equal a stable (value desc, index asc) sort of the reference scores; on random
 floats, a threshold check against a float64 reference with the documented tolerance.
 Every random case prints its seed.
@@ -148,7 +148,7 @@ def check_sorted_contract(vals, idx):
 
 
 def check_threshold(vals, idx, s64, scale, D, H, u):
-    """DESIGN.md: min selected >= max unselected - tol; selected values equal the
+    """docs/contract.md: min selected >= max unselected - tol; selected values equal the
     float64 reference within tol; infinite entries exactly; -inf ties to smaller index."""
     vals, idx = vals.double().cpu(), idx.long().cpu()
     s64, scale = s64.cpu(), scale.cpu()
@@ -342,7 +342,7 @@ FINFO_MIN = torch.finfo(torch.float32).min
 @pytest.mark.parametrize("mode,value,skips", [("add", FINFO_MIN, True), ("fill", FINFO_MIN, True),
                                               ("fill", -1e9, True), ("add", -1e9, False)])
 def test_finite_hidden_value_skips_like_inf(interpret, mode, value, skips):
-    # v24: HF hides keys with finfo.min (s + where(causal, 0, min), or a masked_fill). Hidden
+    # HF hides keys with finfo.min (s + where(causal, 0, min), or a masked_fill). Hidden
     # tiles are skipped as -inf ones are, and rows with fewer than k visible keys end with
     # fillers of exactly that value: the bits of the reference, fillers included. An add of
     # -1e9 is exact only for |s| < 16 (add_limit), which these scores exceed: no skipping.
@@ -396,7 +396,7 @@ def test_finite_fill_below_visible_scores_is_not_skipped(interpret):
 
 
 def _refused_case(name):
-    """Inputs where skipping hidden tiles would be wrong (a helper's review of v24)."""
+    """Inputs where skipping hidden tiles would be wrong."""
     B, S, T = 1, 16, 48
     hi = (torch.arange(S) + 1).view(1, S)
     fmin_add = (MaskTerm(kind="range", hi=0, mode="add", value=FINFO_MIN),)
@@ -478,7 +478,7 @@ def test_mask_tensor_key_ranges(interpret, form):
     m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     r = _checked_mask_ranges(spec, m, q, k, w)
     assert r.lo[1, 2].item() == T and r.hi[1, 2].item() == 0  # a padded row: empty
-    # the first neutral run, where the kernel does not read the tensor (v26): it ends at the
+    # the first neutral run, where the kernel does not read the tensor: it ends at the
     # hole in row 30 and, for an additive mask, at the -2.0 of key 40
     assert (r.nlo[0, 30].item(), r.nhi[0, 30].item()) == (0, 10)
     assert (r.nlo[1, 45].item(), r.nhi[1, 45].item()) == (5, 40 if form.startswith("add") else 46)
@@ -531,9 +531,8 @@ def test_mask_key_ranges_random_rows(interpret, monkeypatch, kind):
     # The scan reads each row in blocks (16 keys here; T = 53, so the last block is short):
     # rows drawn from a few values, so that a row's minimum, its neutral run and the key that
     # ends it fall anywhere in any block, and some rows have their own minimum above the
-    # tensor's. Ranges, hidden value and neutral runs equal the torch references. (Written
-    # for v29's per-lane scan, measured and reverted: docs/kernel-design.md; it checks any
-    # scan.)
+    # tensor's. Ranges, hidden value and neutral runs equal the torch references, whatever
+    # the scan's loop (docs/history.md, "Mask tensors").
     from hyscale_compile.lowerings import triton_mask_ranges as tmr
 
     monkeypatch.setattr(tmr, "_BLOCK", 16)
@@ -915,7 +914,7 @@ def _after_case(seed):
 
 @pytest.mark.interpret
 def test_sort_after_same_bits(interpret, monkeypatch):
-    # sort="after" (v17): the fused kernel writes rows unsorted with their fp32 values and
+    # sort="after": the fused kernel writes rows unsorted with their fp32 values and
     # triton_sort_rows sorts them; bit for bit the rank sort's answer, in one launch and in
     # row chunks (the values workspace held to 4 rows: 2 launches for 6 rows), with values
     # and without, fp32 and bf16 scores (bf16: the values copied out chunk by chunk).
@@ -956,7 +955,7 @@ def test_sort_after_same_bits(interpret, monkeypatch):
 @pytest.mark.interpret
 def test_sort_after_chunks(interpret, monkeypatch):
     # sort="after" over the workspace: full chunks of the rows whose values fit, the rest
-    # first (under a causal mask the lightest rows: kernel-design v31), and the fused
+    # first (under a causal mask the lightest rows), and the fused
     # kernel's scratch counted in the bound; the same bits however the rows are cut
     _, q, k, w, hi, _, _, _, topk = _after_case(193)
     cfg = HyTopKConfig(block_m=4, block_n=32, sort="after")
@@ -1090,7 +1089,7 @@ def test_l2_prefetch_does_not_change_bits(interpret):
 
 @pytest.mark.interpret
 def test_presample_same_answer(interpret):
-    # presample (v23) scores every P-th key of a block first, takes each row's estimate from
+    # presample scores every P-th key of a block first, takes each row's estimate from
     # them, throws them away, and then appends only keys scoring >= it: the selection, ties
     # (small integers, ReLU zeros) and -inf fillers of the causal rows must be exactly those
     # without it. k=20, block_n=16: cap 64, so the stride is at least ceil(400 / 64) = 7;
@@ -1249,11 +1248,10 @@ def test_split_dot_full_mantissas_and_nonfinite(interpret):
 
 @pytest.mark.interpret
 def test_large_buffer_threshold_counts(interpret):
-    # A 32768-key buffer (cap=32768) with every key valid and above the thresholds: v7's
-    # search packed two counts per reduction as 16-bit fields, which once wrapped here and
-    # kept the first k keys instead of the best (found by review). Scores are the additive
-    # mask itself (one zero head): t / 2**16, all in [0, 0.5), so the answer is the last k
-    # indices.
+    # A 32768-key buffer (cap=32768) with every key valid and above the thresholds: a
+    # search that packs two counts per reduction as 16-bit fields wraps here and keeps the
+    # first k keys instead of the best. Scores are the additive mask itself (one zero head):
+    # t / 2**16, all in [0, 0.5), so the answer is the last k indices.
     T, topk = 32768, 5
     spec = ScoreSpec(reduce="none", post=(("mask", 0),), masks=(MaskTerm(kind="add", operand=0),))
     table = (torch.arange(T, dtype=torch.float32) / 65536).view(1, 1, T)
@@ -1317,7 +1315,7 @@ def test_resident_stages_checks_the_compiled_kernel():
     def stages(shared, resident=2, per_sm=h200, asked=3):
         return triton_hytopk._resident_stages(_FakeKern(shared), 264, (), dict(num_stages=asked), resident, per_sm)
 
-    dsa = {3: 114712, 2: 98320}  # the offline sm_90 build at the DSA shape (v32)
+    dsa = {3: 114712, 2: 98320}  # the offline sm_90 build at the DSA shape
     kern = _FakeKern(dsa)
     assert triton_hytopk._resident_stages(kern, 264, (), dict(num_stages=3), 2, h200) == 3
     assert kern.warmed == [3]
@@ -1357,18 +1355,18 @@ def test_launch_default_caches_stages_per_residency(monkeypatch):
 
 
 def test_default_config_takes_tma_where_keys_allow():
-    # The GPU default (v9): TMA key tiles with held weights where k's layout allows a
+    # The GPU default: TMA key tiles with held weights where k's layout allows a
     # descriptor, re-read weights otherwise; 3 key-tile stages either way at the DSA shape
-    # (v32: the estimate counts the driver's reserved KiB per block instead of 2 KiB of
-    # scratch, which had rejected the third TMA stage; the compiled kernel is 114,712 B)
+    # (the estimate counts the driver's reserved KiB per block, not 2 KiB of scratch, which
+    # would reject the third TMA stage; the compiled kernel is 114,712 B)
     cuda = torch.device("cuda")
     with_tma = triton_hytopk.default_config(32768, 32768, 2048, cuda, True, 128, 64, tma=True)
     without = triton_hytopk.default_config(32768, 32768, 2048, cuda, True, 128, 64, tma=False)
     assert (with_tma.tma, with_tma.reread_weights, with_tma.num_stages) == (True, False, 3)
     assert (without.tma, without.reread_weights, without.num_stages) == (False, None, 3)
-    # (no L2 prefetch by default: measured no faster, v13)
+    # (no L2 prefetch by default: measured no faster)
     assert with_tma.l2_prefetch is None and without.l2_prefetch is None
-    # the sampled estimate where it was measured (v23b: TMA key tiles at the DSA shape, up to
+    # the sampled estimate where it was measured (TMA key tiles at the DSA shape, up to
     # 128K keys; at 1M it lost)
     assert with_tma.presample == 128 and not without.presample
     assert not triton_hytopk.default_config(1 << 20, 1 << 20, 2048, cuda, True, 128, 64, tma=True).presample
@@ -1597,10 +1595,10 @@ def test_gpu_dsa_shape_bf16(cuda, monkeypatch):
     v2, i2 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True)
     assert torch.equal(i2, idx) and torch.equal(v2.view(torch.int32), vals.view(torch.int32))
     # so are the options that leave the arithmetic alone, and the pointer-load path with
-    # re-read weights (v8's default; the default here takes TMA key tiles and held weights)
+    # re-read weights (the default here takes TMA key tiles and held weights)
     default = triton_hytopk.default_config(S, T, topk, q.device, True, D, H, tma=True)
     assert default.tma and default.reread_weights is False and default.num_stages == 3
-    # the compiled kernel kept 3 stages with two programs per SM on this card (v32)
+    # the compiled kernel kept 3 stages with two programs per SM on this card
     used = [v for (_, items, _, _), v in triton_hytopk._STAGES.items()
             if dict(items).get("USE_TMA") and dict(items).get("TOPK") == topk]
     assert used and set(used) == {3}, triton_hytopk._STAGES
@@ -1642,7 +1640,7 @@ def test_gpu_stride0_weights_same_bits(cuda, shape):
 
 @pytest.mark.gpu
 def test_gpu_finite_hidden_value_same_selection(cuda):
-    # v24: HF's causal masks hide keys with finfo.min, added (s + where(causal, 0, min)) or
+    # HF's causal masks hide keys with finfo.min, added (s + where(causal, 0, min)) or
     # filled. At the DSA shape the scores are far below add_limit(finfo.min), so hidden tiles
     # are skipped and every row selects exactly what the -inf mask selects: the same indices,
     # the same values at visible keys, finfo.min where the -inf mask gives -inf (the fillers
@@ -1712,8 +1710,8 @@ def idx_fillers_ok(vals, idx):
 
 @pytest.mark.gpu
 def test_gpu_presample_same_bits(cuda):
-    # presample (v23) at the DSA shape (blocks with >= 3k = 6,144 keys take a sample): the
-    # default (stride 128 since v23b) gives the same bits as without it (presample=0), as
+    # presample at the DSA shape (blocks with >= 3k = 6,144 keys take a sample): the
+    # default (stride 128) gives the same bits as without it (presample=0), as
     # stride 32 does, and as an estimate so tight (stride 4, z=0) that blocks fail the
     # check and run again
     S, T, H, D, topk = 16384, 16384, 64, 128, 2048
@@ -1723,7 +1721,7 @@ def test_gpu_presample_same_bits(cuda):
     _sampled_threshold(q, k, w, masks, topk, spec, vals, idx, rows, 2.0**-24)
     default = triton_hytopk.default_config(S, T, topk, q.device, True, D, H, tma=True)
     redone = []
-    # (the default takes presample=128 since v23b; presample=0 is the kernel without an estimate)
+    # (the default takes presample=128; presample=0 is the kernel without an estimate)
     assert default.presample == 128
     for extra in (dict(presample=0), dict(presample=32), dict(presample=4, presample_z=0.0),
                   dict(presample=32, sort="bitonic")):
