@@ -11,6 +11,16 @@ def _has_cuda_device() -> bool:
 if not _has_cuda_device():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The generated kernels of a test run go to a temporary directory (inherited by the tests'
+# subprocesses), not ~/.cache: a run never reads kernel files another checkout wrote.
+if "HYSCALE_KERNEL_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["HYSCALE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="hyscale-test-kernels-")
+    atexit.register(shutil.rmtree, os.environ["HYSCALE_KERNEL_CACHE"], ignore_errors=True)
+
 # the repository root on sys.path so tests can import tests.contract / tests.models
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
