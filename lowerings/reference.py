@@ -63,7 +63,7 @@ def check_operands(q, k, w, masks, topk, spec: ScoreSpec, dtypes: bool = True):
         raise SpecError(f"k={topk} must be in [0, T={T}]")
     spec.validate(num_mask_operands=len(masks))
     if dtypes:
-        check_operand_dtypes(q, k, w, spec)
+        check_operand_dtypes(q, k, w)
     check_mask_shapes(masks, spec, B, S, T)
     for term in spec.masks:
         if term.kind in ("add", "fill"):
@@ -96,19 +96,11 @@ def check_operands(q, k, w, masks, topk, spec: ScoreSpec, dtypes: bool = True):
 OPERAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_operand_dtypes(q, k, w, spec: Optional[ScoreSpec] = None) -> None:
+def check_operand_dtypes(q, k, w) -> None:
     for name, t in (("q", q), ("k", k), ("w", w)):
         if t is not None and t.dtype not in OPERAND_DTYPES:
             raise SpecError(f"{name} has dtype {t.dtype}; the op scores in fp32 from float32, bfloat16 or float16 "
                             "operands (float64 and integer operands are not part of any score description)")
-    # a spec whose contraction ran in bf16/fp16 (its logits rounded to that dtype) describes
-    # a product of operands of that dtype: fp32 operands would be a different product
-    if spec is not None and spec.logit_dtype != "float32":
-        want = dtype_of(spec.logit_dtype)
-        for name, t in (("q", q), ("k", k)):
-            if t.dtype != want:
-                raise SpecError(f"{name} has dtype {t.dtype}, but the spec's contraction runs in {spec.logit_dtype} "
-                                f"(logits:{spec.logit_dtype}): q and k must both be {spec.logit_dtype}")
 
 
 def check_mask_shapes(masks, spec: ScoreSpec, B: int, S: int, T: int) -> None:

@@ -153,24 +153,6 @@ def test_operand_dtypes_checked():
     assert ref.dtype == torch.int32
 
 
-def test_operand_dtypes_follow_a_reduced_precision_contraction():
-    """A spec whose contraction ran in bf16 (logits rounded to bf16) takes bf16 q and k only:
-    fp32 operands, or one of each, would be another product than the one it describes."""
-    import dataclasses
-
-    q, k, w = make(0)
-    hi = causal_hi(2, 24, 40)
-    bf = dataclasses.replace(DSA, logit_dtype="bfloat16")
-    spec = bf.to_json()
-    for qd, kd, bad in [(torch.float32, torch.float32, "q"), (torch.bfloat16, torch.float32, "k"),
-                        (torch.float16, torch.bfloat16, "q")]:
-        with pytest.raises(SpecError, match=rf"{bad} has dtype .*contraction runs in bfloat16"):
-            torch.ops.hyscale.hytopk(q.to(qd), k.to(kd), w, [hi], 5, spec)
-    qq, kk = q.bfloat16(), k.bfloat16()
-    idx = torch.ops.hyscale.hytopk(qq, kk, w, [hi], 5, spec)
-    assert torch.equal(idx, streaming_topk(qq, kk, w, [hi], 5, bf))
-
-
 def test_mask_operand_shapes_named():
     """A mask operand that does not broadcast to what its term needs is named, with the shape."""
     q, k, w = make(0)  # B=2, S=24, T=40
