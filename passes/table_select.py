@@ -36,45 +36,53 @@ prims = torch.ops.prims
 MAX_DEPTH = 1024  # in-place fills unrolled by Dynamo (MoBA: 2 per block) make long paths
 
 
-def score_contraction(facts: GraphFacts, x: fx.Node) -> Optional[fx.Node]:
-    """A contraction of two activations that ``x`` is computed from, not looking past
-    linear layers (their outputs are features, not scores); None when there is none."""
+def _search_back(x: fx.Node, visit):
+    """Depth-first over the call_function nodes ``x`` is computed from (bounded by
+    MAX_DEPTH): ``visit(n)`` gives (found, stop); the first ``found`` that is not None is
+    returned, and ``stop`` keeps the search from looking past ``n``."""
     seen, stack = set(), [(x, 0)]
     while stack:
         n, depth = stack.pop()
         if n in seen or depth > MAX_DEPTH or not isinstance(n, fx.Node) or n.op != "call_function":
             continue
         seen.add(n)
-        if n.target in BIASED:
-            continue  # a linear layer with a bias: its output is a feature, not a score
-        if n.target in CONTRACTIONS:
-            if _linear_layer(facts, n):
-                continue
-            if free_axes_from_activations(facts, n):
-                return n
-            continue
-        stack.extend((a, depth + 1) for a in n.all_input_nodes)
+        found, stop = visit(n)
+        if found is not None:
+            return found
+        if not stop:
+            stack.extend((a, depth + 1) for a in n.all_input_nodes)
     return None
+
+
+def score_contraction(facts: GraphFacts, x: fx.Node) -> Optional[fx.Node]:
+    """A contraction of two activations that ``x`` is computed from, not looking past
+    linear layers (their outputs are features, not scores); None when there is none."""
+
+    def visit(n):
+        if n.target in BIASED:
+            return None, True  # a linear layer with a bias: its output is a feature, not a score
+        if n.target in CONTRACTIONS:
+            found = not _linear_layer(facts, n) and free_axes_from_activations(facts, n)
+            return (n if found else None), True
+        return None, False
+
+    return _search_back(x, visit)
 
 
 def linear_operand(facts: GraphFacts, x: fx.Node) -> Optional[str]:
     """What the constant operand is of a linear layer ``x`` is computed from ('a global
     tensor (G['W'])'), looking no further back than ``score_contraction``; None if none."""
-    seen, stack = set(), [(x, 0)]
-    while stack:
-        n, depth = stack.pop()
-        if n in seen or depth > MAX_DEPTH or not isinstance(n, fx.Node) or n.op != "call_function":
-            continue
-        seen.add(n)
-        if n.target in CONTRACTIONS or n.target in BIASED:
-            operands = n.args[:2] if n.target in CONTRACTIONS else n.args[:3]
-            for a in operands:
-                src, _ = walk_views(a)
-                if facts.is_constant_input(src):
-                    return facts.describe_input(src)
-            continue
-        stack.extend((a, depth + 1) for a in n.all_input_nodes)
-    return None
+
+    def visit(n):
+        if n.target not in CONTRACTIONS and n.target not in BIASED:
+            return None, False
+        for a in (n.args[:2] if n.target in CONTRACTIONS else n.args[:3]):
+            src, _ = walk_views(a)
+            if facts.is_constant_input(src):
+                return facts.describe_input(src), True
+        return None, True
+
+    return _search_back(x, visit)
 
 
 def argument_operands(facts: GraphFacts, contraction: fx.Node) -> List[str]:
