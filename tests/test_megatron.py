@@ -9,6 +9,10 @@ import torch
 
 megatron_core = pytest.importorskip("megatron.core")
 
+# Dynamo traces through Megatron's own lru_cache-wrapped helpers and says so once per call
+# site: a notice about Megatron's code, not ours
+pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`-wrapped function")
+
 import hyscale_compile  # noqa: E402
 from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec  # noqa: E402
 from tests.contract import check_selection, fresh_seed, tolerance  # noqa: E402
