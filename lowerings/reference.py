@@ -217,11 +217,11 @@ def score_block(q, k, w, masks, spec: ScoreSpec, b0, b1, s0, s1, t0, t1, shape, 
     return finish_scores(x, wb, spec, lambda y, term: _apply_mask(y, term, masks, b0, b1, s0, s1, t0, t1, B, S, T))
 
 
-def _hidden_everywhere(spec: ScoreSpec, masks, b0, b1, s0, s1, t0, t1, B, S, proven) -> bool:
-    """True when some -inf range term hides every key of [t0, t1) for every row (a term
-    of ``finite_guard`` only while ``proven()``: its checks hold for this call)."""
-    guard = finite_guard(spec)
-    for j in skippable_mask_terms(spec):
+def _hidden_everywhere(spec: ScoreSpec, masks, b0, b1, s0, s1, t0, t1, B, S, terms, guard, proven) -> bool:
+    """True when some -inf range term of ``terms`` (``skippable_mask_terms``) hides every key
+    of [t0, t1) for every row (a term of ``guard``, the spec's ``finite_guard``, only while
+    ``proven()``: its checks hold for this call)."""
+    for j in terms:
         if guard is not None and j in guard.terms and not proven():
             continue
         term = spec.masks[j]
@@ -268,6 +268,7 @@ def streaming_topk(
     # so a CUDA graph capture runs without them
     shortcuts = not _capturing(device)
 
+    skip_terms, guard = skippable_mask_terms(spec), finite_guard(spec)  # once per call, not per chunk
     proof = []
 
     def proven():
@@ -277,6 +278,7 @@ def streaming_topk(
 
             proof.append(finite_holds(spec, q, k, w, masks))
         return proof[0]
+
     for b in range(B):
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
@@ -289,7 +291,8 @@ def streaming_topk(
             for t0 in range(0, T, tc):
                 t1 = min(T, t0 + tc)
                 if shortcuts and kth is not None and bool((vals > -math.inf).sum(-1).min() >= topk) and \
-                        _hidden_everywhere(spec, masks, b, b + 1, s0, s1, t0, t1, B, S, proven):
+                        _hidden_everywhere(spec, masks, b, b + 1, s0, s1, t0, t1, B, S, skip_terms, guard,
+                                           proven):
                     continue  # nothing in this chunk can reach any row's top-k
                 y = score_block(q, k, w, masks, spec, b, b + 1, s0, s1, t0, t1, shape)
                 yk = order_keys(y)
