@@ -107,6 +107,16 @@ def softplus_after_sum(q, k):
     return s.topk(K, dim=-1).indices
 
 
+def _gate_and_grads(fn, q, k, w):
+    """fn's gate and indices at (q, k, w), and the gradients of sum(gate^2) on q, k and w."""
+    gate, idx = fn(q, k, w)
+    gate.pow(2).sum().backward()
+    grads = [t.grad.clone() for t in (q, k, w)]
+    for t in (q, k, w):
+        t.grad = None
+    return gate, idx, grads
+
+
 def _inputs(seed):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(B, S, H, D, generator=g), torch.randn(B, S, D, generator=g),
@@ -131,17 +141,9 @@ def test_registered_mod_is_rewritten_and_equals_eager(registered):
     assert site.variant.endswith("+softcap30") and "mod('softcap30')" in site.spec, site.line()
     assert site.backward == "sparse" and not site.table_consumers, site.line()
 
-    def run(fn):
-        gate, idx = fn(q, k, w)
-        gate.pow(2).sum().backward()
-        grads = [t.grad.clone() for t in (q, k, w)]
-        for t in (q, k, w):
-            t.grad = None
-        return gate, idx, grads
-
-    want = run(softcapped_indexer)
+    want = _gate_and_grads(softcapped_indexer, q, k, w)
     torch._dynamo.reset()
-    got = run(torch.compile(softcapped_indexer, backend="hyscale_debug"))
+    got = _gate_and_grads(torch.compile(softcapped_indexer, backend="hyscale_debug"), q, k, w)
     assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
     for a, b in zip(got[2], want[2]):
@@ -173,14 +175,6 @@ def test_replacing_or_removing_a_mod_leaves_compiled_graphs_alone(registered):
 
     q, k, w = [t.requires_grad_(True) for t in _inputs(fresh_seed("replace") % 1000)]
 
-    def run(fn):
-        gate, idx = fn(q, k, w)
-        gate.pow(2).sum().backward()
-        grads = [t.grad.clone() for t in (q, k, w)]
-        for t in (q, k, w):
-            t.grad = None
-        return gate, idx, grads
-
     def check(got, want):
         assert torch.equal(got[1], want[1])
         torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
@@ -189,11 +183,11 @@ def test_replacing_or_removing_a_mod_leaves_compiled_graphs_alone(registered):
 
     def rewritten_with(fn):
         diagnostics.clear()
-        out = run(fn)
+        out = _gate_and_grads(fn, q, k, w)
         assert [s.variant for s in diagnostics.records() if s.rewritten] == ["dsa-norelu+cap"], diagnostics.records()
         return out
 
-    want30, want3 = run(capped30), run(capped3)
+    want30, want3 = _gate_and_grads(capped30, q, k, w), _gate_and_grads(capped3, q, k, w)
     assert not torch.allclose(want30[0], want3[0])  # the two mods give different results
 
     torch._dynamo.reset()
@@ -202,13 +196,13 @@ def test_replacing_or_removing_a_mod_leaves_compiled_graphs_alone(registered):
     check(rewritten_with(compiled30), want30)
 
     register_score_mod("cap", lambda s: 3.0 * torch.tanh(s / 3.0), replace=True)
-    check(run(compiled30), want30)  # still the function it was compiled with
+    check(_gate_and_grads(compiled30, q, k, w), want30)  # still the function it was compiled with
     compiled3 = torch.compile(capped3, backend="hyscale_debug")
     check(rewritten_with(compiled3), want3)  # a new compile matches the new function
 
     unregister_score_mod("cap")
-    check(run(compiled30), want30)
-    check(run(compiled3), want3)
+    check(_gate_and_grads(compiled30, q, k, w), want30)
+    check(_gate_and_grads(compiled3, q, k, w), want3)
 
 
 def test_kernel_source_follows_the_spec_not_the_registry(registered, kernel_cache):
