@@ -1233,13 +1233,8 @@ def axis_source(n: fx.Node, d: int) -> fx.Node:
 def free_axes_from_activations(facts: GraphFacts, n: fx.Node) -> bool:
     """Do both uncontracted axes of contraction ``n`` (its rows and columns) come from
     activations? ``x @ (E @ H).T`` over rotated expert embeddings does not: a router."""
-    for d in ((0, 1) if n.target is aten.mm.default else (1, 2)):
-        src = axis_source(n, d)
-        if src.op == "get_attr" or (src.op == "placeholder" and src.name in facts.params):
-            return False
-        if not facts.from_activations(src):
-            return False
-    return True
+    # (a constant input itself is not from activations: from_activations covers it)
+    return all(facts.from_activations(axis_source(n, d)) for d in ((0, 1) if n.target is aten.mm.default else (1, 2)))
 
 
 def candidate_chains(facts: GraphFacts, x: fx.Node, dim: int):
