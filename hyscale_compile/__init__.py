@@ -40,6 +40,7 @@ if all(_os.path.isfile(_os.path.join(_root, *p)) for p in (("pyproject.toml",), 
 from . import lowerings as _lowerings  # noqa: F401
 from . import passes as _passes  # noqa: F401
 from .lowerings import ops as _ops  # noqa: F401  registers torch.ops.hyscale
+from .lowerings import attention_ops as _attention_ops  # noqa: F401  registers torch.ops.hyscale.sparse_attention
 from .lowerings.spec import MaskTerm, ScoreSpec
 from .backend import hyscale_backend, hyscale_debug_backend
 from .explain import ExplainReport, explain

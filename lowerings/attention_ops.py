@@ -1,0 +1,99 @@
+"""``torch.ops.hyscale``: the sparse attention over a selection.
+
+    hyscale::sparse_attention(q, k, v, idx, masks, spec, return_probs=False)
+        -> (out [B,S,H,Dv], lse [B,S,H] fp32, probs [B,S,k] fp32 or empty)
+    hyscale::sparse_attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec,
+                                       needs_q, needs_k, needs_v) -> (gq, gk, gv)
+
+``spec`` is a JSON ``AttentionSpec`` (``attention_spec.py``, which also gives the operand
+layouts). ``probs`` is the head-summed probability at each selected slot (the indexer's
+loss reads it). ``sparse_attention`` is differentiable in q, k and v
+(``register_autograd``); in a joint graph the pass inserts the backward op itself, with
+the forward's saved indices and log-sum-exp.
+
+Implementations: CPU -> ``attention_reference`` (chunked, no [S, T] tensor); CUDA -> the
+same reference until the Triton kernel lands.
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Tuple
+
+import torch
+from torch import Tensor
+
+from . import attention_reference as ref
+from .attention_spec import AttentionSpec
+from .spec import dtype_of
+
+LIB = "hyscale"
+
+CALLS = {"sparse_attention": 0, "sparse_attention_backward": 0}
+
+
+@functools.lru_cache(maxsize=256)
+def parse_attention_spec(spec: str) -> AttentionSpec:
+    return AttentionSpec.from_json(spec)
+
+
+def _parsed(spec: str, masks) -> AttentionSpec:
+    return parse_attention_spec(spec).validate(num_mask_operands=len(masks)).resolve_operands(masks)
+
+
+@torch.library.custom_op(f"{LIB}::sparse_attention", mutates_args=())
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, masks: List[Tensor], spec: str,
+                     return_probs: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    CALLS["sparse_attention"] += 1
+    parsed = _parsed(spec, masks)
+    ref.check_attention_operands(q, k, v, idx, masks, parsed)
+    return ref.attention_forward(q, k, v, idx, list(masks), parsed, return_probs=return_probs)
+
+
+@sparse_attention.register_fake
+def _(q, k, v, idx, masks, spec, return_probs=False):
+    B, S, H = q.shape[0], q.shape[1], q.shape[2]
+    out_dtype = dtype_of(parse_attention_spec(spec).out_dtype)
+    probs_shape = (B, S, idx.shape[-1]) if return_probs else (0,)
+    return (q.new_empty((B, S, H, v.shape[3]), dtype=out_dtype), q.new_empty((B, S, H), dtype=torch.float32),
+            q.new_empty(probs_shape, dtype=torch.float32))
+
+
+@torch.library.custom_op(f"{LIB}::sparse_attention_backward", mutates_args=())
+def sparse_attention_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, masks: List[Tensor], out: Tensor, lse: Tensor,
+    spec: str, needs_q: bool, needs_k: bool, needs_v: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    CALLS["sparse_attention_backward"] += 1
+    parsed = _parsed(spec, masks)
+    return ref.attention_backward(grad_out, q, k, v, idx, list(masks), out, lse, parsed, (needs_q, needs_k, needs_v))
+
+
+@sparse_attention_backward.register_fake
+def _(grad_out, q, k, v, idx, masks, out, lse, spec, needs_q, needs_k, needs_v):
+    empty = q.new_empty(0)
+    return (q.new_empty(q.shape) if needs_q else empty, k.new_empty(k.shape) if needs_k else empty,
+            v.new_empty(v.shape) if needs_v else empty)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, idx, masks, spec = inputs[:6]
+    ctx.spec, ctx.n_masks = spec, len(masks)
+    ctx.save_for_backward(q, k, v, idx, output[0], output[1], *masks)
+
+
+def _backward(ctx, grad_out, grad_lse, grad_probs):
+    q, k, v, idx, out, lse, *masks = ctx.saved_tensors
+    nq, nk, nv = ctx.needs_input_grad[:3]
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    gq, gk, gv = torch.ops.hyscale.sparse_attention_backward(grad_out, q, k, v, idx, masks, out, lse, ctx.spec,
+                                                            nq, nk, nv)
+    # (lse and probs carry no gradient: the pass never hands them to a differentiable use)
+    rest = len(ctx.needs_input_grad) - 5
+    return (gq if nq else None), (gk if nk else None), (gv if nv else None), None, [None] * ctx.n_masks, \
+        *([None] * rest)
+
+
+sparse_attention.register_autograd(_backward, setup_context=_setup_context)
+
+ATTENTION_OPS = (torch.ops.hyscale.sparse_attention.default, torch.ops.hyscale.sparse_attention_backward.default)

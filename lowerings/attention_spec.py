@@ -1,0 +1,116 @@
+"""The attention description: what a rewritten consumer of a selection computes, as data.
+
+An ``AttentionSpec`` is to the sparse-attention op what ``ScoreSpec`` is to the selection:
+the matcher (``passes/attention.py``) extracts it from the region that applies an index
+mask, and the op's CPU path interprets it and its Triton path is generated from it. It
+travels in the graph as the op's ``spec`` string, so golden graphs show it.
+
+Canonical operands (views of what the graph already had):
+
+    q      [B, S, H, Dqk]   queries, H attention heads
+    k      [B, T, Hk, Dqk]  keys; Hk == H (per head), Hk == 1 (MQA: one latent shared by
+                            every head) or H % Hk == 0 (GQA)
+    v      [B, T, Hk, Dv]   values (for MQA over a latent, often a view of k: k[..., :Dv])
+    idx    [B, S, K]        the selected keys of each row, distinct within a row (a top-k's
+                            provenance), int32 or int64, in any order; shared by the heads
+    masks  the operands of the mask terms (``MaskTerm``, as in ``ScoreSpec``): tensors
+           broadcastable to [B, S, T] (read only at the selected keys) or per-row bounds
+           broadcastable to [B, S]
+
+For each row (b, s), head h and slot j, with t = idx[b, s, j]:
+
+    y[h, j] = post(sum_d q[b,s,h,d] * k[b,t,h//G,d])   fp32 accumulation; the post steps
+                                                      (scale, registered mods, mask terms)
+                                                      in order, masks broadcast over heads
+    P[h, :] = softmax_j(y[h, :])                      fp32; a slot at -inf contributes 0
+    out[b,s,h] = sum_j P[h, j] * v[b,t,h//G]          rounded once to ``out_dtype``
+    lse[b,s,h] = log sum_j exp(y[h, j])               natural log, fp32; -inf for a row
+                                                      whose every slot is -inf (its out is NaN)
+
+This equals the dense attention under the index mask (every unselected key at -inf or
+``finfo.min``) whenever each row keeps at least one visible selected key: under ``-inf``
+the original's hidden row is NaN too, under ``finfo.min`` it would average every key, so
+the matcher rewrites such a site only where it proves that no row is left empty
+(docs/contract.md, "The selection's consumers").
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional
+
+from .spec import MaskTerm, ScoreSpec, SpecError, dtype_of
+
+ATTENTION_SPEC_VERSION = 1
+
+FORMS = ("per_head", "mqa")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """See the module docstring. ``name`` is the form the matcher found (diagnostics)."""
+
+    name: str = "attention"
+    post: tuple = ()  # elementwise steps and ("mask", i) steps on the per-head logit
+    masks: tuple = ()  # MaskTerm
+    out_dtype: str = "float32"
+    # Dot precision for fp32 operands: "ieee" or "tf32" (docs/contract.md, dtype rule 3).
+    fp32_precision: str = "ieee"
+
+    def to_json(self) -> str:
+        d = {
+            "v": ATTENTION_SPEC_VERSION,
+            "name": self.name,
+            "post": [list(s) for s in self.post],
+            "masks": [m.to_json() for m in self.masks],
+            "out_dtype": self.out_dtype,
+            "fp32_precision": self.fp32_precision,
+        }
+        return json.dumps(d, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> "AttentionSpec":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecError(f"attention spec is not valid JSON: {e}") from None
+        if not isinstance(d, dict) or d.pop("v", None) != ATTENTION_SPEC_VERSION:
+            raise SpecError(f"attention spec version mismatch (expected {ATTENTION_SPEC_VERSION}): {text[:80]}")
+        spec = AttentionSpec(
+            name=d["name"],
+            post=tuple(tuple(s) for s in d["post"]),
+            masks=tuple(MaskTerm.from_json(m) for m in d["masks"]),
+            out_dtype=d["out_dtype"],
+            fp32_precision=d.get("fp32_precision", "ieee"),
+        )
+        return spec.validate()
+
+    def as_score_spec(self) -> ScoreSpec:
+        """The per-head score path as a ``ScoreSpec`` with one head (``reduce="none"``): the
+        selection's step and mask machinery (validation, the reference's ``finish_scores``
+        and ``_apply_mask``, the kernel's step lines) applies to it unchanged."""
+        return ScoreSpec(name=self.name, reduce="none", post=self.post, masks=self.masks,
+                         fp32_precision=self.fp32_precision)
+
+    def validate(self, num_mask_operands: Optional[int] = None) -> "AttentionSpec":
+        dtype_of(self.out_dtype)
+        self.as_score_spec().validate(num_mask_operands=num_mask_operands)
+        return self
+
+    def resolve_operands(self, operands) -> "AttentionSpec":
+        """The same spec with each 0-d ``*_operand`` step replaced by its value now."""
+        resolved = self.as_score_spec().resolve_operands(operands)
+        return self if resolved.post == self.post else dataclasses.replace(self, post=resolved.post)
+
+    def describe(self) -> str:
+        """One line for diagnostics: 'mul(0.125) -> mask:range -> softmax -> @v'."""
+        steps = self.as_score_spec().describe().split(" -> ")[2:]  # drop the epilogue and reduce
+        return " -> ".join([*steps, "softmax", "@v"])
+
+
+def form_of(H: int, Hk: int) -> str:
+    """The kernel form for H query heads over Hk key heads: "mqa" when every head shares one
+    key head (the heads are the rows of one tensor-core tile), else "per_head"."""
+    if Hk < 1 or H % Hk != 0:
+        raise SpecError(f"{H} query heads cannot share {Hk} key heads (H % Hk must be 0)")
+    return "mqa" if Hk == 1 and H > 1 else "per_head"
