@@ -150,6 +150,17 @@ class Bound:
 
 
 @dataclasses.dataclass
+class SearchBound:
+    """A per-row bound read off a non-decreasing key row: ``searchsorted(sorted[b], values[b, s],
+    right)``, the first key t whose ``sorted[b, t]`` is >= (right: >) the row's value. It stands
+    in a ``Bound``'s terms like an operand (coef * it): the rewrite emits the search."""
+
+    sorted: OperandPlan  # [batch, key]
+    values: OperandPlan  # per row
+    right: bool
+
+
+@dataclasses.dataclass
 class KeyAffine:
     """a * t + bound, t the key index."""
 
@@ -910,6 +921,8 @@ class SiteAnalysis:
             if op == "lt":
                 return Pred("hidden", [x], [])
             return Pred("hidden", [x.plus(one)], [])
+        if t is aten.eq.Tensor:
+            return self.document_range(n, lay, key_labels)
         if t in _NOT:
             return self.predicate(n.args[0], lay, key_labels).complement()
         if t in _AND or t in _OR:
@@ -926,6 +939,45 @@ class SiteAnalysis:
         if isinstance(n, fx.Node) and (n.target in _VIEWS or n.target in _CASTS):
             return self.predicate(n.args[0], self.back_layout(n.args[0], [n], lay), key_labels)
         raise Unsupported("mask condition is not an index comparison")
+
+    def document_range(self, n, lay, key_labels) -> Pred:
+        """``doc[b, q] == doc[b, t]`` with ``doc`` non-decreasing along its key dim (a cumsum of
+        flags: HF's packed-sequence ids) -> the keys of the row's document, one run of equal ids
+        per row: [searchsorted(doc[b], v), searchsorted(doc[b], v, right)), v = doc[b, q].
+
+        Proof: doc[b] is sorted, so {t : doc[b, t] == v} is the contiguous run of v, which
+        starts at the first t with doc[b, t] >= v and ends before the first t with
+        doc[b, t] > v (empty when v does not occur). Nothing is assumed about v."""
+        sides = []
+        for a in n.args:
+            if not (isinstance(a, fx.Node) and a.target is aten.index.Tensor and len(a.args[1]) == 2
+                    and all(isinstance(i, fx.Node) for i in a.args[1])):
+                raise Unsupported("mask compares for equality something other than a lookup in one id row")
+            sides.append(a)
+        keyed = [bool(set(L.labels(L.broadcast_align(shape_of(a), lay))) & key_labels) for a in sides]
+        if sorted(keyed) != [False, True]:
+            raise Unsupported("mask equality is not between a row's id and a key's id")
+        at_key, at_row = (sides[0], sides[1]) if keyed[0] else (sides[1], sides[0])
+        doc, (rows, keys) = at_key.args[0], at_key.args[1]
+        if at_row.args[0] is not doc or at_row.args[1][0] is not rows:
+            raise Unsupported("mask equality looks up two different id rows")
+        if len(shape_of(doc)) != 2 or not _non_decreasing(doc):
+            raise Unsupported("mask equality over ids not proven non-decreasing along the keys")
+        key = self.affine(keys, self._arg_layout(keys, lay), key_labels)
+        if key.a != 1 or key.b.const != 0 or key.b.terms:
+            raise Unsupported("mask equality looks up ids at a shifted key index")
+        # doc's dims: the rows its batch index picks, then the keys
+        if _iota_source(rows, shape_of(doc)[0]) is None:
+            raise Unsupported("mask equality picks id rows by something other than the batch index")
+        row_dims = [d for d in L.broadcast_align(shape_of(rows), lay) if d]
+        key_dims = [d for d in L.broadcast_align(shape_of(keys), lay) if d]
+        if len(row_dims) != 1 or len(key_dims) != 1 or not L.same_size(L.dim_size(key_dims[0]), shape_of(doc)[1]):
+            raise Unsupported("mask equality over an id row that is not [batch, keys]")
+        doc_plan = OperandPlan(doc, [row_dims[0], key_dims[0]])
+        v_plan = OperandPlan(at_row, L.broadcast_align(shape_of(at_row), lay))
+        lo = Bound(0, [(1, SearchBound(doc_plan, v_plan, False))])
+        hi = Bound(0, [(1, SearchBound(doc_plan, v_plan, True))])
+        return Pred("range", [lo], [hi])
 
     def affine(self, n, lay, key_labels) -> KeyAffine:
         c = self.facts.constant(n)
@@ -956,6 +1008,14 @@ class SiteAnalysis:
             r = self.affine(n.args[1], self._arg_layout(n.args[1], lay), key_labels)
             sgn = 1 if t in (aten.add.Tensor, aten.add.Scalar) else -1
             return KeyAffine(l.a + sgn * r.a, l.b.plus(r.b.scaled(sgn)))
+        if t is aten.index.Tensor:
+            # X[rows, j] where every row of X is j + c (an expanded arange: HF's cache positions)
+            src, idxs = n.args[0], n.args[1]
+            c = _arange_offset(src)
+            if c is None or not idxs or any(not isinstance(i, fx.Node) for i in idxs) or len(idxs) != len(shape_of(src)):
+                raise Unsupported("mask index lookup in a tensor that is not an arange")
+            inner = self.affine(idxs[-1], self._arg_layout(idxs[-1], lay), key_labels)
+            return KeyAffine(inner.a, inner.b.plus(Bound(c)))
         if t in (aten.unsqueeze.default, aten.expand.default) or t in _CASTS or t in (
             aten.clone.default, aten.alias.default, aten.permute.default, aten.view.default,
             aten.reshape.default, aten._unsafe_view.default,
@@ -1082,6 +1142,12 @@ class SiteAnalysis:
             else:
                 for bound in op[1]:
                     for _, p in bound.terms:
+                        if isinstance(p, SearchBound):
+                            p.sorted.layout = u.apply(p.sorted.layout)
+                            p.sorted.groups = [B, key_labels]
+                            if not p.sorted.layout[0] or p.sorted.layout[0][0].label not in B:
+                                raise Unsupported("a mask's id rows are not picked by the batch index")
+                            p = p.values
                         p.layout = u.apply(p.layout)
                         p.groups = [B, S]
                         if set(L.labels(p.layout)) - set(B) - set(S):
@@ -1103,6 +1169,68 @@ class SiteAnalysis:
             other_consumers=self.other_consumers, sizes=sizes, sorted=self.sorted,
             key_argument=self.key_argument,
         )
+
+
+def _strip_index_views(n):
+    while isinstance(n, fx.Node) and n.target in (aten.unsqueeze.default, aten.clone.default, aten.alias.default) \
+            or (isinstance(n, fx.Node) and n.target in _CASTS and not dtype_of_node(n).is_floating_point):
+        n = n.args[0]
+    return n
+
+
+def _iota_source(n, size) -> Optional[fx.Node]:
+    """The ``iota(size)`` (start 0, step 1) that ``n`` is an unsqueezed view of, else None."""
+    n = _strip_index_views(n)
+    if (isinstance(n, fx.Node) and n.target is prims.iota.default and n.kwargs.get("start", 0) == 0
+            and n.kwargs.get("step", 1) == 1 and L.same_size(n.args[0], size)):
+        return n
+    return None
+
+
+def _arange_offset(n) -> Optional[int]:
+    """c when ``n[..., j] == j + c`` for every j and every leading index (an arange, offset by
+    a constant, unsqueezed in front and expanded along the leading dims), else None."""
+    while isinstance(n, fx.Node):
+        t = n.target
+        if t is aten.expand.default:
+            src = n.args[0]
+            if not L.same_size(shape_of(src)[-1], shape_of(n)[-1]) or len(shape_of(src)) != len(shape_of(n)):
+                return None  # an expand that broadcasts the last dim would repeat one value
+            n = src
+        elif t is aten.unsqueeze.default:
+            d = n.args[1] % len(shape_of(n))
+            if d == len(shape_of(n)) - 1:
+                return None
+            n = n.args[0]
+        elif t in (aten.clone.default, aten.alias.default) or (t in _CASTS and not dtype_of_node(n).is_floating_point):
+            n = n.args[0]
+        elif t in (aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar) and n.kwargs.get("alpha", 1) == 1:
+            a, b = n.args[0], n.args[1]
+            if not (isinstance(b, int) and not isinstance(b, bool)):
+                return None
+            inner = _arange_offset(a)
+            if inner is None:
+                return None
+            return inner + (b if t in (aten.add.Tensor, aten.add.Scalar) else -b)
+        elif t is prims.iota.default:
+            start, step = n.kwargs.get("start", 0), n.kwargs.get("step", 1)
+            return start if isinstance(start, int) and step == 1 else None
+        else:
+            return None
+    return None
+
+
+def _non_decreasing(n) -> bool:
+    """``n`` is provably non-decreasing along its last dim: a cumsum there of a bool tensor
+    (or of a bool cast to an integer type), as HF's packed-sequence ids are."""
+    if not (isinstance(n, fx.Node) and n.target is aten.cumsum.default):
+        return False
+    if n.args[1] % len(shape_of(n)) != len(shape_of(n)) - 1:
+        return False
+    x = n.args[0]
+    while isinstance(x, fx.Node) and x.target in _CASTS and not dtype_of_node(x).is_floating_point:
+        x = x.args[0]
+    return isinstance(x, fx.Node) and dtype_of_node(x) == torch.bool
 
 
 def variant_name(reduce: str, epilogue, G, Hk) -> str:

@@ -26,7 +26,7 @@ from . import layout as L
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .partition import tag_saved
-from .canonicalize import Bound, OperandPlan, SiteMatch, Unsupported, shape_of, val
+from .canonicalize import Bound, OperandPlan, SearchBound, SiteMatch, Unsupported, shape_of, val
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -170,12 +170,20 @@ class Emitter:
         sizes = [1 if not atoms else self.size_arg(atoms) for atoms in target]
         return self.call(aten.reshape.default, [x, sizes])
 
+    def search(self, plan: SearchBound) -> fx.Node:
+        """``searchsorted`` of each row's value in its batch's sorted key row: [B, S]."""
+        doc = self.operand(plan.sorted)  # [B, T]
+        v = self.operand(plan.values)  # [B or 1, S or 1]
+        v = self.call(aten.expand.default, [v, [self.size_arg(plan.sorted.layout[0]), -1]])
+        return self.call(aten.searchsorted.Tensor, [doc, self.call(aten.contiguous.default, [v])],
+                         {"right": plan.right})
+
     def bound(self, bounds: List[Bound], agg: str) -> fx.Node:
         nodes = []
         for b in bounds:
             acc: Optional[fx.Node] = None
             for coef, plan in b.terms:
-                t = self.operand(plan)
+                t = self.search(plan) if isinstance(plan, SearchBound) else self.operand(plan)
                 if val(t).dtype != torch.int64:
                     t = self.call(prims.convert_element_type.default, [t, torch.int64])
                 if coef != 1:

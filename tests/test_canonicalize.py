@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import hyscale_compile
 from hyscale_compile.lowerings.reference import stable_topk
+from hyscale_compile.testing import assert_selection_equal
 from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
 from tests.contract import check_selection, fresh_seed, reference_f64, tolerance
 from tests.models.dsa_forms import FORMS, hadamard, topk_inputs
@@ -361,6 +362,43 @@ def test_tril_triu_of_bool_ones_is_a_key_range(name):
         report = hyscale_compile.explain(case.fn, *case.args)
     assert report.rewritten and all(s.spec.endswith("mask:range") for s in report.rewritten), str(report)
     assert all(s.line().endswith("; hidden key tiles skipped") for s in report.rewritten), str(report)
+
+
+def _documents(q, k, w, flags):
+    """A DSA score under causal & same-document masks, the document ids a cumsum of
+    boundary flags (HF's packed-sequence ids), compared by lookups as HF's mask builder does."""
+    B, S = flags.shape
+    doc = flags.cumsum(-1)
+    t = torch.arange(S)
+    b = torch.arange(B)[:, None, None]
+    same = doc[b, t[None, :, None]] == doc[b, t[None, None, :]]
+    keep = (t[None, None, :] <= t[None, :, None]) & same
+    s = torch.einsum("bshd,btd->bsth", q, k).relu().mul(w[:, :, None, :]).sum(-1)
+    s = s + torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+    return s.topk(5, dim=-1).indices
+
+
+def test_document_ids_become_key_ranges():
+    """``doc[b, q] == doc[b, t]`` over a non-decreasing id row is a key range per row (by
+    ``searchsorted``): the op gets [B, S] bounds, never the [B, S, T] mask, and the selection
+    keeps every row inside its own document (rows at a document's start have fewer than k
+    visible keys: their masked slots are the smallest-index hidden keys, as the tie rule says)."""
+    seed = fresh_seed("documents")
+    g = torch.Generator().manual_seed(seed)
+    B, S, H, D = 2, 24, 3, 8
+    q, k, w = torch.randn(B, S, H, D, generator=g), torch.randn(B, S, D, generator=g), torch.rand(B, S, H, generator=g)
+    flags = torch.zeros(B, S, dtype=torch.bool)
+    flags[0, [7, 15]] = True
+    flags[1, 3] = True
+    with torch.no_grad():
+        report = hyscale_compile.explain(_documents, q, k, w, flags)
+        assert len(report.rewritten) == 1 and report.rewritten[0].spec.endswith("mask:range"), str(report)
+        out = compiled(_documents)(q, k, w, flags)
+    s = torch.einsum("bshd,btd->bsth", q.double(), k.double()).relu().mul(w.double()[:, :, None, :]).sum(-1)
+    doc = flags.cumsum(-1)
+    t = torch.arange(S)
+    keep = (t[None, None, :] <= t[None, :, None]) & (doc[:, :, None] == doc[:, None, :])
+    assert_selection_equal(out, s.masked_fill(~keep, -math.inf), sorted=True)
 
 
 @pytest.mark.parametrize("name,tiles", [
