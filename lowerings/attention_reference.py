@@ -15,35 +15,28 @@ import torch
 
 from .attention_backward import chunk_rows
 from .attention_spec import AttentionSpec
-from .reference import _apply_elementwise, _apply_mask
+from .reference import _apply_elementwise, _apply_mask, check_mask_shapes
 from .spec import SpecError, dtype_of
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_mask_operands(masks, spec: AttentionSpec, B: int, S: int, T: int, device) -> None:
-    """Each operand as its mask terms read it: a tensor term's broadcasts to [B, S, T]
-    (float for ``add``, bool for ``fill``), a range bound's to [B, S] (integer)."""
+    """Each operand as its mask terms read it (the selection's rules): shapes that
+    broadcast (``reference.check_mask_shapes``), bool fills, numeric additive masks,
+    integer range bounds, on q's device (a scale's 0-d operand may live on the host)."""
     for i, t in enumerate(masks):
         if not isinstance(t, torch.Tensor):
             raise SpecError(f"mask operand {i} is a {type(t).__name__}, not a tensor")
-        if t.device != device:
-            raise SpecError(f"mask operand {i} is on {t.device}, q on {device}")
+    check_mask_shapes(masks, spec.as_score_spec(), B, S, T)
     for j, term in enumerate(spec.masks):
-        uses = [(term.operand, (B, S, T), "[B, S, T]")] if term.kind in ("add", "fill") else \
-            [(i, (B, S), "[B, S]") for i in (term.lo, term.hi) if i is not None]
-        for i, shape, name in uses:
+        for i in term.operands:
             t = masks[i]
-            try:
-                torch.broadcast_shapes(tuple(t.shape), shape)
-                ok = torch.broadcast_shapes(tuple(t.shape), shape) == shape
-            except RuntimeError:
-                ok = False
-            if not ok:
-                raise SpecError(f"mask term {j} ({term.kind}): operand {i} of shape {tuple(t.shape)} does not "
-                                f"broadcast to {name} = {list(shape)}")
-            if term.kind == "add" and not t.is_floating_point():
-                raise SpecError(f"mask term {j} (add): operand {i} has dtype {t.dtype}; expected a float dtype")
+            if t.device != device:
+                raise SpecError(f"mask term {j} ({term.kind}): operand {i} is on {t.device}, q on {device}")
+            if term.kind == "add" and (t.dtype == torch.bool or t.is_complex()):
+                raise SpecError(f"mask term {j} (add): operand {i} has dtype {t.dtype}; expected a real, non-bool "
+                                "dtype")
             if term.kind == "fill" and t.dtype != torch.bool:
                 raise SpecError(f"mask term {j} (fill): operand {i} has dtype {t.dtype}; expected bool")
             if term.kind == "range" and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
