@@ -56,22 +56,25 @@ _BLOCK_F = 1024  # at most this many features per program of the segment sum
 
 
 @triton.jit
-def _segment_sum_kernel(SRC, ORDER, SKEYS, END, OUT, F, BLOCK_F: tl.constexpr):
-    # Program (i, f): sorted position i, features [f * BLOCK_F, ...). Only the first
-    # position of each key's run works: it adds the run's rows of SRC, in sorted order,
-    # onto OUT[key] and stores it. One program per key and feature block, so no atomics.
+def _segment_sum_kernel(SRC, ORDER, SKEYS, END, OUT, N, F, HK, BLOCK_F: tl.constexpr):
+    # Program (i, f, h): sorted position i, features [f * BLOCK_F, ...) of key head h. Only
+    # the first position of each key's run works: it adds the run's rows of SRC[h], in
+    # sorted order, onto OUT[key, h] and stores it. One program per key, head and feature
+    # block, so no atomics.
     i = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    h = tl.program_id(2).to(tl.int64)
     ok = offs < F
     key = tl.load(SKEYS + i)
     prev = tl.load(SKEYS + tl.maximum(i - 1, 0))
     if (i == 0) | (prev != key):
         end = tl.load(END + i)
-        dst = OUT + key.to(tl.int64) * F + offs
+        dst = OUT + (key.to(tl.int64) * HK + h) * F + offs
+        src = SRC + h * N * F + offs
         acc = tl.load(dst, mask=ok, other=0.0)
         for p in range(i.to(tl.int64), end):
             r = tl.load(ORDER + p).to(tl.int64)
-            acc += tl.load(SRC + r * F + offs, mask=ok, other=0.0)
+            acc += tl.load(src + r * F, mask=ok, other=0.0)
         tl.store(dst, acc, mask=ok)
 
 
@@ -86,21 +89,28 @@ def key_order(keys: torch.Tensor):
 
 
 def segment_sum_(out: torch.Tensor, keys: torch.Tensor, src: torch.Tensor, use_kernel: bool = None) -> torch.Tensor:
-    """out[keys[i]] += src[i] for i = 0, 1, ... in that order, for fp32 ``out`` [T, F]
-    (contiguous), int64 ``keys`` [N] and fp32 ``src`` [N, F]. ``use_kernel``: the Triton
-    segment sum (default: on CUDA; tests run it on the CPU under TRITON_INTERPRET=1)."""
-    N, F = src.shape
+    """out[keys[i], h] += src[h, i] for i = 0, 1, ... in that order, for each head h: fp32
+    ``out`` [T, Hk, F] (contiguous), int64 ``keys`` [N], fp32 ``src`` [Hk, N, F] (the
+    head-major per-slot gradients); [T, F] and [N, F] for one head. ``use_kernel``: the
+    Triton segment sum (default: on CUDA; tests also run it on the CPU under
+    TRITON_INTERPRET=1)."""
+    if out.dim() == 2:
+        out3, src = out.unsqueeze(1), src.unsqueeze(0)
+    else:
+        out3 = out
+    Hk, N, F = src.shape
     if use_kernel is None:
         use_kernel = out.device.type == "cuda"
-    if not use_kernel:
-        return out.index_add_(0, keys, src)
-    if N == 0 or F == 0:
+    if not use_kernel:  # one index_add_ over every head's features (a strided one is slower)
+        out3.view(out3.shape[0], Hk * F).index_add_(0, keys, src.permute(1, 0, 2).reshape(N, Hk * F))
         return out
-    assert out.is_contiguous() and out.dtype == torch.float32 and out.shape[1] == F
+    if N == 0 or F == 0 or Hk == 0:
+        return out
+    assert out3.is_contiguous() and out3.dtype == torch.float32 and tuple(out3.shape[1:]) == (Hk, F)
     src = src.contiguous()
     skeys, order, end = key_order(keys)
     block = min(_BLOCK_F, triton.next_power_of_2(F))
-    _segment_sum_kernel[(N, triton.cdiv(F, block))](src, order, skeys, end, out, F, BLOCK_F=block)
+    _segment_sum_kernel[(N, triton.cdiv(F, block), Hk)](src, order, skeys, end, out3, N, F, Hk, BLOCK_F=block)
     return out
 
 
@@ -141,7 +151,7 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
                        chunk_bytes: int = None):
     """(gq, gk, gv) in the operands' dtypes; an input that needs no gradient gets an empty
     tensor. ``out`` is not read (delta comes from the fp32 probabilities)."""
-    from .attention_reference import score_slots
+    from .attention_reference import heads_to_rows, gather_heads, rows_to_heads, score_slots
 
     B, S, H, D = q.shape
     T, Hk, Dv, K = k.shape[1], k.shape[2], v.shape[3], idx.shape[-1]
@@ -149,8 +159,8 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
     f32 = torch.float32
     sspec = spec.as_score_spec()
     gq = torch.zeros(q.shape, dtype=f32, device=q.device) if needs[0] else None
-    gk = torch.zeros((B, T, Hk * D), dtype=f32, device=k.device) if needs[1] else None
-    gv = torch.zeros((B, T, Hk * Dv), dtype=f32, device=v.device) if needs[2] else None
+    gk = torch.zeros(k.shape, dtype=f32, device=k.device) if needs[1] else None
+    gv = torch.zeros(v.shape, dtype=f32, device=v.device) if needs[2] else None
     step = chunk_rows(q.device, S, K, H, Hk, D, Dv, len(sspec.post), chunk_bytes)
     if K and any(needs):
         for b in range(B):
@@ -162,11 +172,13 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
                 # rows with a visible slot (the forward's lse); the others pass nothing
                 live = lse[b, s0:s1].transpose(0, 1).unsqueeze(-1) > -float("inf")  # [H, n, 1]
                 p = torch.where(live, _softmax(outs[-1]), 0.0)  # [H, n, K]
-                vb = v[b][keys].to(f32)  # [n, K, Hk, Dv]
+                vb = gather_heads(v[b], keys, f32)  # [Hk, n, K, Dv]
                 go = grad_out[b, s0:s1].to(f32)
-                go = torch.where(live.squeeze(-1).transpose(0, 1).unsqueeze(-1), go, 0.0).view(n, Hk, G, Dv)
+                go = torch.where(live.squeeze(-1).transpose(0, 1).unsqueeze(-1), go, 0.0)
+                goh = go.view(n, Hk, G, Dv).permute(1, 0, 2, 3)  # [Hk, n, G, Dv]
                 # dP = dO . v;  dy = P (dP - delta), delta = sum_j P dP (the softmax's backward)
-                dp = torch.einsum("nhgd,nkhd->hgnk", go, vb).reshape(H, n, K)
+                dp = heads_to_rows(torch.matmul(goh, vb.transpose(-1, -2)), H)
+                del vb
                 delta = (p * dp).sum(-1, keepdim=True)
                 g = torch.where(p > 0, p * (dp - delta), 0.0)
                 del dp
@@ -177,21 +189,20 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
                     else:
                         g = _step_grad(g, st, outs[i], outs[i + 1])
                 del outs
-                gx = g.view(Hk, G, n, K)
+                gx = rows_to_heads(g, Hk)  # [Hk, n, G, K]
                 flat = keys.reshape(-1)
                 if needs[0]:
-                    gq[b, s0:s1] = torch.einsum("hgnk,nkhd->nhgd", gx, kb).reshape(n, H, D)
+                    gq[b, s0:s1] = torch.matmul(gx, kb).permute(1, 0, 2, 3).reshape(n, H, D)
                 del kb
                 if needs[1]:
-                    qb = q[b, s0:s1].to(f32).view(n, Hk, G, D)
-                    gks = torch.einsum("hgnk,nhgd->nkhd", gx, qb).reshape(n * K, Hk * D)
-                    segment_sum_(gk[b], flat, gks)
+                    qh = q[b, s0:s1].to(f32).view(n, Hk, G, D).permute(1, 0, 2, 3)
+                    gks = torch.matmul(gx.transpose(-1, -2), qh)  # [Hk, n, K, D]
+                    segment_sum_(gk[b], flat, gks.view(Hk, n * K, D))
                     del gks
                 if needs[2]:
-                    gvb = torch.einsum("hgnk,nhgd->nkhd", p.view(Hk, G, n, K), go).reshape(n * K, Hk * Dv)
-                    segment_sum_(gv[b], flat, gvb)
+                    gvb = torch.matmul(rows_to_heads(p, Hk).transpose(-1, -2), goh)  # [Hk, n, K, Dv]
+                    segment_sum_(gv[b], flat, gvb.view(Hk, n * K, Dv))
                     del gvb
     # a fresh empty tensor per output: outputs of a custom op may not alias each other
     return (gq.to(q.dtype) if needs[0] else q.new_empty(0),
-            gk.view(k.shape).to(k.dtype) if needs[1] else k.new_empty(0),
-            gv.view(v.shape).to(v.dtype) if needs[2] else v.new_empty(0))
+            gk.to(k.dtype) if needs[1] else k.new_empty(0), gv.to(v.dtype) if needs[2] else v.new_empty(0))

@@ -78,19 +78,39 @@ def check_attention_operands(q, k, v, idx, masks, spec: AttentionSpec) -> None:
             raise SpecError(f"idx holds key {lo if lo < 0 else hi}, outside [0, T={T})")
 
 
+def gather_heads(x: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x[b] [T, Hk, D] at ``keys`` [n, K], head-major: [Hk, n, K, D] in ``dtype``. Gathered
+    from the head-major view, so the result is already laid out for one batched matmul
+    per key head (no transposing copy of the gathered keys), and cast after the gather
+    (only the k keys are converted)."""
+    return x.transpose(0, 1)[:, keys].to(dtype)
+
+
+def heads_to_rows(x: torch.Tensor, H: int) -> torch.Tensor:
+    """[Hk, n, G, K] (one matmul per key head) -> [H, n, K] (head h = hk * G + g)."""
+    Hk, n, G, K = x.shape
+    return x.permute(0, 2, 1, 3).reshape(H, n, K)
+
+
+def rows_to_heads(x: torch.Tensor, Hk: int) -> torch.Tensor:
+    """[H, n, K] -> [Hk, n, G, K], the inverse of ``heads_to_rows``."""
+    H, n, K = x.shape
+    return x.view(Hk, H // Hk, n, K).permute(0, 2, 1, 3)
+
+
 def score_slots(q, k, idx, masks, spec: AttentionSpec, b, s0, s1, dtype):
     """The per-head logits x and masked scores y, both [H, n, K], of rows (b, s0:s1) at
     their selected keys: every post step's input and the last output (for the backward),
-    the gathered keys [n, K, Hk, D] in ``dtype`` and their int64 indices [1, n, K] (the
+    the gathered keys [Hk, n, K, D] in ``dtype`` and their int64 indices [1, n, K] (the
     masks broadcast over the heads)."""
     B, S, H, D = q.shape
     T, Hk = k.shape[1], k.shape[2]
     G = H // Hk
     keys = idx[b, s0:s1].long()
     n, K = keys.shape
-    qb = q[b, s0:s1].to(dtype).view(n, Hk, G, D)
-    kb = k[b][keys].to(dtype)  # [n, K, Hk, D]: gathered first, so only the k keys are converted
-    x = torch.einsum("nhgd,nkhd->hgnk", qb, kb).reshape(H, n, K)
+    qh = q[b, s0:s1].to(dtype).view(n, Hk, G, D).permute(1, 0, 2, 3)  # [Hk, n, G, D]
+    kb = gather_heads(k[b], keys, dtype)
+    x = heads_to_rows(torch.matmul(qh, kb.transpose(-1, -2)), H)
     mkeys = keys.unsqueeze(0)
     sspec = spec.as_score_spec()
     outs = [x]
@@ -109,7 +129,6 @@ def attention_forward(q, k, v, idx, masks: Sequence[torch.Tensor], spec: Attenti
     probs [B,S,K] fp32 = sum_h P, or an empty tensor unless ``return_probs``)."""
     B, S, H, _ = q.shape
     Hk, Dv, K = k.shape[2], v.shape[3], idx.shape[-1]
-    G = H // Hk
     out_dtype = dtype if dtype == torch.float64 else dtype_of(spec.out_dtype)
     stat = torch.float64 if dtype == torch.float64 else torch.float32
     out = q.new_empty((B, S, H, Dv), dtype=out_dtype)
@@ -131,8 +150,8 @@ def attention_forward(q, k, v, idx, masks: Sequence[torch.Tensor], spec: Attenti
             e = torch.exp(y - m)
             l = e.sum(-1, keepdim=True)
             p = e / l
-            vb = v[b][keys].to(dtype)  # [n, K, Hk, Dv]
-            o = torch.einsum("hgnk,nkhd->nhgd", p.view(Hk, G, n, K), vb).reshape(n, H, Dv)
+            vb = gather_heads(v[b], keys, dtype)  # [Hk, n, K, Dv]
+            o = torch.matmul(rows_to_heads(p, Hk), vb).permute(1, 0, 2, 3).reshape(n, H, Dv)
             out[b, s0:s1] = o.to(out_dtype)
             lse[b, s0:s1] = (m + torch.log(l)).squeeze(-1).transpose(0, 1).to(stat)
             if return_probs:

@@ -367,6 +367,13 @@ def test_segment_sum_is_sequential_in_row_slot_order():
     for c0 in range(0, N, 64):
         ab.segment_sum_(got, keys[c0:c0 + 64].to(dev), src[c0:c0 + 64].to(dev), use_kernel=True)
     assert torch.equal(got.cpu(), want)
+    # several key heads: out [T, Hk, F] from head-major contributions [Hk, N, F]
+    src3 = torch.stack([src, src.flip(0), -src])
+    base3 = torch.randn(Tk, 3, F, generator=gen)
+    want3 = torch.stack([_sequential_sum(base3[:, h], keys, src3[h]) for h in range(3)], 1)
+    assert torch.equal(ab.segment_sum_(base3.clone(), keys, src3, use_kernel=False), want3)
+    got3 = ab.segment_sum_(base3.clone().to(dev), keys.to(dev), src3.to(dev), use_kernel=True)
+    assert torch.equal(got3.cpu(), want3)
 
 
 def _backward_bits(device, S_, T_, K_, H, Hk, Dq, Dv, chunk_bytes=None, seed=0):
