@@ -16,14 +16,17 @@ the key's running value:
 
 * CUDA: a key-major inversion of the chunk's indices (a stable sort of the flattened
   (row, slot) -> key) and ``_segment_sum_kernel``, where one program owns one key (per
-  feature block) and adds its contributions in sorted order: no atomics, each output
-  written by one program.
+  key head and feature block) and adds its contributions in sorted order: no atomics,
+  each output written by one program. (Not ``torch.use_deterministic_algorithms``: that
+  is process-wide state, which an op must not set behind the user's back.)
 * CPU: ``index_add_``, whose CPU kernel loops over the index in order, one slice add per
   entry: the same order (``tests/test_attention_op.py`` checks the two agree bit for bit).
 
 Chunks follow each other in row order, so the whole sum is sequential in (row, slot) order
 whatever the chunking. Chunk sizes are a function of the shapes and the device type only
-(``DEFAULT_CHUNK_BYTES``), so the matmuls see the same problem sizes on every run.
+(``DEFAULT_CHUNK_BYTES``), so the matmuls see the same problem sizes on every run (cuBLAS
+gives the same bits for the same problem on the same GPU model); everything else is
+elementwise or a fixed-shape reduction.
 Memory: O(rows per chunk x k x Hk x D) plus the fp32 [B, T, Hk, D] key gradients; no
 [S, T] tensor.
 
