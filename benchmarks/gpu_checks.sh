@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call (docs/performance.md, "How the GPU numbers were taken"): install, GPU
 # tests, the joint-graph tests on this machine's torch, then the given benchmark steps.
-#   bash benchmarks/gpu_checks.sh tests sweep        # step names: tests, sweep, sparse, variants, varianttests, train, demo, matmul, qsa, presample, finite
+#   bash benchmarks/gpu_checks.sh tests sweep        # step names: tests, sweep, sparse, variants, varianttests, train, demo, matmul, qsa, presample, finite, attnbwd
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -38,6 +38,9 @@ for step in "$@"; do
       grep -E "^S=|^\| (default|presample)" "$OUT/presample.md" ;;
     finite) timeout 300 python3 benchmarks/bench_finite_check.py --sizes ${FINITE_SIZES:-32768} > "$OUT/finite.md" 2> "$OUT/finite.log"
              echo "finite rc=$?"; cat "$OUT/finite.md" ;;
+    attnbwd) timeout 540 python3 benchmarks/bench_attention_backward.py --seqs ${ATTN_SEQS:-8192,32768,131072} \
+             --shapes ${ATTN_SHAPES:-per_head,mqa16,mqa128} > "$OUT/attnbwd.md" 2> "$OUT/attnbwd.log"
+             echo "attnbwd rc=$?"; cat "$OUT/attnbwd.md"; tail -3 "$OUT/attnbwd.log" ;;
     varianttests) timeout 300 python3 -m pytest -q -m gpu tests/test_variants.py > "$OUT/variant_tests.log" 2>&1
              echo "variant gpu tests rc=$?: $(tail -1 "$OUT/variant_tests.log")" ;;
     *) echo "unknown step $step" ;;

@@ -12,7 +12,14 @@ loss reads it). ``sparse_attention`` is differentiable in q, k and v
 the forward's saved indices and log-sum-exp.
 
 Implementations: CPU -> ``attention_reference`` (chunked, no [S, T] tensor); CUDA -> the
-same reference until the Triton kernel lands.
+same reference until the Triton kernel lands. The backward is ``attention_backward``:
+bitwise reproducible on both (no floating-point atomics). ``lse`` and ``probs`` are not
+differentiable (``mark_non_differentiable``): a loss that reads them (the indexer's KL
+reads ``probs`` as its target) gets no gradient through them.
+
+Bad operands (shapes, dtypes, devices, masks that do not broadcast, indices outside
+[0, T) on the CPU, a spec that does not parse) raise ``SpecError`` naming the problem,
+and the fakes run the same checks, so a compile sees them before a run would.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
+from . import attention_backward as bwd
 from . import attention_reference as ref
 from .attention_spec import AttentionSpec
 from .spec import dtype_of
@@ -51,6 +59,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, masks: List[T
 
 @sparse_attention.register_fake
 def _(q, k, v, idx, masks, spec, return_probs=False):
+    ref.check_attention_operands(q, k, v, idx, masks, _parsed(spec, masks))
     B, S, H = q.shape[0], q.shape[1], q.shape[2]
     out_dtype = dtype_of(parse_attention_spec(spec).out_dtype)
     probs_shape = (B, S, idx.shape[-1]) if return_probs else (0,)
@@ -65,20 +74,24 @@ def sparse_attention_backward(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     CALLS["sparse_attention_backward"] += 1
     parsed = _parsed(spec, masks)
-    return ref.attention_backward(grad_out, q, k, v, idx, list(masks), out, lse, parsed, (needs_q, needs_k, needs_v))
+    ref.check_attention_operands(q, k, v, idx, masks, parsed)
+    bwd.check_backward_operands(grad_out, q, k, v, idx, out, lse)
+    return bwd.attention_backward(grad_out, q, k, v, idx, list(masks), out, lse, parsed, (needs_q, needs_k, needs_v))
 
 
 @sparse_attention_backward.register_fake
 def _(grad_out, q, k, v, idx, masks, out, lse, spec, needs_q, needs_k, needs_v):
-    empty = q.new_empty(0)
-    return (q.new_empty(q.shape) if needs_q else empty, k.new_empty(k.shape) if needs_k else empty,
-            v.new_empty(v.shape) if needs_v else empty)
+    ref.check_attention_operands(q, k, v, idx, masks, _parsed(spec, masks))
+    bwd.check_backward_operands(grad_out, q, k, v, idx, out, lse)
+    return (q.new_empty(q.shape if needs_q else (0,)), k.new_empty(k.shape if needs_k else (0,)),
+            v.new_empty(v.shape if needs_v else (0,)))
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, idx, masks, spec = inputs[:6]
     ctx.spec, ctx.n_masks = spec, len(masks)
     ctx.save_for_backward(q, k, v, idx, output[0], output[1], *masks)
+    ctx.mark_non_differentiable(output[1], output[2])
 
 
 def _backward(ctx, grad_out, grad_lse, grad_probs):
@@ -88,7 +101,7 @@ def _backward(ctx, grad_out, grad_lse, grad_probs):
         grad_out = torch.zeros_like(out)
     gq, gk, gv = torch.ops.hyscale.sparse_attention_backward(grad_out, q, k, v, idx, masks, out, lse, ctx.spec,
                                                             nq, nk, nv)
-    # (lse and probs carry no gradient: the pass never hands them to a differentiable use)
+    # lse and probs are marked non-differentiable: grad_lse and grad_probs are zeros
     rest = len(ctx.needs_input_grad) - 5
     return (gq if nq else None), (gk if nk else None), (gv if nv else None), None, [None] * ctx.n_masks, \
         *([None] * rest)

@@ -76,13 +76,24 @@ class AttentionSpec:
             raise SpecError(f"attention spec is not valid JSON: {e}") from None
         if not isinstance(d, dict) or d.pop("v", None) != ATTENTION_SPEC_VERSION:
             raise SpecError(f"attention spec version mismatch (expected {ATTENTION_SPEC_VERSION}): {text[:80]}")
-        spec = AttentionSpec(
-            name=d["name"],
-            post=tuple(tuple(s) for s in d["post"]),
-            masks=tuple(MaskTerm.from_json(m) for m in d["masks"]),
-            out_dtype=d["out_dtype"],
-            fp32_precision=d.get("fp32_precision", "ieee"),
-        )
+        fields = {"name", "post", "masks", "out_dtype", "fp32_precision"}
+        missing = sorted(fields - {"fp32_precision"} - set(d))
+        if missing:
+            raise SpecError(f"attention spec is missing {', '.join(repr(m) for m in missing)}: {text[:80]}")
+        if set(d) - fields:
+            raise SpecError(f"attention spec has unknown field(s) {sorted(set(d) - fields)}: {text[:80]}")
+        try:
+            post = tuple(tuple(s) for s in d["post"])
+        except TypeError:
+            raise SpecError(f"attention spec's post must be a list of steps (lists): {d['post']!r}") from None
+        masks = []
+        for i, m in enumerate(d["masks"] if isinstance(d["masks"], list) else [d["masks"]]):
+            try:
+                masks.append(MaskTerm.from_json(m))
+            except TypeError as e:
+                raise SpecError(f"attention spec's mask term {i} ({m!r}) is not a MaskTerm: {e}") from None
+        spec = AttentionSpec(name=d["name"], post=post, masks=tuple(masks), out_dtype=d["out_dtype"],
+                             fp32_precision=d.get("fp32_precision", "ieee"))
         return spec.validate()
 
     def as_score_spec(self) -> ScoreSpec:

@@ -1,0 +1,211 @@
+"""The sparse attention's backward: gradients at the k selected keys, bitwise reproducible.
+
+For one chunk of query rows it gathers the rows' k keys and values at the forward's saved
+indices (nothing re-selects, no index mask is built), recomputes the probabilities over the
+k slots with the forward's arithmetic (the rows' empty ones, lse -inf, from the saved
+log-sum-exp), runs the softmax's and the post steps' derivatives, and gives
+
+    gq[b, s]          = sum_j dy[h, j] k[t_j]                 (per row: no reduction across rows)
+    gk[b, t]         += sum over (s, j) with idx[b, s, j] = t of dy[h, s, j] q[b, s]
+    gv[b, t]         += sum over the same (s, j) of P[h, s, j] dO[b, s]
+
+The key side sums contributions of many rows into one key. ``index_add_`` on CUDA does
+that with floating-point atomics, whose order (so whose low bits) changes between runs.
+Here every key's contributions are added in one fixed order, (row, slot) ascending, onto
+the key's running value:
+
+* CUDA: a key-major inversion of the chunk's indices (a stable sort of the flattened
+  (row, slot) -> key) and ``_segment_sum_kernel``, where one program owns one key (per
+  key head and feature block) and adds its contributions in sorted order: no atomics,
+  each output written by one program. (Not ``torch.use_deterministic_algorithms``: that
+  is process-wide state, which an op must not set behind the user's back.)
+* CPU: ``index_add_``, whose CPU kernel loops over the index in order, one slice add per
+  entry: the same order (``tests/test_attention_op.py`` checks the two agree bit for bit).
+
+Chunks follow each other in row order, so the whole sum is sequential in (row, slot) order
+whatever the chunking. Chunk sizes are a function of the shapes and the device type only
+(``DEFAULT_CHUNK_BYTES``), so the matmuls see the same problem sizes on every run (cuBLAS
+gives the same bits for the same problem on the same GPU model); everything else is
+elementwise or a fixed-shape reduction.
+Memory: O(rows per chunk x k x Hk x D) plus the fp32 [B, T, Hk, D] key gradients; no
+[S, T] tensor.
+
+This runs inside a custom op, below autograd, so the chain rule is written out. Each post
+step's derivative is the one autograd gives the original graph's op
+(``backward._step_grad`` / ``_mask_grad``): a fill passes no gradient to the slots it
+hides. The softmax's ``delta`` is sum_j P dP, from the fp32 probabilities (not the rounded
+output). A row whose every slot is hidden (lse -inf, out NaN) passes no gradient at all.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_spec import AttentionSpec
+from .backward import _mask_grad, _step_grad
+from .spec import SpecError
+
+# Bytes of per-chunk temporaries (gathered keys and values, their gradients, the per-head
+# logits): cache-sized on the CPU; on a GPU large, so each chunk's few dozen launches do
+# enough work to hide their overhead (S = 128K is thousands of chunks at this size).
+DEFAULT_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}
+if "HYSCALE_ATTN_CHUNK_BYTES" in os.environ:
+    DEFAULT_CHUNK_BYTES = {d: int(os.environ["HYSCALE_ATTN_CHUNK_BYTES"]) for d in DEFAULT_CHUNK_BYTES}
+
+_BLOCK_F = 1024  # at most this many features per program of the segment sum
+
+
+@triton.jit
+def _segment_sum_kernel(SRC, ORDER, SKEYS, END, OUT, N, F, HK, BLOCK_F: tl.constexpr):
+    # Program (i, f, h): sorted position i, features [f * BLOCK_F, ...) of key head h. Only
+    # the first position of each key's run works: it adds the run's rows of SRC[h], in
+    # sorted order, onto OUT[key, h] and stores it. One program per key, head and feature
+    # block, so no atomics.
+    i = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    h = tl.program_id(2).to(tl.int64)
+    ok = offs < F
+    key = tl.load(SKEYS + i)
+    prev = tl.load(SKEYS + tl.maximum(i - 1, 0))
+    if (i == 0) | (prev != key):
+        end = tl.load(END + i)
+        dst = OUT + (key.to(tl.int64) * HK + h) * F + offs
+        src = SRC + h * N * F + offs
+        acc = tl.load(dst, mask=ok, other=0.0)
+        for p in range(i.to(tl.int64), end):
+            r = tl.load(ORDER + p).to(tl.int64)
+            acc += tl.load(src + r * F, mask=ok, other=0.0)
+        tl.store(dst, acc, mask=ok)
+
+
+def key_order(keys: torch.Tensor):
+    """The key-major inversion of flattened (row, slot) -> key indices ``keys`` [N]:
+    (sorted keys, order: sorted position -> (row, slot) position, end: each sorted
+    position's one-past-its-run). A stable sort, so a key's contributions stay in (row,
+    slot) order; deterministic on CUDA (a stable sort's result is unique)."""
+    skeys, order = torch.sort(keys, stable=True)
+    end = torch.searchsorted(skeys, skeys, right=True)
+    return skeys, order, end
+
+
+def segment_sum_(out: torch.Tensor, keys: torch.Tensor, src: torch.Tensor, use_kernel: bool = None) -> torch.Tensor:
+    """out[keys[i], h] += src[h, i] for i = 0, 1, ... in that order, for each head h: fp32
+    ``out`` [T, Hk, F] (contiguous), int64 ``keys`` [N], fp32 ``src`` [Hk, N, F] (the
+    head-major per-slot gradients); [T, F] and [N, F] for one head. ``use_kernel``: the
+    Triton segment sum (default: on CUDA; tests also run it on the CPU under
+    TRITON_INTERPRET=1)."""
+    if out.dim() == 2:
+        out3, src = out.unsqueeze(1), src.unsqueeze(0)
+    else:
+        out3 = out
+    Hk, N, F = src.shape
+    if use_kernel is None:
+        use_kernel = out.device.type == "cuda"
+    if not use_kernel:  # one index_add_ over every head's features (a strided one is slower)
+        out3.view(out3.shape[0], Hk * F).index_add_(0, keys, src.permute(1, 0, 2).reshape(N, Hk * F))
+        return out
+    if N == 0 or F == 0 or Hk == 0:
+        return out
+    assert out3.is_contiguous() and out3.dtype == torch.float32 and tuple(out3.shape[1:]) == (Hk, F)
+    src = src.contiguous()
+    skeys, order, end = key_order(keys)
+    block = min(_BLOCK_F, triton.next_power_of_2(F))
+    _segment_sum_kernel[(N, triton.cdiv(F, block), Hk)](src, order, skeys, end, out3, N, F, Hk, BLOCK_F=block)
+    return out
+
+
+def chunk_rows(device: torch.device, S: int, K: int, H: int, Hk: int, D: int, Dv: int, n_post: int,
+               chunk_bytes: int = None) -> int:
+    """Query rows per chunk: the gathered keys and values and their gradients (fp32) and
+    a handful of [H, K] per-head temporaries per row, within the device's budget."""
+    if chunk_bytes is None:
+        chunk_bytes = DEFAULT_CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES["cpu"])
+    per_row = 4 * max(1, K) * (2 * Hk * (D + Dv) + H * (n_post + 6))
+    return max(1, min(max(S, 1), chunk_bytes // per_row))
+
+
+def _softmax(y: torch.Tensor) -> torch.Tensor:
+    """The forward's softmax over the k slots, op for op (so the same bits as its P). Not
+    exp(y - lse): where a finite fill hides every slot (y = finfo.min + x), the fp32 lse
+    rounds log(k) away (finfo.min + log k == finfo.min) and exp(y - lse) would be 1 per slot."""
+    m = y.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(y - m)
+    return e / e.sum(-1, keepdim=True)
+
+
+def check_backward_operands(grad_out, q, k, v, idx, out, lse) -> None:
+    B, S, H, _ = q.shape
+    Dv = v.shape[3]
+    for name, t, shape in (("grad_out", grad_out, (B, S, H, Dv)), ("out", out, (B, S, H, Dv)),
+                           ("lse", lse, (B, S, H))):
+        if tuple(t.shape) != shape:
+            raise SpecError(f"sparse_attention_backward: {name} has shape {tuple(t.shape)}; expected {shape}")
+        if t.device != q.device:
+            raise SpecError(f"sparse_attention_backward: {name} is on {t.device}, q on {q.device}")
+    if not grad_out.is_floating_point():
+        raise SpecError(f"sparse_attention_backward: grad_out has dtype {grad_out.dtype}; expected a float dtype")
+
+
+def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionSpec, needs=(True, True, True),
+                       chunk_bytes: int = None):
+    """(gq, gk, gv) in the operands' dtypes; an input that needs no gradient gets an empty
+    tensor. ``out`` is not read (delta comes from the fp32 probabilities)."""
+    from .attention_reference import heads_to_rows, gather_heads, rows_to_heads, score_slots
+
+    B, S, H, D = q.shape
+    T, Hk, Dv, K = k.shape[1], k.shape[2], v.shape[3], idx.shape[-1]
+    G = H // Hk
+    f32 = torch.float32
+    sspec = spec.as_score_spec()
+    gq = torch.zeros(q.shape, dtype=f32, device=q.device) if needs[0] else None
+    gk = torch.zeros(k.shape, dtype=f32, device=k.device) if needs[1] else None
+    gv = torch.zeros(v.shape, dtype=f32, device=v.device) if needs[2] else None
+    step = chunk_rows(q.device, S, K, H, Hk, D, Dv, len(sspec.post), chunk_bytes)
+    if K and any(needs):
+        for b in range(B):
+            for s0 in range(0, S, step):
+                s1 = min(S, s0 + step)
+                n = s1 - s0
+                outs, kb, mkeys = score_slots(q, k, idx, masks, spec, b, s0, s1, f32)
+                keys = mkeys[0]  # [n, K]
+                # rows with a visible slot (the forward's lse); the others pass nothing
+                live = lse[b, s0:s1].transpose(0, 1).unsqueeze(-1) > -float("inf")  # [H, n, 1]
+                p = torch.where(live, _softmax(outs[-1]), 0.0)  # [H, n, K]
+                vb = gather_heads(v[b], keys, f32)  # [Hk, n, K, Dv]
+                go = grad_out[b, s0:s1].to(f32)
+                go = torch.where(live.squeeze(-1).transpose(0, 1).unsqueeze(-1), go, 0.0)
+                goh = go.view(n, Hk, G, Dv).permute(1, 0, 2, 3)  # [Hk, n, G, Dv]
+                # dP = dO . v;  dy = P (dP - delta), delta = sum_j P dP (the softmax's backward)
+                dp = heads_to_rows(torch.matmul(goh, vb.transpose(-1, -2)), H)
+                del vb
+                delta = (p * dp).sum(-1, keepdim=True)
+                g = torch.where(p > 0, p * (dp - delta), 0.0)
+                del dp
+                for i in reversed(range(len(sspec.post))):
+                    st = sspec.post[i]
+                    if st[0] == "mask":
+                        g = _mask_grad(g, sspec.masks[st[1]], masks, b, b + 1, s0, s1, mkeys, B, S, T)
+                    else:
+                        g = _step_grad(g, st, outs[i], outs[i + 1])
+                del outs
+                gx = rows_to_heads(g, Hk)  # [Hk, n, G, K]
+                flat = keys.reshape(-1)
+                if needs[0]:
+                    gq[b, s0:s1] = torch.matmul(gx, kb).permute(1, 0, 2, 3).reshape(n, H, D)
+                del kb
+                if needs[1]:
+                    qh = q[b, s0:s1].to(f32).view(n, Hk, G, D).permute(1, 0, 2, 3)
+                    gks = torch.matmul(gx.transpose(-1, -2), qh)  # [Hk, n, K, D]
+                    segment_sum_(gk[b], flat, gks.view(Hk, n * K, D))
+                    del gks
+                if needs[2]:
+                    gvb = torch.matmul(rows_to_heads(p, Hk).transpose(-1, -2), goh)  # [Hk, n, K, Dv]
+                    segment_sum_(gv[b], flat, gvb.view(Hk, n * K, Dv))
+                    del gvb
+    # a fresh empty tensor per output: outputs of a custom op may not alias each other
+    return (gq.to(q.dtype) if needs[0] else q.new_empty(0),
+            gk.to(k.dtype) if needs[1] else k.new_empty(0), gv.to(v.dtype) if needs[2] else v.new_empty(0))
