@@ -12,11 +12,13 @@ loss reads it). ``sparse_attention`` is differentiable in q, k and v
 the forward's saved indices and log-sum-exp.
 
 Implementations: CPU -> ``attention_reference`` (chunked, no [S, T] tensor); CUDA -> the
-same reference until the Triton kernel lands.
+forward kernel of ``triton_attention`` (``HYSCALE_KERNEL=reference``: the reference) and,
+for the backward, the reference.
 """
 from __future__ import annotations
 
 import functools
+import os
 from typing import List, Tuple
 
 import torch
@@ -46,6 +48,10 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, masks: List[T
     CALLS["sparse_attention"] += 1
     parsed = _parsed(spec, masks)
     ref.check_attention_operands(q, k, v, idx, masks, parsed)
+    if q.device.type == "cuda" and os.environ.get("HYSCALE_KERNEL", "triton") != "reference":
+        from .triton_attention import sparse_attention_triton
+
+        return sparse_attention_triton(q, k, v, idx, list(masks), parsed, return_probs=return_probs)
     return ref.attention_forward(q, k, v, idx, list(masks), parsed, return_probs=return_probs)
 
 
