@@ -23,9 +23,12 @@ not a power of two runs as two chunks (576 = 512 + 64, 192 = 128 + 64; a short t
 padded and masked); a value that is a view of the key (``k[..., :Dv]``, MQA over a latent)
 is read from the key tile already loaded (``V_FROM_K``), never copied.
 
-``probs`` (``return_probs``: sum over heads of P at each slot) needs each head's final lse,
-so it is a second kernel over the slots, run after the first from the saved lse: it scores
-the slots again (one more QK product) and sums exp(y - lse) over the heads in a fixed order.
+``probs`` (``return_probs``: sum over heads of P at each slot) needs each head's final
+softmax statistics, so it is a second kernel over the slots, run after the first: it scores
+the slots again (one more QK product) and sums exp(y - m) / l over the heads in a fixed
+order, from the running max m and sum l the first kernel then also writes. (Not from the
+saved lse = m + log(l): where every score is near ``finfo.min``, m + log(l) rounds to m in
+fp32 and exp(y - lse) would be l times too large.)
 
 Deterministic: no atomics; every program writes only its own outputs; the launch
 configuration is a function of the shapes and dtypes (``default_config``, no autotuning),
@@ -310,16 +313,19 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
     mask_args = _mask_launch_args(spec, masks, B, S, T, device)
     consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DA=da, DB=db, UPCAST=upcast)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    args = [q, k, v, idx, out, lse, *mask_args, *q.stride(), *k.stride(), *v.stride(), *idx.stride(),
+    # the softmax statistics attn_probs reads (lse's layout), only when probs are asked for
+    stat_m, stat_l = (torch.empty_like(lse), torch.empty_like(lse)) if return_probs and K > 0 else (lse, lse)
+    args = [q, k, v, idx, out, lse, stat_m, stat_l, *mask_args, *q.stride(), *k.stride(), *v.stride(), *idx.stride(),
             *out.stride(), *lse.stride(), S, G, K, Dqk, Dv]
     grid = (B * S, Hk * -(-G // cfg.block_h))
-    fwd_launch = dict(consts, BLOCK_DV=block_dv, V_FROM_K=v_from_k, **launch)
-    if _launcher is not None:
-        return _launcher(fwd, args, fwd_launch)
+    fwd_launch = dict(consts, BLOCK_DV=block_dv, V_FROM_K=v_from_k, WRITE_STATS=return_probs and K > 0, **launch)
+    pargs = [q, k, idx, stat_m, stat_l, probs, *mask_args, *q.stride(), *k.stride(), *idx.stride(), *lse.stride(),
+             *probs.stride(), S, G, Hk, K, Dqk]
+    if _launcher is not None:  # the forward's result, and with return_probs also the probs kernel's
+        first = _launcher(fwd, args, fwd_launch)
+        return (first, _launcher(probs_kernel, pargs, dict(consts, **launch))) if return_probs else first
     fwd[grid](*args, **fwd_launch)
     if return_probs and K > 0:
-        pargs = [q, k, idx, lse, probs, *mask_args, *q.stride(), *k.stride(), *idx.stride(), *lse.stride(),
-                 *probs.stride(), S, G, Hk, K, Dqk]
         probs_kernel[(B * S,)](*pargs, **consts, **launch)
     return out, lse, probs
 
@@ -397,7 +403,7 @@ def _scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_P
 
 @triton.jit
 def attn_fwd(
-    Q, K, V, IDX, OUT, LSE,
+    Q, K, V, IDX, OUT, LSE, STAT_M, STAT_L,
 {{MASK_ARGS_DEF}}    stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -406,7 +412,7 @@ def attn_fwd(
     stride_lb, stride_ls, stride_lh,
     S, G, TOPK, DQK, DV,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
-    BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr, WRITE_STATS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // S
@@ -454,12 +460,16 @@ def attn_fwd(
     tl.store(tl.make_block_ptr(obase, (G, DV), (stride_oh, stride_od), (g0, 0), (BLOCK_H, BLOCK_DV), (1, 0)),
              out.to(OUT.dtype.element_ty), boundary_check=(0, 1))
     lse = m_i + tl.log(l_i)
-    tl.store(LSE + b * stride_lb + s * stride_ls + (hk * G + g0 + offs_h) * stride_lh, lse, mask=g0 + offs_h < G)
+    stat = b * stride_lb + s * stride_ls + (hk * G + g0 + offs_h) * stride_lh
+    tl.store(LSE + stat, lse, mask=g0 + offs_h < G)
+    if WRITE_STATS:  # for attn_probs (STAT_M, STAT_L share LSE's layout)
+        tl.store(STAT_M + stat, tl.where(m_i == float("-inf"), 0.0, m_i), mask=g0 + offs_h < G)
+        tl.store(STAT_L + stat, l_i, mask=g0 + offs_h < G)
 
 
 @triton.jit
 def attn_probs(
-    Q, K, IDX, LSE, PROBS,
+    Q, K, IDX, STAT_M, STAT_L, PROBS,
 {{MASK_ARGS_DEF}}    stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_ib, stride_is, stride_ij,
@@ -468,8 +478,8 @@ def attn_probs(
     S, G, HK, TOPK, DQK,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # probs[b, s, j] = sum_h exp(y[h, j] - lse[h]) for one row per program, from the saved
-    # lse: the slots scored again, the heads summed in a fixed order (kv head, then block)
+    # probs[b, s, j] = sum_h exp(y[h, j] - m[h]) / l[h] for one row per program, from attn_fwd's
+    # statistics: the slots scored again, the heads summed in a fixed order (kv head, then block)
     row = tl.program_id(0).to(tl.int64)
     b = row // S
     s = row % S
@@ -491,9 +501,10 @@ def attn_probs(
                 y, ka = _scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
                                 BLOCK_N, DA, DB, UPCAST)
                 h_ok = g0 + offs_h < G
-                lse = tl.load(LSE + b * stride_lb + s * stride_ls + (hk64 * G + g0 + offs_h) * stride_lh,
-                              mask=h_ok, other=0.0)
-                p = tl.exp(y - lse[:, None])  # NaN for a head with no visible slot, as the reference
+                stat = b * stride_lb + s * stride_ls + (hk64 * G + g0 + offs_h) * stride_lh
+                m = tl.load(STAT_M + stat, mask=h_ok, other=0.0)
+                l = tl.load(STAT_L + stat, mask=h_ok, other=1.0)
+                p = tl.exp(y - m[:, None]) / l[:, None]  # 0 / 0 = NaN for a head with no visible slot
                 tot += tl.sum(tl.where(h_ok[:, None], p, 0.0), axis=0)
         tl.store(PROBS + b * stride_pb + s * stride_ps + slots * stride_pj, tot, mask=slot_ok)
 '''
