@@ -154,7 +154,7 @@ def flex_peer(q, k, v, mask, quick):
     return _peer(lambda: fa(q, k, v, block_mask=bm, enable_gqa=gqa), quick)
 
 
-def run_shape(name, S, selections, peers, quick, rate, rows):
+def run_shape(name, S, selections, peers, quick, rate, rows, config=None):
     H, Hk, dqk, dv, v_of_k = SHAPES[name]
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
@@ -172,7 +172,17 @@ def run_shape(name, S, selections, peers, quick, rate, rows):
     causal = None
     for sel in selections:
         idx = make_selection(S, sel, dev)
-        ms = bench(lambda: torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec), quick)
+        if config:
+            import dataclasses
+
+            from hyscale_compile.lowerings.attention_spec import AttentionSpec
+            from hyscale_compile.lowerings.triton_attention import default_config, sparse_attention_triton
+
+            cfg = dataclasses.replace(default_config(H, Hk, dqk, dv), **config)
+            parsed = AttentionSpec.from_json(spec)
+            ms = bench(lambda: sparse_attention_triton(q, k, v, idx, [hi], parsed, config=cfg), quick)
+        else:
+            ms = bench(lambda: torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec), quick)
         tf = fl / (ms * 1e-3) / 1e12
         print(f"[{name} S={S} {sel}] hyscale {ms:.3f} ms, {tf:.1f} TFLOP/s ({100 * tf * 1e12 / rate:.0f}% of matmul)",
               flush=True)
@@ -255,6 +265,9 @@ def main(argv=None) -> int:
     ap.add_argument("--selections", default=None, help="comma list of random,structured")
     ap.add_argument("--peers", default="sdpa_mask,flex,sdpa_causal", help="comma list, or 'none'")
     ap.add_argument("--inspect", action="store_true", help="no GPU: compile the kernels for sm_90 and report")
+    ap.add_argument("--config", default=None,
+                    help="AttentionConfig fields over each shape's default, e.g. block_n=64,num_stages=3 "
+                         "(calls the kernel directly instead of the op)")
     a = ap.parse_args(argv)
     if a.inspect:
         return inspect_sm90()
@@ -269,6 +282,12 @@ def main(argv=None) -> int:
     peers = set() if a.peers == "none" else {p for p in a.peers.split(",") if p}
     if peers - {"sdpa_mask", "flex", "sdpa_causal"}:
         ap.error(f"unknown peers {sorted(peers - {'sdpa_mask', 'flex', 'sdpa_causal'})}")
+    config = {}
+    for kv in filter(None, (a.config or "").split(",")):
+        key, _, val = kv.partition("=")
+        if key not in ("block_h", "block_n", "num_warps", "num_stages") or not val.isdigit():
+            ap.error(f"--config: {kv!r} is not block_h|block_n|num_warps|num_stages=<int>")
+        config[key] = int(val)
     if not torch.cuda.is_available():
         sys.exit("bench_sparse_attention.py needs a CUDA GPU (--inspect runs without one)")
     import hyscale_compile.lowerings.attention_ops  # noqa: F401  (registers torch.ops.hyscale)
@@ -280,7 +299,7 @@ def main(argv=None) -> int:
     for name in shapes:
         for S in seqs:
             try:
-                run_shape(name, S, sels, peers, a.quick, rate, rows)
+                run_shape(name, S, sels, peers, a.quick, rate, rows, config)
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 print(f"[{name} S={S}] OOM", flush=True)
