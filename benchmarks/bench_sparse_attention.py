@@ -232,7 +232,8 @@ def inspect_sm90() -> int:
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     cases = [(n, *SHAPES[n], torch.bfloat16, True) for n in SHAPES]
     cases += [("gqa_fp32_tf32", 8, 2, 96, 64, False, torch.float32, False),
-              ("gqa_fp16", 8, 2, 96, 64, False, torch.float16, False)]
+              ("gqa_fp16", 8, 2, 96, 64, False, torch.float16, False),
+              ("mla128_fp32", 128, 1, 576, 512, True, torch.float32, False)]
     for name, H, Hk, dqk, dv, v_of_k, dtype, probs in cases:
         S, T = 64, 4096
         q = torch.empty(1, S, H, dqk, dtype=dtype)
@@ -245,7 +246,7 @@ def inspect_sm90() -> int:
             import dataclasses
 
             spec = dataclasses.replace(spec, out_dtype="float32", fp32_precision="tf32")
-        cfg = default_config(H, Hk, dqk, dv)
+        cfg = default_config(H, Hk, dqk, dv, elem_bytes=k.element_size())
         res = sparse_attention_triton(q, k, v, idx, [hi], spec, return_probs=probs,
                                       _launcher=lambda kern, args, launch: kern.warmup(*args, grid=(1,), **launch))
         for kname, ck in zip(("fwd", "probs"), res if probs else (res,)):

@@ -89,17 +89,24 @@ class AttentionConfig:
     num_stages: int = 2
 
 
-def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False) -> AttentionConfig:
-    """The fixed configuration of a shape (not measured yet; see docs/kernel.md)."""
+def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
+                   elem_bytes: int = 2) -> AttentionConfig:
+    """The fixed configuration of a shape and operand width (``elem_bytes``: 4 for fp32
+    keys); chosen so that the sm_90 build neither spills nor exceeds shared memory
+    (``bench_sparse_attention.py --inspect``), not by timing."""
     G = H // Hk
     block_h = max(16, min(64, _next_pow2(G)))
     if interpret:
         return AttentionConfig(block_h=block_h, block_n=16, num_warps=4, num_stages=1)
+    wide = max(Dqk, Dv) * elem_bytes > 512  # the absorbed latent (576 / 512 in bf16), or fp32: smaller tiles
+    if elem_bytes > 2 and max(Dqk, Dv) > 256:
+        # fp32 at the latent's widths: q and two key stages of [BLOCK_N, 576] fp32 would not
+        # fit in shared memory with more heads or slots per tile
+        return AttentionConfig(block_h=16, block_n=16, num_warps=4, num_stages=2)
     if form_of(H, Hk) == "mqa":
-        wide = max(Dqk, Dv) > 256  # the absorbed latent (576 / 512): smaller key tiles
         return AttentionConfig(block_h=block_h, block_n=32 if wide else 64,
                                num_warps=8 if block_h >= 64 and wide else 4, num_stages=2)
-    return AttentionConfig(block_h=block_h, block_n=64 if max(Dqk, Dv) <= 256 else 32, num_warps=4, num_stages=2)
+    return AttentionConfig(block_h=block_h, block_n=32 if wide or elem_bytes > 2 else 64, num_warps=4, num_stages=2)
 
 
 # ---------------------------------------------------------------------------------------
@@ -295,7 +302,7 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
     K = idx.shape[-1]
     G = H // Hk
     form_of(H, Hk)  # raises for H % Hk != 0
-    cfg = config or default_config(H, Hk, Dqk, Dv, interpret=interp)
+    cfg = config or default_config(H, Hk, Dqk, Dv, interpret=interp, elem_bytes=max(k.element_size(), v.element_size()))
     if cfg.block_h < 16 or cfg.block_n < 16 or cfg.block_h & (cfg.block_h - 1) or cfg.block_n & (cfg.block_n - 1):
         raise SpecError(f"{cfg}: block_h and block_n must be powers of two >= 16 (tl.dot)")
     da, db = split_head_dim(Dqk)
@@ -316,8 +323,8 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
     # the softmax statistics attn_probs reads (lse's layout), only when probs are asked for
     stat_m, stat_l = (torch.empty_like(lse), torch.empty_like(lse)) if return_probs and K > 0 else (lse, lse)
     args = [q, k, v, idx, out, lse, stat_m, stat_l, *mask_args, *q.stride(), *k.stride(), *v.stride(), *idx.stride(),
-            *out.stride(), *lse.stride(), S, G, K, Dqk, Dv]
-    grid = (B * S, Hk * -(-G // cfg.block_h))
+            *out.stride(), *lse.stride(), S, G, Hk, K, Dqk, Dv]
+    grid = (B * S * Hk * -(-G // cfg.block_h),)
     fwd_launch = dict(consts, BLOCK_DV=block_dv, V_FROM_K=v_from_k, WRITE_STATS=return_probs and K > 0, **launch)
     pargs = [q, k, idx, stat_m, stat_l, probs, *mask_args, *q.stride(), *k.stride(), *idx.stride(), *lse.stride(),
              *probs.stride(), S, G, Hk, K, Dqk]
@@ -410,16 +417,19 @@ def attn_fwd(
     stride_ib, stride_is, stride_ij,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_lb, stride_ls, stride_lh,
-    S, G, TOPK, DQK, DV,
+    S, G, HK, TOPK, DQK, DV,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr, WRITE_STATS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    # a row's head blocks are consecutive programs (they gather the same key positions, so
+    # they run together and share the lines in L2); a 1-d grid, as B x S exceeds grid dim 1
+    nblk = tl.cdiv(G, BLOCK_H)
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // (HK * nblk)
     b = row // S
     s = row % S
-    nblk = tl.cdiv(G, BLOCK_H)
-    hk = (tl.program_id(1) // nblk).to(tl.int64)
-    g0 = (tl.program_id(1) % nblk) * BLOCK_H
+    hk = (pid % (HK * nblk)) // nblk
+    g0 = ((pid % nblk) * BLOCK_H).to(tl.int32)
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
     offs_dv = tl.arange(0, BLOCK_DV)
