@@ -272,6 +272,20 @@ def test_generated_source_inlines_the_spec():
     assert default_config(128, 1, 576, 512).block_h == 64 and default_config(16, 16, 192, 128).block_h == 16
 
 
+def test_op_on_cpu_runs_the_reference(monkeypatch):
+    # the op dispatches to the kernel on CUDA only; on the CPU it stays the reference
+    import hyscale_compile.lowerings.attention_ops  # noqa: F401
+    import hyscale_compile.lowerings.triton_attention as TA
+
+    monkeypatch.setattr(TA, "sparse_attention_triton", lambda *a, **kw: pytest.fail("the kernel ran on the CPU"))
+    q, k, v, idx = _inputs(0, 1, 3, 12, 2, 1, 16, 16, 6)
+    hi = _causal(1, 3, 12)
+    spec = _spec(16, torch.float32, ("mask", 0), masks=CAUSAL["masks"])
+    got = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json(), True)
+    want = R.attention_forward(q, k, v, idx, [hi], spec, return_probs=True)
+    assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(got, want))
+
+
 def _ptxas_available() -> bool:
     import importlib.util
 
