@@ -12,10 +12,11 @@ loss reads it). ``sparse_attention`` is differentiable in q, k and v
 the forward's saved indices and log-sum-exp.
 
 Implementations: CPU -> ``attention_reference`` (chunked, no [S, T] tensor); CUDA -> the
-same reference until the Triton kernel lands. The backward is ``attention_backward``:
-bitwise reproducible on both (no floating-point atomics). ``lse`` and ``probs`` are not
-differentiable (``mark_non_differentiable``): a loss that reads them (the indexer's KL
-reads ``probs`` as its target) gets no gradient through them.
+forward kernel of ``triton_attention`` (``HYSCALE_KERNEL=reference``: the reference). The
+backward is ``attention_backward`` on both: bitwise reproducible (no floating-point
+atomics). ``lse`` and ``probs`` are not differentiable (``mark_non_differentiable``): a loss
+that reads them (the indexer's KL reads ``probs`` as its target) gets no gradient through
+them.
 
 Bad operands (shapes, dtypes, devices, masks that do not broadcast, indices outside
 [0, T) on the CPU, a spec that does not parse) raise ``SpecError`` naming the problem,
@@ -24,6 +25,7 @@ and the fakes run the same checks, so a compile sees them before a run would.
 from __future__ import annotations
 
 import functools
+import os
 from typing import List, Tuple
 
 import torch
@@ -54,6 +56,10 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, masks: List[T
     CALLS["sparse_attention"] += 1
     parsed = _parsed(spec, masks)
     ref.check_attention_operands(q, k, v, idx, masks, parsed)
+    if q.device.type == "cuda" and os.environ.get("HYSCALE_KERNEL", "triton") != "reference":
+        from .triton_attention import sparse_attention_triton
+
+        return sparse_attention_triton(q, k, v, idx, list(masks), parsed, return_probs=return_probs)
     return ref.attention_forward(q, k, v, idx, list(masks), parsed, return_probs=return_probs)
 
 

@@ -1,0 +1,319 @@
+"""The sparse attention's forward (``hyscale::sparse_attention`` on CUDA: the Triton kernel of
+``lowerings/triton_attention.py``) against the dense peers that apply the index mask.
+
+    python benchmarks/bench_sparse_attention.py              # S = 8K / 32K / 128K, both selections
+    python benchmarks/bench_sparse_attention.py --quick      # S = 8K, random selection, fewer reps
+    python benchmarks/bench_sparse_attention.py --shapes mla128 --seqs 32768 --peers none
+    python benchmarks/bench_sparse_attention.py --inspect    # no GPU: compile for sm_90, ptxas report
+
+Shapes (batch 1, causal prefill S = T, k = 2048 selected keys per row, bf16):
+  mla128  absorbed MLA, MQA over a latent: H = 128, d_qk 576, d_v 512, v = k[..., :512]
+  mla16   the same with H = 16
+  hf      HF DeepseekV32Attention's per-head form: H = Hk = 16, d_qk 192, d_v 128
+Selections: "random" (k distinct causal picks per row) and "structured" (64 sinks, the last
+512 positions, the rest scattered), built in row chunks from random scores by topk (no [S, T]
+tensor on our side); rows with fewer than k visible keys pick hidden ones, which the causal
+range hides. FLOPs are counted as public kernels count them: 2 H k (d_qk + d_v) per query.
+
+Peers, each on the same q, k, v: sdpa with the dense bool index mask [1, 1, S, T] (the
+backend that ran is printed: the first of flash / efficient / cudnn / math that accepts
+it), FlexAttention with the index mask as mask_mod (dynamo reset per shape), and sdpa
+is_causal without the index mask. "unsupported" / "OOM" where a peer cannot run a shape.
+The bf16 matmul rate (8192^3, do_bench) is measured in the same run; a table is printed
+last, progress lines as it goes.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SHAPES = {  # name: (H, Hk, d_qk, d_v, v is a view of k)
+    "mla128": (128, 1, 576, 512, True),
+    "mla16": (16, 1, 576, 512, True),
+    "hf": (16, 16, 192, 128, False),
+}
+TOPK = 2048
+SINKS, WINDOW = 64, 512
+
+
+def flops(S: int, H: int, dqk: int, dv: int, k: int = TOPK) -> float:
+    return 2.0 * H * k * (dqk + dv) * S
+
+
+def spec_json(dqk: int) -> str:
+    from hyscale_compile.lowerings.attention_spec import AttentionSpec
+    from hyscale_compile.lowerings.spec import MaskTerm
+
+    return AttentionSpec(name="bench", post=(("mul", dqk ** -0.5), ("mask", 0)),
+                         masks=(MaskTerm(kind="range", hi=0),), out_dtype="bfloat16").to_json()
+
+
+def make_selection(S: int, kind: str, device, k: int = TOPK, chunk: int = 1024, seed: int = 0) -> torch.Tensor:
+    """idx [1, S, k] int32: per row, the top-k of random scores over the causal keys (hidden
+    keys at -inf fill rows with fewer than k visible ones); "structured" lifts the sinks and
+    the recent window above every random score."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    idx = torch.empty(1, S, k, dtype=torch.int32, device=device)
+    t = torch.arange(S, device=device)
+    for s0 in range(0, S, chunk):
+        s1 = min(S, s0 + chunk)
+        rows = t[s0:s1, None]
+        sc = torch.rand(s1 - s0, S, generator=g, device=device)
+        if kind == "structured":
+            sc = torch.where((t[None, :] < SINKS) | (t[None, :] > rows - WINDOW), sc + 2.0, sc)
+        sc = sc.masked_fill(t[None, :] > rows, float("-inf"))
+        idx[0, s0:s1] = sc.topk(min(k, S), dim=-1).indices.to(torch.int32)
+    return idx
+
+
+def dense_index_mask(idx: torch.Tensor, S: int) -> torch.Tensor:
+    """[1, 1, S, T] bool, True where the key is selected and causal (what the models build)."""
+    m = torch.zeros(1, S, S, dtype=torch.bool, device=idx.device)
+    m.scatter_(-1, idx.long(), True)
+    return m.tril_().unsqueeze(1)
+
+
+def bench(fn, quick: bool) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100, return_mode="median")
+
+
+def matmul_rate(quick: bool) -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192 ** 3 / (bench(lambda: a @ b, quick) * 1e-3)
+
+
+def _peer(fn, quick):
+    """(ms, note) for a peer: 'OOM' or 'unsupported' (the error's first words) when it fails."""
+    try:
+        ms = bench(fn, quick)
+        return ms, ""
+    except torch.OutOfMemoryError:
+        return None, "OOM"
+    except Exception as e:  # a backend that rejects the shape
+        return None, "unsupported (" + (str(e).splitlines() or [type(e).__name__])[0][:60] + ")"
+    finally:
+        torch.cuda.empty_cache()
+
+
+def sdpa_peer(q, k, v, mask, causal, quick):
+    """(ms, backend or failure): the first sdpa backend that runs the call."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gqa = k.shape[1] != q.shape[1]
+    last = "unsupported"
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.MATH):
+        def run():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+        try:
+            run()
+            torch.cuda.synchronize()
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            last = "OOM"
+            continue
+        except RuntimeError:
+            continue
+        ms, note = _peer(run, quick)
+        return ms, note or backend.name.lower()
+    return None, last
+
+
+def flex_peer(q, k, v, mask, quick):
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch._dynamo.reset()  # one compile per shape, none carried over
+    S = q.shape[2]
+    m = mask[0, 0]
+
+    def mask_mod(b, h, qi, ki):
+        return m[qi, ki]
+
+    try:
+        bm = create_block_mask(mask_mod, 1, None, S, S, device="cuda")
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None, "OOM"
+    except Exception as e:
+        return None, "unsupported (" + (str(e).splitlines() or [type(e).__name__])[0][:60] + ")"
+    fa = torch.compile(flex_attention)
+    gqa = k.shape[1] != q.shape[1]
+    return _peer(lambda: fa(q, k, v, block_mask=bm, enable_gqa=gqa), quick)
+
+
+def run_shape(name, S, selections, peers, quick, rate, rows, config=None):
+    H, Hk, dqk, dv, v_of_k = SHAPES[name]
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    try:
+        q = torch.randn(1, S, H, dqk, device=dev, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(1, S, Hk, dqk, device=dev, dtype=torch.bfloat16, generator=g)
+        v = k[..., :dv] if v_of_k else torch.randn(1, S, Hk, dv, device=dev, dtype=torch.bfloat16, generator=g)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        print(f"[{name} S={S}] skipped: the operands do not fit", flush=True)
+        return
+    hi = torch.arange(1, S + 1, device=dev).view(1, S)
+    spec = spec_json(dqk)
+    fl = flops(S, H, dqk, dv)
+    causal = None
+    for sel in selections:
+        idx = make_selection(S, sel, dev)
+        if config:
+            import dataclasses
+
+            from hyscale_compile.lowerings.attention_spec import AttentionSpec
+            from hyscale_compile.lowerings.triton_attention import default_config, sparse_attention_triton
+
+            cfg = dataclasses.replace(default_config(H, Hk, dqk, dv), **config)
+            parsed = AttentionSpec.from_json(spec)
+            ms = bench(lambda: sparse_attention_triton(q, k, v, idx, [hi], parsed, config=cfg), quick)
+        else:
+            ms = bench(lambda: torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec), quick)
+        tf = fl / (ms * 1e-3) / 1e12
+        print(f"[{name} S={S} {sel}] hyscale {ms:.3f} ms, {tf:.1f} TFLOP/s ({100 * tf * 1e12 / rate:.0f}% of matmul)",
+              flush=True)
+        row = {"shape": name, "S": S, "sel": sel, "ms": ms, "tflops": tf, "sdpa_mask": "-", "flex": "-",
+               "sdpa_causal": "-"}
+        if peers:
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D] views
+            try:
+                mask = dense_index_mask(idx, S)
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                mask = None
+            for key, fn in (("sdpa_mask", lambda: sdpa_peer(qt, kt, vt, mask, False, quick)),
+                            ("flex", lambda: flex_peer(qt, kt, vt, mask, quick))):
+                if key not in peers:
+                    continue
+                pm, note = fn() if mask is not None else (None, "OOM (the mask)")
+                row[key] = (f"{pm:.3f} ms" if pm is not None else "") + (f" [{note}]" if note else "")
+                print(f"[{name} S={S} {sel}] {key}: {row[key]}", flush=True)
+            del mask
+            torch.cuda.empty_cache()
+            if "sdpa_causal" in peers:
+                if causal is None:
+                    pm, note = sdpa_peer(qt, kt, vt, None, True, quick)
+                    causal = (f"{pm:.3f} ms" if pm is not None else "") + (f" [{note}]" if note else "")
+                    print(f"[{name} S={S}] sdpa causal (no index mask): {causal}", flush=True)
+                row["sdpa_causal"] = causal
+        rows.append(row)
+        del idx
+        torch.cuda.empty_cache()
+
+
+def inspect_sm90() -> int:
+    """Compile the default configurations for sm_90 on any machine and print ptxas' report,
+    one line per kernel: 'inspect shape=... regs=... spill=... smem=... wgmma=0|1'."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("--inspect compiles for the GPU: unset TRITON_INTERPRET")
+    import triton
+    from triton.runtime import driver
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from inspect_hytopk import _Sm90, ptxas_report
+    from hyscale_compile.lowerings.attention_spec import AttentionSpec
+    from hyscale_compile.lowerings.triton_attention import default_config, sparse_attention_triton
+
+    driver.set_active(_Sm90())
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    cases = [(n, *SHAPES[n], torch.bfloat16, True) for n in SHAPES]
+    cases += [("gqa_fp32_tf32", 8, 2, 96, 64, False, torch.float32, False),
+              ("gqa_fp16", 8, 2, 96, 64, False, torch.float16, False),
+              ("mla128_fp32", 128, 1, 576, 512, True, torch.float32, False)]
+    for name, H, Hk, dqk, dv, v_of_k, dtype, probs in cases:
+        S, T = 64, 4096
+        q = torch.empty(1, S, H, dqk, dtype=dtype)
+        k = torch.empty(1, T, Hk, dqk, dtype=dtype)
+        v = k[..., :dv] if v_of_k else torch.empty(1, T, Hk, dv, dtype=dtype)
+        idx = torch.zeros(1, S, TOPK, dtype=torch.int32)  # (compiled, not run: any valid keys)
+        hi = torch.arange(1, S + 1).view(1, S)
+        spec = AttentionSpec.from_json(spec_json(dqk))
+        if dtype == torch.float32:
+            import dataclasses
+
+            spec = dataclasses.replace(spec, out_dtype="float32", fp32_precision="tf32")
+        cfg = default_config(H, Hk, dqk, dv, elem_bytes=k.element_size())
+        res = sparse_attention_triton(q, k, v, idx, [hi], spec, return_probs=probs,
+                                      _launcher=lambda kern, args, launch: kern.warmup(*args, grid=(1,), **launch))
+        for kname, ck in zip(("fwd", "probs"), res if probs else (res,)):
+            rep = ptxas_report(ck.asm["ptx"], bindir)
+            spill = rep.get("spill_st", 0) + rep.get("spill_ld", 0)
+            print(f"inspect shape={name} kernel={kname} dtype={str(dtype).split('.')[-1]} block_h={cfg.block_h} "
+                  f"block_n={cfg.block_n} warps={cfg.num_warps} stages={cfg.num_stages} regs={rep.get('regs', 0)} "
+                  f"spill={spill} smem={ck.metadata.shared} wgmma={int('wgmma' in ck.asm['ptx'])}", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="S = 8K, the random selection, fewer repetitions")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--seqs", default=None, help="comma list of S (default 8192,32768,131072; --quick: 8192)")
+    ap.add_argument("--selections", default=None, help="comma list of random,structured")
+    ap.add_argument("--peers", default="sdpa_mask,flex,sdpa_causal", help="comma list, or 'none'")
+    ap.add_argument("--inspect", action="store_true", help="no GPU: compile the kernels for sm_90 and report")
+    ap.add_argument("--config", default=None,
+                    help="AttentionConfig fields over each shape's default, e.g. block_n=64,num_stages=3 "
+                         "(calls the kernel directly instead of the op)")
+    a = ap.parse_args(argv)
+    if a.inspect:
+        return inspect_sm90()
+    shapes = [s for s in a.shapes.split(",") if s]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad:
+        ap.error(f"unknown shapes {bad}; known: {sorted(SHAPES)}")
+    seqs = [int(x) for x in (a.seqs or ("8192" if a.quick else "8192,32768,131072")).split(",") if x]
+    sels = [x for x in (a.selections or ("random" if a.quick else "random,structured")).split(",") if x]
+    if any(s not in ("random", "structured") for s in sels):
+        ap.error("--selections: random and/or structured")
+    peers = set() if a.peers == "none" else {p for p in a.peers.split(",") if p}
+    if peers - {"sdpa_mask", "flex", "sdpa_causal"}:
+        ap.error(f"unknown peers {sorted(peers - {'sdpa_mask', 'flex', 'sdpa_causal'})}")
+    config = {}
+    for kv in filter(None, (a.config or "").split(",")):
+        key, _, val = kv.partition("=")
+        if key not in ("block_h", "block_n", "num_warps", "num_stages") or not val.isdigit():
+            ap.error(f"--config: {kv!r} is not block_h|block_n|num_warps|num_stages=<int>")
+        config[key] = int(val)
+    if not torch.cuda.is_available():
+        sys.exit("bench_sparse_attention.py needs a CUDA GPU (--inspect runs without one)")
+    import hyscale_compile.lowerings.attention_ops  # noqa: F401  (registers torch.ops.hyscale)
+
+    rate = matmul_rate(a.quick)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 matmul {rate / 1e12:.0f} TFLOP/s; "
+          f"k = {TOPK}, batch 1, causal", flush=True)
+    rows = []
+    for name in shapes:
+        for S in seqs:
+            try:
+                run_shape(name, S, sels, peers, a.quick, rate, rows, config)
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                print(f"[{name} S={S}] OOM", flush=True)
+                rows.append({"shape": name, "S": S, "sel": "-", "ms": math.nan, "tflops": math.nan,
+                             "sdpa_mask": "-", "flex": "-", "sdpa_causal": "-"})
+    print(f"\n| shape | S | selection | hyscale ms | TFLOP/s | % matmul ({rate / 1e12:.0f}) | sdpa + index mask | "
+          "FlexAttention | sdpa causal, no mask |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['S']} | {r['sel']} | {r['ms']:.3f} | {r['tflops']:.1f} | "
+              f"{100 * r['tflops'] * 1e12 / rate:.0f}% | {r['sdpa_mask']} | {r['flex']} | {r['sdpa_causal']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
