@@ -253,7 +253,7 @@ def inspect_sm90() -> int:
             rep = ptxas_report(ck.asm["ptx"], bindir)
             spill = rep.get("spill_st", 0) + rep.get("spill_ld", 0)
             print(f"inspect shape={name} kernel={kname} dtype={str(dtype).split('.')[-1]} block_h={cfg.block_h} "
-                  f"block_n={cfg.block_n} warps={cfg.num_warps} stages={cfg.num_stages} regs={rep.get('regs', 0)} "
+                  f"block_n={cfg.block_n if kname == 'fwd' else (cfg.probs_block_n or cfg.block_n)} warps={cfg.num_warps} stages={cfg.num_stages} regs={rep.get('regs', 0)} "
                   f"spill={spill} smem={ck.metadata.shared} wgmma={int('wgmma' in ck.asm['ptx'])}", flush=True)
     return 0
 

@@ -87,6 +87,7 @@ class AttentionConfig:
     block_n: int  # selected slots per tile (>= 16)
     num_warps: int = 4
     num_stages: int = 2
+    probs_block_n: int = 0  # slots per tile of attn_probs (0: block_n); per-slot math, any tiling
 
 
 def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
@@ -104,8 +105,11 @@ def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
         # fit in shared memory with more heads or slots per tile
         return AttentionConfig(block_h=16, block_n=16, num_warps=4, num_stages=2)
     if form_of(H, Hk) == "mqa":
-        return AttentionConfig(block_h=block_h, block_n=32 if wide else 64,
-                               num_warps=8 if block_h >= 64 and wide else 4, num_stages=2)
+        # 64 slots per tile at the latent's widths too: 1.25x over 32 at H = 128 and 16 (H200,
+        # S = 16K; docs/performance.md, "Sparse attention")
+        # (attn_probs keeps 32: at 64 its sm_90 build spills)
+        return AttentionConfig(block_h=block_h, block_n=64, num_warps=8 if block_h >= 64 and wide else 4,
+                               num_stages=2, probs_block_n=32 if wide else 0)
     return AttentionConfig(block_h=block_h, block_n=32 if wide or elem_bytes > 2 else 64, num_warps=4, num_stages=2)
 
 
@@ -326,14 +330,15 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
             *out.stride(), *lse.stride(), S, G, Hk, K, Dqk, Dv]
     grid = (B * S * Hk * -(-G // cfg.block_h),)
     fwd_launch = dict(consts, BLOCK_DV=block_dv, V_FROM_K=v_from_k, WRITE_STATS=return_probs and K > 0, **launch)
+    pconsts = dict(consts, BLOCK_N=cfg.probs_block_n or cfg.block_n)
     pargs = [q, k, idx, stat_m, stat_l, probs, *mask_args, *q.stride(), *k.stride(), *idx.stride(), *lse.stride(),
              *probs.stride(), S, G, Hk, K, Dqk]
     if _launcher is not None:  # the forward's result, and with return_probs also the probs kernel's
         first = _launcher(fwd, args, fwd_launch)
-        return (first, _launcher(probs_kernel, pargs, dict(consts, **launch))) if return_probs else first
+        return (first, _launcher(probs_kernel, pargs, dict(pconsts, **launch))) if return_probs else first
     fwd[grid](*args, **fwd_launch)
     if return_probs and K > 0:
-        probs_kernel[(B * S,)](*pargs, **consts, **launch)
+        probs_kernel[(B * S,)](*pargs, **pconsts, **launch)
     return out, lse, probs
 
 
