@@ -264,3 +264,45 @@ def _cp_rank(rank, world, layout):
 @pytest.mark.parametrize("layout,world", [("contiguous", 2), ("zigzag", 2), ("zigzag", 4)])
 def test_context_parallel_equals_one_process(layout, world):
     _spawn(_cp_rank, world, layout)
+
+
+# ---- tensor-parallel heads: a partial sum is never fused -----------------------------------
+
+
+def tp_indexer(q, k, w, group):
+    """A DSA indexer whose heads are split over the ranks: this rank's head sum is a partial
+    score; the all-reduce makes the full one before the mask and the top-k."""
+    from torch.distributed import _functional_collectives as fc
+
+    partial = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(2)
+    scores = fc.all_reduce(partial, "sum", group)
+    t = k.shape[1]
+    hidden = torch.ones(q.shape[1], t, dtype=torch.bool).triu(1)
+    return scores.masked_fill(hidden, float("-inf")).topk(4, dim=-1)
+
+
+def _tp_rank(rank, world):
+    from hyscale_compile.passes import diagnostics
+
+    torch.manual_seed(0)
+    heads = 4
+    q, k, w = torch.randn(1, SEQ, heads, 8), torch.randn(1, SEQ, 8), torch.rand(1, SEQ, heads)
+    mine = slice(rank * heads // world, (rank + 1) * heads // world)
+    diagnostics.clear()
+    with torch.no_grad():
+        values, indices = torch.compile(tp_indexer, backend="hyscale_debug")(
+            q[:, :, mine], k, w[:, :, mine], dist.group.WORLD)
+    recs = diagnostics.records()
+    # not fused: left alone, or selected from the all-reduced table (exact, that table is whole)
+    assert len(recs) == 1 and (not recs[0].rewritten or recs[0].variant == "table"), [r.line() for r in recs]
+    assert "all_reduce" in recs[0].reason and "partial" in recs[0].reason, recs[0].line()
+    # the left-alone top-k is the one of the all-reduced scores: the all-heads selection
+    full = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(2)
+    full = full.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
+    from hyscale_compile.testing import assert_selection_equal
+
+    assert_selection_equal(indices, full, values=values)
+
+
+def test_tensor_parallel_partial_head_sum_is_left_alone():
+    _spawn(_tp_rank, 2)
