@@ -295,7 +295,7 @@ def _tp_rank(rank, world):
     recs = diagnostics.records()
     # not fused: left alone, or selected from the all-reduced table (exact, that table is whole)
     assert len(recs) == 1 and (not recs[0].rewritten or recs[0].variant == "table"), [r.line() for r in recs]
-    assert "all_reduce" in recs[0].reason and "partial" in recs[0].reason, recs[0].line()
+    assert "_c10d_functional.all_reduce" in recs[0].reason and "partial sum" in recs[0].reason, recs[0].line()
     # the left-alone top-k is the one of the all-reduced scores: the all-heads selection
     full = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(2)
     full = full.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
