@@ -19,7 +19,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["LAYOUTS", "context_parallel_positions", "shard_sequence", "context_parallel_gather", "causal_mask"]
+__all__ = ["LAYOUTS", "context_parallel_positions", "shard_sequence", "context_parallel_gather", "causal_mask",
+           "GatherKeysCache"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -107,3 +108,23 @@ def causal_mask(positions: torch.Tensor, seq_len: int, dtype: torch.dtype = torc
     elsewhere (the HF eager form; each row's visible keys are one range)."""
     keys = torch.arange(seq_len, device=positions.device)
     return torch.where(keys[None, :] <= positions[:, None], 0.0, torch.finfo(dtype).min).to(dtype)
+
+
+class GatherKeysCache:
+    """Stands in for the ``cache`` of a Hugging Face DSA model (DeepSeek-V3.2, GLM-5) during
+    a context-parallel forward: the two cache calls its attention makes on the keys,
+    ``update_indexer(k [B, s, D])`` and ``update(k_pass, k_rot [B, 1, s, *])``, return the
+    keys of the whole sequence, all-gathered in position order. No key is stored: pass
+    ``use_cache=False`` with it, the global ``position_ids`` and a ready ``[B, 1, s, T]``
+    mask (docs/distributed.md)."""
+
+    def __init__(self, group=None, layout: str = "contiguous"):
+        _check_layout(layout)
+        self.group, self.layout = group, layout
+
+    def update_indexer(self, k, layer_idx, *args, **kwargs):
+        return context_parallel_gather(k, self.group, self.layout, dim=1)
+
+    def update(self, k_pass, k_rot, layer_idx, *args, **kwargs):
+        return (context_parallel_gather(k_pass, self.group, self.layout, dim=2),
+                context_parallel_gather(k_rot, self.group, self.layout, dim=2))

@@ -217,7 +217,20 @@ def _capture_indices(model):
     return seen
 
 
-def _cp_rank(rank, world, layout):
+def _cp_reference():
+    """One process, the whole sequence: logits, loss, gradients and each layer's selections.
+    Computed once by the test (not by every rank: each rank would compile it again)."""
+    model, ids, labels = _model_and_data(batch=1)
+    want = _capture_indices(model)
+    logits = torch.compile(model, backend="hyscale_debug")(ids)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    loss.backward()
+    torch._dynamo.reset()
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return dict(logits=logits.detach(), loss=loss.detach(), grads=grads, selections=want)
+
+
+def _cp_rank(rank, world, layout, ref):
     from hyscale_compile.distributed import context_parallel_positions, shard_sequence
     from hyscale_compile.passes import diagnostics
 
@@ -227,7 +240,7 @@ def _cp_rank(rank, world, layout):
     my_ids, my_labels = shard_sequence(ids, layout=layout), shard_sequence(labels, layout=layout)
     assert torch.equal(my_ids, ids[:, pos])
 
-    got, want = _capture_indices(cp), _capture_indices(model)
+    got = _capture_indices(cp)
     diagnostics.clear()
     compiled = torch.compile(cp, backend="hyscale_debug")
     logits = compiled(my_ids, pos)
@@ -244,26 +257,21 @@ def _cp_rank(rank, world, layout):
     loss = loss.detach()
     dist.all_reduce(loss)
 
-    ref = torch.compile(model, backend="hyscale_debug")
-    ref_logits = ref(ids)
-    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten())
-    ref_loss.backward()
-    _close(logits.detach(), ref_logits.detach()[:, pos], f"rank {rank} logits")
-    _close(loss, ref_loss.detach(), f"rank {rank} loss")
-    for (name, p), q in zip(cp.named_parameters(), model.parameters()):
-        assert (p.grad is None) == (q.grad is None), name
-        if q.grad is not None:
-            _close(p.grad, q.grad, f"rank {rank} grad {name}")
-
+    _close(logits.detach(), ref["logits"][:, pos], f"rank {rank} logits")
+    _close(loss, ref["loss"], f"rank {rank} loss")
+    for (name, p), q in zip(cp.named_parameters(), ref["grads"]):
+        assert (p.grad is None) == (q is None), name
+        if q is not None:
+            _close(p.grad, q, f"rank {rank} grad {name}")
     # selections: this rank's rows of the one-process selections, as global key positions
-    assert len(got) == len(want) == CFG.layers
-    for layer, (g, w) in enumerate(zip(got, want)):
+    assert len(got) == len(ref["selections"]) == CFG.layers
+    for layer, (g, w) in enumerate(zip(got, ref["selections"])):
         assert torch.equal(g, w[:, pos]), f"rank {rank} layer {layer}: selections differ"
 
 
 @pytest.mark.parametrize("layout,world", [("contiguous", 2), ("zigzag", 2), ("zigzag", 4)])
 def test_context_parallel_equals_one_process(layout, world):
-    _spawn(_cp_rank, world, layout)
+    _spawn(_cp_rank, world, layout, _cp_reference())
 
 
 # ---- tensor-parallel heads: a partial sum is never fused -----------------------------------
@@ -306,3 +314,40 @@ def _tp_rank(rank, world):
 
 def test_tensor_parallel_partial_head_sum_is_left_alone():
     _spawn(_tp_rank, 2)
+
+
+# ---- the tiny HF DeepSeek-V3.2, unmodified -------------------------------------------------
+
+
+def _hf_rank(rank, world, layout, ref_logits):
+    from hyscale_compile.distributed import GatherKeysCache, causal_mask, context_parallel_positions, shard_sequence
+    from hyscale_compile.passes import diagnostics
+    from tests.models.hf_models import build_deepseek_v32
+
+    model, kw = build_deepseek_v32()
+    ids = kw["input_ids"]
+    pos = context_parallel_positions(ids.shape[1], layout=layout)
+    mask = causal_mask(pos, ids.shape[1])[None, None].expand(ids.shape[0], 1, -1, -1)
+    diagnostics.clear()
+    with torch.no_grad():
+        logits = torch.compile(model, backend="hyscale_debug")(
+            input_ids=shard_sequence(ids, layout=layout), position_ids=pos[None],
+            attention_mask={"indexed_attention": mask}, cache=GatherKeysCache(layout=layout), use_cache=False).logits
+    fused = [r for r in diagnostics.records() if r.rewritten]
+    # both layers' indexers fused over the gathered keys (the MoE routers' top-k stay left alone)
+    assert len(fused) == 2 and all(r.variant != "table" and r.sizes.get("T") == ids.shape[1]
+                                   and r.sizes.get("S") == ids.shape[1] // world for r in fused), \
+        [r.line() for r in diagnostics.records()]
+    _close(logits, ref_logits[:, pos], f"rank {rank} logits")
+
+
+def test_context_parallel_hf_deepseek_v32():
+    from tests.models.hf_models import build_deepseek_v32, transformers_available
+
+    if not transformers_available():
+        pytest.skip("transformers with DeepseekV32 is not installed")
+    model, kw = build_deepseek_v32()
+    with torch.no_grad():
+        ref = torch.compile(model, backend="hyscale_debug")(**kw).logits
+    torch._dynamo.reset()
+    _spawn(_hf_rank, 2, "zigzag", ref)
