@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from examples.dsa_model import DSAConfig, DSALanguageModel, LightningIndexer, SparseAttention  # noqa: E402
+from examples.dsa_model import DSAConfig, DSALanguageModel, SparseAttention  # noqa: E402
 
 dist = pytest.importorskip("torch.distributed")
 if not (dist.is_available() and dist.is_gloo_available()):
@@ -146,6 +146,18 @@ def test_fsdp2_training_equals_one_process():
 
 
 # ---- context parallelism by all-gather ----------------------------------------------------
+
+
+def test_context_parallel_bad_input_is_named():
+    from hyscale_compile import distributed as hd
+
+    with pytest.raises(ValueError, match="layout must be one of"):
+        hd.context_parallel_positions(16, layout="ring")
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+            hd.context_parallel_positions(16)
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        hd._chunk_len(18, 2, 2)  # zigzag over 2 ranks: 4 chunks
 
 
 class Gathered(nn.Module):
