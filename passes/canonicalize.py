@@ -1264,6 +1264,17 @@ def _opname(n) -> str:
     return getattr(t, "__name__", None) or str(t) if n.op == "call_function" else n.op
 
 
+def _collective(n: fx.Node) -> Optional[str]:
+    """The torch.distributed collective whose result ``n`` is (its ``wait_tensor`` or the
+    functional collective itself), as '_c10d_functional.all_reduce.default'; else None."""
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload) or t.namespace not in ("_c10d_functional", "c10d_functional"):
+        return None
+    if t._schema.name.split("::")[-1] == "wait_tensor" and isinstance(n.args[0], fx.Node):
+        return _collective(n.args[0]) or _stop_name(n.args[0])
+    return _stop_name(n)
+
+
 def _stop_name(n: fx.Node) -> str:
     """An op where the walk along the top-k axis ended, as 'aten.exp.default'; 'placeholder'
     and the like for graph inputs."""
@@ -1387,7 +1398,8 @@ def candidate_chains(facts: GraphFacts, x: fx.Node, dim: int):
             out.append([(node, None)] + suffix)
         elif not ins:
             known = any(node.target in ops for ops in (_VIEWS, _CASTS, _REDUCTIONS, _POINTWISE))
-            stops.append(_stop_name(node) + ("" if known else "*"))
+            coll = _collective(node)
+            stops.append(f"{coll}!" if coll else _stop_name(node) + ("" if known else "*"))
             v = val(node)
             if (isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
                     and isinstance(v, torch.Tensor) and v.is_floating_point()):
@@ -1425,8 +1437,14 @@ def analyse_site(facts: GraphFacts, topk: fx.Node) -> SiteMatch:
         ops = sorted({s for s in stops if s not in ("placeholder", "get_attr")})
         if ops:
             why = []
+            colls = [s[:-1] for s in ops if s.endswith("!")]
             alien = [s[:-1] for s in ops if s.endswith("*")]
-            known = [s for s in ops if not s.endswith("*")]
+            known = [s for s in ops if not s.endswith(("*", "!"))]
+            if colls:
+                partial = any(c.split(".")[1].startswith(("all_reduce", "reduce_scatter")) for c in colls)
+                why.append(f"{', '.join(colls)} (a collective: " + (
+                    "the scores before it are this rank's partial sum, e.g. over its tensor-parallel heads, "
+                    "and a partial sum is never fused)" if partial else "the top-k axis is not followed through it)"))
             if alien:
                 why.append(f"{', '.join(alien)} (not a view, cast, pointwise step or contraction the matcher knows)")
             if known:
