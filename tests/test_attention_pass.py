@@ -88,3 +88,90 @@ def test_explain_reports_the_consumer_and_its_form():
     assert len(rep.attention) == 1 and rep.attention[0].rewritten
     assert "[attention: sparse]" in text and "form per_head" in text and "mul(0.25) -> mask:range -> softmax -> @v" in text
     assert "index order: any deterministic order" in text
+
+
+def grads_of(fn, args, grad_out):
+    """(out, gq, gk, gv) of ``fn(*args)`` with ``grad_out`` as the output's gradient."""
+    args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    out = fn(*args)
+    out.backward(grad_out)
+    return (out.detach(), *[args[i].grad for i in (3, 4, 5)])
+
+
+@pytest.mark.parametrize("i", range(5))
+def test_official_v32_training(i):
+    seed = fresh_seed(f"official_v32_training[{i}]")
+    args = af.make_inputs(seed, requires_grad=True)
+    go = torch.randn(args[3].shape[:3] + (args[5].shape[-1],), generator=torch.Generator().manual_seed(seed))
+    fn, cap = compiled(af.official_v32)
+    got = grads_of(fn, args, go)
+    orig = grads_of(af.official_v32, args, go)
+    qi, ki, w = args[:3]
+    idx = af.indexer(qi, ki, w, 4)
+    ref = grads_of(lambda *a: af.official_v32_attention(idx, *[x.double() for x in a[3:]]), args, go.double())
+    assert OP in targets(cap, "forward") and BWD in targets(cap, "backward")
+    assert aten_bmm_count(cap, "forward") == 0 and aten_bmm_count(cap, "backward") == 0
+    recs = attention_records()
+    assert len(recs) == 1 and recs[0].rewritten and recs[0].backward == "sparse", [r.line() for r in recs]
+    for what, a, b, r in zip(("out", "gq", "gk", "gv"), got, orig, ref):
+        assert_numerics(a, b, r, torch.float32, what)
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "budget0"])
+def test_checkpointing_neither_reselects_nor_rebuilds_the_index_mask(how):
+    """Under torch.utils.checkpoint / activation_memory_budget=0 the backward reads the saved
+    indices and log-sum-exp: no selection, no scatter, no dense contraction in it."""
+    from torch.utils.checkpoint import checkpoint
+
+    args = af.make_inputs(1, requires_grad=True)
+    go = torch.randn(2, 16, 4, 8, generator=torch.Generator().manual_seed(1))
+    if how == "checkpoint":
+        def fn(*a):
+            return checkpoint(af.official_v32, *a, use_reentrant=False)
+    else:
+        fn = af.official_v32
+    cfg = torch._functorch.config.patch(activation_memory_budget=0.0 if how == "budget0" else 1.0)
+    with cfg:
+        c, cap = compiled(fn)
+        got = grads_of(c, args, go)
+    orig = grads_of(af.official_v32, args, go)
+    bw = targets(cap, "backward")
+    assert BWD in bw
+    for op in (torch.ops.hyscale.hytopk.default, torch.ops.aten.scatter.value, torch.ops.aten.bmm.default):
+        assert op not in bw, f"{op} in the backward graph"
+    for a, b in zip(got, orig):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _order_graph(perm_rows: bool):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    spec = af_spec()
+
+    def f(x, q, k, v):
+        idx = x.topk(3, dim=-1).indices
+        if perm_rows:
+            idx = idx.flip(1)  # each row of the op reads another row's keys
+        return torch.ops.hyscale.sparse_attention(q, k, v, idx, [], spec)[0]
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(1, 5, 5, generator=g), torch.randn(1, 5, 2, 4, generator=g), torch.randn(1, 5, 2, 4, generator=g),
+            torch.randn(1, 5, 2, 4, generator=g))
+    gm = make_fx(f)(*args)
+    return next(n for n in gm.graph.nodes if n.target is torch.ops.aten.topk.default)
+
+
+def af_spec():
+    from hyscale_compile.lowerings.attention_spec import AttentionSpec
+
+    return AttentionSpec().to_json()
+
+
+def test_order_the_op_reads_its_indices_in_any_order():
+    """order_unread: the op's indices operand does not read the top-k's order (the selection
+    keeps sorted=False behind it), but indices whose rows were moved do."""
+    from hyscale_compile.passes.order import order_unread
+
+    unread, uses = order_unread(_order_graph(False), 2)
+    assert unread and "sparse_attention" in uses
+    assert not order_unread(_order_graph(True), 2)[0]
