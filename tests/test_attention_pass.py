@@ -175,3 +175,31 @@ def test_order_the_op_reads_its_indices_in_any_order():
     unread, uses = order_unread(_order_graph(False), 2)
     assert unread and "sparse_attention" in uses
     assert not order_unread(_order_graph(True), 2)[0]
+
+
+@pytest.mark.parametrize("kind", ["add", "fill"])
+def test_op_reads_a_tensor_mask_at_the_selected_keys_of_every_head(kind):
+    """A tensor mask term (HF's float causal mask, an "add" term; a bool "fill") with H > 1
+    heads: each head reads the same mask value at its row's selected keys."""
+    from hyscale_compile.lowerings.attention_spec import AttentionSpec
+    from hyscale_compile.lowerings.spec import MaskTerm
+
+    g = torch.Generator().manual_seed(0)
+    B, S, H, D, K = 2, 6, 4, 8, 3
+    q, k, v = (torch.randn(B, S, H, D, generator=g, dtype=torch.float64) for _ in range(3))
+    idx = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(B * S)]).view(B, S, K)
+    if kind == "add":
+        mask = torch.randn(B, S, S, generator=g, dtype=torch.float64)
+        term = MaskTerm("add", operand=0)
+    else:
+        mask = torch.rand(B, S, S, generator=g) < 0.3
+        term = MaskTerm("fill", operand=0, where=True, value=float("-inf"))
+    spec = AttentionSpec(post=(("mask", 0),), masks=(term,)).to_json()
+    out = torch.ops.hyscale.sparse_attention(q.float(), k.float(), v.float(), idx, [mask if kind == "fill" else
+                                                                                  mask.float()], spec)[0]
+    s = torch.einsum("bshd,bthd->bhst", q, k)
+    s = s + mask[:, None] if kind == "add" else s.masked_fill(mask[:, None], float("-inf"))
+    sel = torch.zeros(B, S, S, dtype=torch.bool).scatter(-1, idx, True)
+    s = s.masked_fill(~sel[:, None], float("-inf"))
+    ref = torch.einsum("bhst,bthd->bshd", s.softmax(-1).nan_to_num(), v)
+    torch.testing.assert_close(out.double().nan_to_num(), ref, rtol=1e-5, atol=1e-5)
