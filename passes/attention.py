@@ -238,6 +238,14 @@ class MaskWalk:
             else:
                 sel = self.emit_like(n, {0: x.sel})
             return Masked(sel, float(uns), x.scatter)
+        if t is aten.where.self and i in (1, 2):  # masked_fill(index_mask, cond, c) decomposes so
+            c = f.constant(n.args[3 - i])
+            if x.uns != -math.inf or c != -math.inf or n.args[0] in self.values:
+                raise _Reject(f"{n.name} selects a finite value into the index mask")
+            sel = x.sel
+            if _is_const(sel):  # where(cond, -inf, 0): a tensor the selection's range analysis reads
+                sel = self.at(n, aten.scalar_tensor.default, [sel], {"dtype": dtype_of_node(n)})
+            return Masked(self.emit_like(n, {i: sel}), x.uns, x.scatter)
         if t in (aten.add.Tensor,) and n.kwargs.get("alpha", 1) == 1:
             o = n.args[1 - i]
             if isinstance(x.uns, bool):
@@ -344,6 +352,9 @@ def find_region(facts: GraphFacts, walk: MaskWalk, sel_idx: fx.Node, app: fx.Nod
         if any(u.target is aten._softmax.default for u in cur.users):
             raise _Reject("an undecomposed softmax (the pass expects the decomposed form)")
         readers = _forward_users(cur)
+        if any(u.target is aten.eq.Scalar and u.args[1] == -math.inf for u in readers):
+            raise _Reject("a safe softmax (sdpa's math path: a row whose every key is hidden gives 0 there, NaN "
+                          "in the op), and no such row is proven not to occur")
         if len(readers) != 1:
             raise _Reject(f"the masked scores ({cur.name}) are read by more than the softmax "
                           f"({', '.join(u.name for u in readers)})")
