@@ -271,6 +271,18 @@ def kwargs_reduce(sc: fx.Node) -> bool:
 # ------------------------------------------------------------------------------------------
 
 
+def _seeded(n: fx.Node) -> bool:
+    t = n.target
+    return t in _RANDOM or (isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags)
+
+
+def _random_input(n: fx.Node, depth: int = 6) -> bool:
+    """Whether ``n`` is computed from a random op within a few steps (a dropout mask)."""
+    if _seeded(n):
+        return True
+    return depth > 0 and any(_random_input(a, depth - 1) for a in n.all_input_nodes)
+
+
 def _forward_users(n: fx.Node) -> List[fx.Node]:
     """``n``'s readers in the forward (a joint graph's saved aliases and backward nodes aside)."""
     return [u for u in n.users if not _feeds_only_backward(u)]
@@ -374,9 +386,7 @@ def find_region(facts: GraphFacts, walk: MaskWalk, sel_idx: fx.Node, app: fx.Nod
     post, cur2 = [], p
     while True:
         us = _forward_users(cur2)
-        if any(u.target in _RANDOM for u in us) or any(
-                u.target in (aten.mul.Tensor, aten.div.Tensor) and any(
-                    isinstance(a, fx.Node) and a.target in _RANDOM for a in u.args) for u in us):
+        if any(_seeded(u) or any(_random_input(a) for a in u.all_input_nodes if a is not cur2) for u in us):
             raise _Reject("dropout with p > 0 on the attention weights (a random op after the softmax)")
         if len(us) != 1:
             raise _Reject(f"the attention weights are used elsewhere ({', '.join(u.name for u in us)}): "

@@ -53,12 +53,20 @@ def official_v32_attention(idx, q, kk, v):
     return torch.einsum("bsht,bthd->bshd", scores.type_as(q), v)
 
 
+def _indexer_inputs(g, B, S, Hi, Di):
+    """Indexer queries and keys whose ReLU'd scores are positive (almost surely distinct): no
+    exact-zero ties at the k-th key, so the selection is unique and eager's top-k picks the
+    op's keys (the tests compare with eager)."""
+    qi = torch.randn(B, S, Hi, Di, generator=g) + 1.5
+    ki = torch.rand(B, S, Di, generator=g) + 0.1
+    return qi, ki
+
+
 def make_inputs(seed: int = 0, B: int = 2, S: int = 16, H: int = 4, D: int = 16, Dv: int = 8, Hi: int = 4,
                 Di: int = 16, dtype=torch.float32, requires_grad: bool = False):
     """(qi, ki, w, q, k, v): indexer queries/keys/weights and per-head attention q, k, v."""
     g = torch.Generator().manual_seed(seed)
-    qi = torch.randn(B, S, Hi, Di, generator=g)
-    ki = torch.randn(B, S, Di, generator=g)
+    qi, ki = _indexer_inputs(g, B, S, Hi, Di)
     w = torch.randn(B, S, Hi, generator=g).abs() * Hi ** -0.5
     q = torch.randn(B, S, H, D, generator=g).to(dtype)
     kk = torch.randn(B, S, H, D, generator=g).to(dtype)
@@ -84,7 +92,8 @@ def _hf_eager_attention(q, k, v, attention_mask, scaling, dropout=0.0, training=
     attn_weights = torch.matmul(q, k.transpose(2, 3)) * scaling
     if attention_mask is not None:
         attn_weights = attn_weights + attention_mask[:, :, :, : k.shape[-2]]
-    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # (the tests' float64 reference)
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=acc).to(q.dtype)
     attn_weights = F.dropout(attn_weights, p=dropout, training=training)
     attn_output = torch.matmul(attn_weights, v)
     return attn_output.transpose(1, 2).contiguous(), attn_weights
@@ -183,8 +192,7 @@ def make_mqa_inputs(seed: int = 0, B: int = 2, S: int = 16, H: int = 4, D: int =
                     requires_grad: bool = False):
     """(qi, ki, w, q [S, B, H, D], latent [S, B, 1, D]) for ``megatron_absorbed``."""
     g = torch.Generator().manual_seed(seed)
-    qi = torch.randn(B, S, Hi, Di, generator=g)
-    ki = torch.randn(B, S, Di, generator=g)
+    qi, ki = _indexer_inputs(g, B, S, Hi, Di)
     w = torch.randn(B, S, Hi, generator=g).abs() * Hi ** -0.5
     q = torch.randn(S, B, H, D, generator=g)
     lat = torch.randn(S, B, 1, D, generator=g)
