@@ -367,3 +367,39 @@ def test_dense_indices_not_from_a_top_k():
     with torch.no_grad():
         torch.testing.assert_close(c(idx, *args[3:]), fn(idx, *args[3:]), equal_nan=True)
     assert OP not in targets(cap, "inference") and not attention_records()
+
+
+@pytest.mark.parametrize("name", ["official_v32", "megatron_absorbed"])
+def test_dynamic_no_tensor_has_two_sequence_dims(name):
+    """Under dynamic=True (training), no node value of the forward or backward graph (so no
+    saved tensor, buffer or intermediate) has two dims of the sequence length. (The HF forms
+    take their [B, 1, S, T] mask as an input, so the graphs hold that one by the API.)"""
+    fn, _, make, pos, _, _ = FORMS[name]
+    S = 20  # unlike every other size, so that the sequence symbol is the only one with this hint
+    if make is _mqa_args:
+        args = af.make_mqa_inputs(0, S=S, requires_grad=True)
+    else:
+        args = af.make_inputs(0, S=S, requires_grad=True) + ((af.hf_causal_mask(2, S),) if make is _hf_args else ())
+    c, cap = compiled(fn, dynamic=True)
+    out = c(*args)
+    out.backward(torch.ones_like(out))
+    graphs = {k: g for k, g in cap if k in ("forward", "backward")}
+    assert set(graphs) == {"forward", "backward"}
+    seq = None
+    for g in graphs.values():
+        for n in g.graph.nodes:
+            v = n.meta.get("val")
+            if isinstance(v, torch.SymInt) and v.node.hint == S and v.node.expr.is_Symbol:
+                seq = v.node.expr
+    assert seq is not None, "the sequence length is not a symbol"
+    assert OP in targets(cap, "forward") and BWD in targets(cap, "backward")
+    for kind, g in graphs.items():
+        for n in g.graph.nodes:
+            v = n.meta.get("val")
+            vals = v if isinstance(v, (tuple, list)) else [v]
+            for t in vals:
+                if isinstance(t, torch.Tensor):
+                    # (a dim of Min(k, S) is the selection's k, at most k)
+                    dims = [d for d in t.shape if isinstance(d, torch.SymInt) and seq in d.node.expr.free_symbols
+                            and d.node.expr.func.__name__ != "Min"]
+                    assert len(dims) < 2, f"{kind} graph: {n.name} {n.target} has shape {tuple(t.shape)}"
