@@ -124,10 +124,13 @@ class MaskWalk:
             for u in n.users:
                 if u.target in _CASTS and not dtype_of_node(u).is_floating_point and dtype_of_node(u) != torch.bool:
                     stack.append(u)
-                elif u.target in (aten.clone.default, aten.alias.default):
-                    stack.append(u)
+                elif u.target in (aten.clone.default, aten.alias.default, aten.view.default, aten.reshape.default,
+                                  aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim):
+                    stack.append(u)  # (views keep the row-major order: the same shape is the same tensor)
                 elif u.target in (aten.scatter.value, aten.scatter.src) and len(u.args) > 2 and u.args[2] is n:
-                    out.append(u)
+                    ns, xs = shape_of(n), shape_of(idx)
+                    if len(ns) == len(xs) and all(statically_known_true(a == b) for a, b in zip(ns, xs)):
+                        out.append(u)
         return out
 
     def start(self, sc: fx.Node, idx: fx.Node) -> Masked:
