@@ -501,6 +501,9 @@ def analyse(facts: GraphFacts, em: Emitter, r: Region) -> AttentionMatch:
     G = [x for x in q_only if x not in mlab]
     D = sorted(contracted, key=lambda x: q_lab.index(x) if x in q_lab else 1 << 30)
     Dv = [x for x in v_lab if x not in T and x not in B and x not in Hk]
+    if not S:
+        raise _Reject("one query row per sequence (decode over a KV cache): not rewritten, the attention stays "
+                      "dense")
     if len(S) != 1 or len(B) > 1 or not Dv:
         raise _Reject(f"the attention's axes are not batch, query, heads and keys (batch {B}, query {S})")
     if set(y_labels) - set(B) - set(S) - set(Hk) - set(G) - set(T):

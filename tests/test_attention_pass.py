@@ -403,3 +403,30 @@ def test_dynamic_no_tensor_has_two_sequence_dims(name):
                     dims = [d for d in t.shape if isinstance(d, torch.SymInt) and seq in d.node.expr.free_symbols
                             and d.node.expr.func.__name__ != "Min"]
                     assert len(dims) < 2, f"{kind} graph: {n.name} {n.target} has shape {tuple(t.shape)}"
+
+
+def _chunk_args(seed, S):
+    qi, ki, w, q, k, v = af.make_inputs(seed, S=16)
+    return qi[:, -S:], ki, w[:, -S:], q[:, -S:], k, v
+
+
+def test_chunked_prefill_is_rewritten():
+    """S = 5 queries at positions 11..15 over T = 16 keys: the offset causal mask becomes a
+    range with the offset; the output is within the numerics rule."""
+    seed = fresh_seed("chunked_prefill")
+    args = _chunk_args(seed, 5)
+    c, cap = compiled(af.official_v32_chunk)
+    with torch.no_grad():
+        out, orig = c(*args), af.official_v32_chunk(*args)
+        qi, ki, w, q, k, v = args
+        s = (torch.einsum("bshd,btd->bsht", qi, ki).relu() * w.unsqueeze(-1)).sum(2) + af.offset_causal(5, 16)
+        ref = af.official_v32_chunk_attention(s.topk(4, dim=-1)[1], q.double(), k.double(), v.double())
+    assert OP in targets(cap, "inference")
+    recs = attention_records()
+    assert len(recs) == 1 and recs[0].rewritten and recs[0].sizes["S"] == 5 and recs[0].sizes["T"] == 16
+    assert_numerics(out, orig, ref, torch.float32, "out")
+
+
+def test_dense_decode():
+    """One query row over the cache (decode): left dense, with the reason."""
+    _dense_case(af.official_v32_chunk, _chunk_args(0, 1), "decode")
