@@ -464,3 +464,15 @@ def test_dense_permuted_index_mask():
         torch.testing.assert_close(out, off(*args), equal_nan=True)
     assert OP not in targets(cap, "inference")
     assert len(recs) == 1 and not recs[0].rewritten and "permuted" in recs[0].reason, [r.line() for r in recs]
+
+
+def test_inductor_end_to_end():
+    """backend="hyscale" (Inductor codegen around the op), inference: the op runs and the
+    output equals eager's within fp32 reassociation."""
+    args = af.make_inputs(2)
+    torch._dynamo.reset()
+    diagnostics.clear()
+    with torch.no_grad():
+        out = torch.compile(af.official_v32, backend="hyscale")(*args)
+        torch.testing.assert_close(out, af.official_v32(*args), rtol=1e-5, atol=1e-5)
+    assert [r.rewritten for r in attention_records()] == [True]
