@@ -46,6 +46,12 @@ def parse_attention_spec(spec: str) -> AttentionSpec:
     return AttentionSpec.from_json(spec)
 
 
+def _validated(spec: str, masks) -> AttentionSpec:
+    """The spec checked against its operands, its 0-d run-time scales left unread (a fake
+    cannot read a value: the checks need only shapes and dtypes)."""
+    return parse_attention_spec(spec).validate(num_mask_operands=len(masks))
+
+
 def _parsed(spec: str, masks) -> AttentionSpec:
     return parse_attention_spec(spec).validate(num_mask_operands=len(masks)).resolve_operands(masks)
 
@@ -65,7 +71,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, masks: List[T
 
 @sparse_attention.register_fake
 def _(q, k, v, idx, masks, spec, return_probs=False):
-    ref.check_attention_operands(q, k, v, idx, masks, _parsed(spec, masks))
+    ref.check_attention_operands(q, k, v, idx, masks, _validated(spec, masks))
     B, S, H = q.shape[0], q.shape[1], q.shape[2]
     out_dtype = dtype_of(parse_attention_spec(spec).out_dtype)
     probs_shape = (B, S, idx.shape[-1]) if return_probs else (0,)
@@ -87,7 +93,7 @@ def sparse_attention_backward(
 
 @sparse_attention_backward.register_fake
 def _(grad_out, q, k, v, idx, masks, out, lse, spec, needs_q, needs_k, needs_v):
-    ref.check_attention_operands(q, k, v, idx, masks, _parsed(spec, masks))
+    ref.check_attention_operands(q, k, v, idx, masks, _validated(spec, masks))
     bwd.check_backward_operands(grad_out, q, k, v, idx, out, lse)
     return (q.new_empty(q.shape if needs_q else (0,)), k.new_empty(k.shape if needs_k else (0,)),
             v.new_empty(v.shape if needs_v else (0,)))
