@@ -368,39 +368,6 @@ def _store_taken(ptrs, p, take):
         "=r,l,l,r", [ptrs.to(tl.uint64, bitcast=True), p, take.to(tl.int32)],
         dtype=tl.int32, is_pure=False, pack=1)"""
 
-# Section timing for benchmarks/profile_sections.py (PROFILE=True only): the SM's cycle
-# counter, and a per-program accumulator. Scalar stores are made by one thread, which also
-# made the load, so the read-modify-write needs no atomic.
-_CLOCK_PTX = """@triton.jit
-def _clock():
-    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit
-def _clock_after(x):
-    # the cycle counter, read once x (int64) is known (an unused asm operand); per element
-    # for a tensor x
-    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [x], dtype=tl.int64, is_pure=False, pack=1)"""
-
-_CLOCK_INTERP = """@triton.jit
-def _clock():
-    return tl.zeros([], dtype=tl.int64)  # the interpreter has no cycle counter
-
-
-@triton.jit
-def _clock_after(x):
-    return tl.zeros_like(x)"""
-
-_PREFETCH_L2_PTX = """@triton.jit
-def _prefetch_l2(ptrs):
-    # a hint: bring each address's line into L2 (no data comes back, nothing waits)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l",
-                              [ptrs.to(tl.uint64, bitcast=True)], dtype=tl.int32, is_pure=False, pack=1)"""
-
-_PREFETCH_L2_INTERP = """@triton.jit
-def _prefetch_l2(ptrs):
-    pass  # the interpreter has no caches to warm"""
-
 _STORE_TAKEN_INTERP = """@triton.jit
 def _store_taken(ptrs, p, take):
     tl.store(ptrs, p, mask=take)  # the interpreter runs no inline PTX"""
@@ -449,9 +416,7 @@ def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = 
         "LIBDEVICE": "" if _interpreting() else "from triton.language.extra import libdevice\n",
         "EPILOGUE_FN": _render_epilogue(spec),
         "STORE_TAKEN_FN": _STORE_TAKEN_INTERP if _interpreting() else _STORE_TAKEN_PTX,
-        "PREFETCH_FN": _PREFETCH_L2_INTERP if _interpreting() else _PREFETCH_L2_PTX,
         "MULTI_REDUCE_FNS": _MULTI_REDUCE_INTERP if _interpreting() else _MULTI_REDUCE_COMPILED,
-        "CLOCK_FN": _CLOCK_INTERP if _interpreting() else _CLOCK_PTX,
         "MASK_ARGS_DEF": "".join(f"    {a},\n" for a in mask_args),
         "SCORE_MASK_ARGS": "".join(f"{a}, " for a in _score_mask_args(spec)),
         "ROW_BOUNDS": _indent(_render_row_bounds(spec), 8) or "        pass",
@@ -602,23 +567,7 @@ def _round_bf16(x):
 {{STORE_TAKEN_FN}}
 
 
-{{PREFETCH_FN}}
-
-
 {{MULTI_REDUCE_FNS}}
-
-
-{{CLOCK_FN}}
-
-
-@triton.jit
-def _prof_add(PROF, pid, slot: tl.constexpr, delta):
-    # PROFILE sections (per program): 0 scored-tile loops, 1 in-loop compactions, 2 final
-    # compactions, 3 filler tiles, 4 sort + write, 5 whole row blocks (cycles); 6 rows
-    # compacted inside the loop, 7 inner-loop runs (counts); 16-23 in-loop compactions and
-    # 24-31 final ones, as _compact_row and _compact_lanes count them
-    p = PROF + pid * 32 + slot
-    tl.store(p, tl.load(p) + delta)
 
 
 @triton.jit
@@ -804,7 +753,7 @@ def _highest_bit(x):
 def _prefix_search(u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
     # _kth_largest's bitwise search: the largest score-bits prefix v (the bits below it 0)
     # with #{u >= v} >= TOPK, or the first one found that keeps at most TOPK + SLACK keys.
-    # Returns (v, #{u >= v}, passes).
+    # Returns (v, #{u >= v}).
     umin, umax = _min_max(tl.where(valid, u, tl.full([], 4294967295, tl.uint32)), u)
     # bit: the highest bit where umin and umax differ (0 when every key has the same score)
     hbu = _highest_bit(umin ^ umax).to(tl.uint32)
@@ -812,22 +761,20 @@ def _prefix_search(u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
     # the bits above it, common to every key; every valid key is >= this prefix
     prefix = tl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
     n_ge = n                                              # #{u >= prefix}
-    passes = tl.zeros([], dtype=tl.int32)
     while (bit > 0) & (n_ge > TOPK + SLACK):
-        passes += 1
         c = prefix | bit
         n_c = tl.sum((u >= c).to(tl.int32), axis=0)      # c >= 1: invalid keys (u = 0) never count
         prefix = tl.where(n_c >= TOPK, c, prefix)
         n_ge = tl.where(n_c >= TOPK, n_c, n_ge)
         bit = bit >> 1
-    return prefix, n_ge, passes
+    return prefix, n_ge
 
 
 @triton.jit
 def _kth_largest(keys, u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
     # A key kth with TOPK <= #{valid keys >= kth} <= TOPK + SLACK (the valid keys are
     # distinct; n > TOPK of them; u: their score bits, _score_bits, 0 where not valid).
-    # Returns (kth, that count, the number of one-bit passes: profiling).
+    # Returns (kth, that count).
     #
     # SLACK = 0: the TOPK-th largest key, by a bitwise search for the largest score-bits
     # value v with #{u >= v} >= TOPK, then, only when the boundary score is shared by more
@@ -838,11 +785,9 @@ def _kth_largest(keys, u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
     #
     # The search starts below the highest bit where the smallest and largest score differ:
     # the bits above (the sign, most of the exponent) are common to every key. One bit per
-    # pass, one compare and one count per key: v7's two bits per pass took three compares
-    # and two counts, from bit 31; v8's first try, 4-bit histograms packed into eight sums,
-    # spilled and measured slower (docs/kernel-design.md, v8). (v19's bracketing search,
-    # value-space regula falsi, took 2.4x fewer passes but was no faster timed: kernel-design.)
-    prefix, n_ge, passes = _prefix_search(u, valid, n, TOPK, SLACK)
+    # pass, one compare and one count per key (docs/history.md: the multi-bit and bracketing
+    # searches tried instead).
+    prefix, n_ge = _prefix_search(u, valid, n, TOPK, SLACK)
     # the smallest key whose score bits are >= prefix (keeps exactly those n_ge keys): the
     # answer when SLACK allows it
     kth = (prefix ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64) << 32
@@ -863,66 +808,39 @@ def _kth_largest(keys, u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
                 lstep = lstep // 2
             kth = tl.max(tl.where(eq & (low == lp), keys, EMPTY), axis=0)
         n_ge = TOPK
-    return kth, n_ge, passes
+    return kth, n_ge
 
 
 @triton.jit
-def _compact_row(row_ptr, valid, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.constexpr,
-                 prof_ptr=None, PROFILE: tl.constexpr = False):
+def _compact_row(row_ptr, valid, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.constexpr):
     # The best m of the n valid keys among row_ptr[0:CAP], moved to row_ptr[0:m] in no
     # particular order: m = n when n <= TOPK, else TOPK <= m <= TOPK + SLACK (m = TOPK when
     # SLACK = 0). Returns (m, the smallest key kept, or EMPTY when n <= TOPK). No sort: a
     # count-based search for the threshold (_kth_largest), then one compaction.
-    # (PROFILE: prof_ptr[0:3] += cycles of the load (until the row's max is known), the
-    # search, the cumsum + store; [3] += cycles until the last key is in a register, [4] +=
-    # the search's passes, [6] += compactions timed)
-    if PROFILE:
-        c0 = _clock()
     offs = tl.arange(0, CAP)
     keys = tl.load(row_ptr + offs, mask=valid, other=EMPTY)
     kth = tl.full([], EMPTY, tl.int64)
     m = n
-    passes = tl.zeros([], dtype=tl.int32)
-    if PROFILE:
-        c_in = tl.max(_clock_after(keys), axis=0)  # each thread's clock once its keys are in
-        c1 = _clock_after(tl.max(keys, axis=0))
     if n > TOPK:
         u = tl.where(valid, _score_bits(keys), 0)
-        kth, m, passes = _kth_largest(keys, u, valid, n, TOPK, SLACK)
-    if PROFILE:
-        c2 = _clock_after(kth)
+        kth, m = _kth_largest(keys, u, valid, n, TOPK, SLACK)
     keep = valid & (keys >= kth)                    # real keys are > EMPTY
     k32 = keep.to(tl.int32)
     pos = tl.cumsum(k32, axis=0) - k32
     tl.debug_barrier()  # every thread has read the row before any thread overwrites it
     # (the inline-PTX store keeps the keys in their load layout: a tl.store here with its
     # data-dependent addresses got its own layout, and Triton moved the 32 KiB of keys and
-    # the mask through shared memory to it; v9)
+    # the mask through shared memory to it)
     _store_taken(row_ptr + pos, keys, keep)
-    if PROFILE:
-        tl.debug_barrier()
-        c3 = _clock()
-        tl.store(prof_ptr, tl.load(prof_ptr) + (c1 - c0))
-        tl.store(prof_ptr + 1, tl.load(prof_ptr + 1) + (c2 - c1))
-        tl.store(prof_ptr + 2, tl.load(prof_ptr + 2) + (c3 - c2))
-        tl.store(prof_ptr + 3, tl.load(prof_ptr + 3) + (c_in - c0))
-        tl.store(prof_ptr + 4, tl.load(prof_ptr + 4) + passes)
-        tl.store(prof_ptr + 6, tl.load(prof_ptr + 6) + 1)
     return m, kth
 
 
 @triton.jit
 def _compact_lanes(row_ptr, lane_cnt_ptr, TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SLACK: tl.constexpr, prof_ptr, PROFILE: tl.constexpr):
-    # _compact_row over a row held as lane sub-buffers. (PROFILE: prof_ptr[5] += cycles until
-    # the row's key count is known)
-    if PROFILE:
-        c0 = _clock()
+                   SLACK: tl.constexpr):
+    # _compact_row over a row held as lane sub-buffers
     n = tl.sum(tl.load(lane_cnt_ptr + tl.arange(0, BLOCK_N)), axis=0)
-    if PROFILE:
-        c1 = _clock_after(n.to(tl.int64))
-        tl.store(prof_ptr + 5, tl.load(prof_ptr + 5) + (c1 - c0))
-    return _compact_row(row_ptr, _lane_valid(lane_cnt_ptr, CAP, BLOCK_N), n, TOPK, CAP, SLACK, prof_ptr, PROFILE)
+    return _compact_row(row_ptr, _lane_valid(lane_cnt_ptr, CAP, BLOCK_N), n, TOPK, CAP, SLACK)
 
 
 @triton.jit
@@ -944,7 +862,7 @@ def _sample_estimate(row_ptr, lane_cnt_ptr, J: tl.constexpr, CAP: tl.constexpr, 
     valid = _lane_valid(lane_cnt_ptr, CAP, BLOCK_N)
     n = tl.sum(tl.load(lane_cnt_ptr + tl.arange(0, BLOCK_N)), axis=0)
     keys = tl.load(row_ptr + tl.arange(0, CAP), mask=valid, other=EMPTY)
-    prefix, _, _ = _prefix_search(tl.where(valid, _score_bits(keys), 0), valid, n, J, J // 4)
+    prefix, _ = _prefix_search(tl.where(valid, _score_bits(keys), 0), valid, n, J, J // 4)
     below = prefix - tl.where(prefix == 2147483648, 2, 1).to(tl.uint32)
     return _unpack_value((below ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64) << 32)
 
@@ -1005,32 +923,31 @@ def _write_keys(OUT_IDX, OUT_VAL, out, keys, keep, RETURN_VALUES: tl.constexpr):
 
 @triton.jit
 def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-              CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr, SORT_R: tl.constexpr,
-              UNSORTED: tl.constexpr, SORT_NET: tl.constexpr):
+              CAP: tl.constexpr, SORT: tl.constexpr, RETURN_VALUES: tl.constexpr, SORT_R: tl.constexpr):
     # Write the TOPK best of the n (>= TOPK) keys in row_ptr[0:n], in (value desc, index
-    # asc) order: compact to TOPK keys, then sort only those. UNSORTED (topk's
-    # sorted=False): in the buffer's order instead, which the compactions fix (the same
-    # for every run of the same launch), without the sort.
+    # asc) order: compact to TOPK keys, then sort only those. SORT: 0 the bitonic network
+    # (_sort_desc_minmax), 1 the rank sort (_rank_desc), 2 none (topk's sorted=False): the
+    # buffer's order, which the compactions fix (the same for every run of the same launch).
     if n > TOPK:
         _compact_row(row_ptr, tl.arange(0, CAP) < n, n, TOPK, CAP, 0)
         tl.debug_barrier()
     offs = tl.arange(0, TOPK_P2)
     keys = tl.load(row_ptr + offs, mask=offs < TOPK, other=EMPTY)
-    if UNSORTED:
+    if SORT == 2:
         pos = offs
         best = keys
-    elif RANK_SORT:
+    elif SORT == 1:
         pos = _rank_desc(keys)
         best = keys
     else:
-        best = _sort_desc_by(keys, TOPK_P2, SORT_R, SORT_NET)  # bitonic
+        best = _sort_desc_by(keys, TOPK_P2, SORT_R, 1)  # the minmax bitonic network
         pos = tl.arange(0, TOPK_P2)
     _write_keys(OUT_IDX, OUT_VAL, out_off + pos, best, pos < TOPK, RETURN_VALUES)
 
 
 @triton.jit
 def {{KERNEL_NAME}}(
-    Q, K, W, SCRATCH, COUNTER, OUT_IDX, OUT_VAL, PROF, K_DESC, k_desc_rows,
+    Q, K, W, SCRATCH, COUNTER, OUT_IDX, OUT_VAL, K_DESC, k_desc_rows,
 {{MASK_ARGS_DEF}}    stride_qb, stride_qs, stride_qh, stride_qd,
     # the key strides within a batch are compile-time constants: a key tile's per-element
     # offsets then come from the thread index in a few instructions instead of occupying
@@ -1042,12 +959,9 @@ def {{KERNEL_NAME}}(
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, TF32: tl.constexpr, RETURN_VALUES: tl.constexpr,
-    RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, SYNC_WATER: tl.constexpr,
-    SLACK: tl.constexpr,
-    IDX32: tl.constexpr, SORT_ROWS: tl.constexpr, SORT_R: tl.constexpr,
-    UNSORTED: tl.constexpr,
-    W_AT: tl.constexpr, PROFILE: tl.constexpr, USE_TMA: tl.constexpr, L2_PREFETCH: tl.constexpr,
-    PF_LINES: tl.constexpr, SORT_NET: tl.constexpr, PRESAMPLE: tl.constexpr, PRESAMPLE_J: tl.constexpr,
+    SORT: tl.constexpr, LOW_WATER: tl.constexpr, SLACK: tl.constexpr,
+    IDX32: tl.constexpr, SORT_R: tl.constexpr,
+    REREAD_W: tl.constexpr, USE_TMA: tl.constexpr, PRESAMPLE: tl.constexpr, PRESAMPLE_J: tl.constexpr,
 ):
     # Persistent programs take row blocks from an atomic counter, heaviest first (the last
     # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
@@ -1065,7 +979,6 @@ def {{KERNEL_NAME}}(
     else:
         d_ok = offs_d < D
     k_offs = offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd  # a key tile's element offsets
-    offs_pf = tl.arange(0, PF_LINES)  # L2_PREFETCH: the 128-byte lines of a key tile
     scr = SCRATCH + pid.to(tl.int64) * (BLOCK_M * CAP)
     scr_cols = scr + offs_m.to(tl.int64)[None, :] * CAP  # [1, BLOCK_M] row starts
     # this program's lane counts [BLOCK_N, BLOCK_M], written where compactions read them
@@ -1073,18 +986,13 @@ def {{KERNEL_NAME}}(
     lane_cnt = COUNTER + 1 + pid * (BLOCK_M * BLOCK_N)
     # 32-bit offsets (computed where used: registers are scarce across the tile loop)
     lane_cnt_offs = offs_m[None, :] * BLOCK_N + offs_n[:, None]
-    # SCORE_ONLY: every score is added here, elementwise, so that none is dead code; summed
-    # once at the end (a sum over keys per tile would add a cross-warp reduction per tile)
-    chk = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if PRESAMPLE > 0:
-        # a block whose estimate failed its check (v23) runs again without one; COUNTER's
-        # last slot counts them
+        # a block whose estimate failed its check runs again without one; COUNTER's last
+        # slot counts them
         redo_cnt = COUNTER + 1 + tl.num_programs(0) * (BLOCK_M * BLOCK_N)
         retry = tl.zeros([], dtype=tl.int32)
     j = tl.atomic_add(COUNTER, 1)
     while j < num_blocks:
-        if PROFILE:
-            c_blk = _clock()
         nbatch = num_blocks // num_row_blocks
         b = j % nbatch
         mb = num_row_blocks - 1 - j // nbatch
@@ -1124,28 +1032,25 @@ def {{KERNEL_NAME}}(
         cnt = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
         thr = tl.zeros([BLOCK_M], dtype=tl.int64) + EMPTY
         thr_v = tl.zeros([BLOCK_M], dtype=tl.float32) + float("nan")
-        # est_v: each row's sampled estimate (v23, presample), the threshold while the row's
-        # own compactions have set none; NaN (take everything) without one
+        # est_v: each row's sampled estimate (presample), the threshold while the row's own
+        # compactions have set none; NaN (take everything) without one
         est_v = thr_v
         tl.debug_barrier()  # the previous block's last reads of SCRATCH are done
         if PRESAMPLE > 0:
-            # v23 (docs/kernel-design.md): a block with at least 3k keys to score first scores
-            # every PRESAMPLE-th of them into its lanes, takes each row's estimate from them
-            # (est_v: a value at or below the PRESAMPLE_J-th best sampled score, NaN: none),
-            # and throws the sample away: the tile loop then runs in key order as always,
-            # taking only keys above est_v. Every key a row keeps then scores >= its estimate,
-            # so the row is exact iff it ends with TOPK keys (checked after the final
-            # compaction; the block is redone without an estimate otherwise).
+            # The sampled estimate (docs/kernel.md, "Selecting"): a block with at least 3k
+            # keys to score first scores every PRESAMPLE-th of them into its lanes, takes each
+            # row's estimate from them (est_v: a value at or below the PRESAMPLE_J-th best
+            # sampled score, NaN: none), and throws the sample away: the tile loop then runs
+            # in key order as always, taking only keys above est_v. Every key a row keeps
+            # then scores >= its estimate, so the row is exact iff it ends with TOPK keys
+            # (checked after the final compaction; the block is redone without an estimate
+            # otherwise).
             if (retry == 0) & (v1 - v0 >= 3 * TOPK):
                 m_keys = (v1 - v0 + PRESAMPLE - 1) // PRESAMPLE
                 if PRESAMPLE * stride_kt * BLOCK_N < 2147483648:  # (32-bit offsets: fewer registers)
                     s_offs = offs_n[:, None] * (PRESAMPLE * stride_kt) + offs_d[None, :] * stride_kd
                 else:
                     s_offs = offs_n.to(tl.int64)[:, None] * (PRESAMPLE * stride_kt) + offs_d[None, :] * stride_kd
-                if W_AT == 1:
-                    wv_s = tl.load(W + w_col_off + v0 // (T + 1), mask=col_ok, other=0.0).to(tl.float32)
-                else:
-                    wv_s = wv0
                 for st in range(0, m_keys, BLOCK_N):
                     t_s = v0.to(tl.int64) + st * PRESAMPLE
                     keys_s = t_s + offs_n.to(tl.int64) * PRESAMPLE
@@ -1155,13 +1060,13 @@ def {{KERNEL_NAME}}(
                     else:
                         kt = tl.zeros([BLOCK_N, BLOCK_D], dtype=K.dtype.element_ty)
                     y = _score_tile(
-                        kt, qb0, wv_s,
+                        kt, qb0, wv0,
                         Q, K, W, {{SCORE_MASK_ARGS}}
                         stride_qh, stride_qd, stride_kt, stride_kh, stride_wh,
                         {{ROW_BOUND_ARGS_DEF}}
                         b64, rows64, row_ok, q_col_off, w_col_off, col_ok, k_base, t_s, s_offs, keys_s, key_ok,
                         offs_d, d_ok, T,
-                        HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32, W_AT == 2,
+                        HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32, REREAD_W,
                     )
                     # (masked keys are not sampled: m counts the row's visible ones)
                     take = key_ok[:, None] & row_ok[None, :] & (y != float("-inf"))
@@ -1180,8 +1085,7 @@ def {{KERNEL_NAME}}(
         #    every lane can take (a tile adds at most one key per lane and row), so it holds
         #    no merge and no nested loop, and Triton software-pipelines its key-tile loads.
         #    Between inner loops, when some row's fullest lane has fewer than LOW_WATER free
-        #    slots, every row with fewer than SYNC_WATER (>= LOW_WATER) is compacted to its
-        #    TOPK best (which raises its threshold).
+        #    slots, every such row is compacted to its TOPK best (which raises its threshold).
         # the scored range in the key type (int32 when T allows: cheaper masks and packs)
         t_end_k = _as_key(t_end, T, IDX32)
         t0 = _as_key(v0, T, IDX32)
@@ -1189,25 +1093,9 @@ def {{KERNEL_NAME}}(
         while t0 < v1_k:
             space = SUBCAP - tl.max(tl.max(cnt, axis=0), axis=0)
             t_stop = tl.minimum(v1_k, t0 + space * BLOCK_N)
-            if W_AT == 1:
-                # the head weights, held in registers through this tile loop only: not live
-                # across the compactions between loops, which then do not spill (v9). A new
-                # name, so that they are not a loop-carried value of the outer loop; the
-                # offset t0 // (T + 1) is 0, but not provably, so the load stays here.
-                wv_l = tl.load(W + w_col_off + t0 // (T + 1), mask=col_ok, other=0.0).to(tl.float32)
-            else:
-                wv_l = wv0
-            if PROFILE:
-                c_sec = _clock()
             for tt in range(t0, t_stop, BLOCK_N):
                 keys = tt + offs_n
                 key_ok = keys < t_end_k
-                if L2_PREFETCH > 0:
-                    # the key tile L2_PREFETCH tiles ahead into L2, one 128-byte line per
-                    # lane of offs_pf (clamped to the last key: a hint, never a fault; v13)
-                    pf_row = tl.minimum(tt + L2_PREFETCH * BLOCK_N + offs_pf // (PF_LINES // BLOCK_N), T - 1)
-                    _prefetch_l2(K + (k_base + pf_row.to(tl.int64) * stride_kt)
-                                 + (offs_pf % (PF_LINES // BLOCK_N)) * (1024 // K.dtype.element_ty.primitive_bitwidth))
                 if USE_TMA:
                     # one bulk copy per tile (K as [batches x T, D]; rows past the copy's
                     # batch or past the tensor are masked by key_ok or zero-filled)
@@ -1219,120 +1107,75 @@ def {{KERNEL_NAME}}(
                 else:
                     kt = tl.zeros([BLOCK_N, BLOCK_D], dtype=K.dtype.element_ty)
                 y = _score_tile(
-                    kt, qb0, wv_l,
+                    kt, qb0, wv0,
                     Q, K, W, {{SCORE_MASK_ARGS}}
                     stride_qh, stride_qd, stride_kt, stride_kh, stride_wh,
                     {{ROW_BOUND_ARGS_DEF}}
                     b64, rows64, row_ok, q_col_off, w_col_off, col_ok, k_base, tt, k_offs, keys, key_ok,
                     offs_d, d_ok, T,
-                    HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32, W_AT == 2,
+                    HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32, REREAD_W,
                 )
-                if SCORE_ONLY:
-                    chk += tl.where(key_ok[:, None], y, 0.0)
-                else:
-                    # Keys come in increasing index order, so a key whose value equals the
-                    # threshold's loses the tie to it: keep y > thr_v, and NaN (which sorts
-                    # above +inf); a NaN threshold takes everything.
-                    take = (~(y <= thr_v[None, :])) & key_ok[:, None] & row_ok[None, :]
-                    cnt = _append_lanes(scr, offs_m, offs_n, cnt, _pack(y, keys[:, None]), take, CAP, BLOCK_N)
+                # Keys come in increasing index order, so a key whose value equals the
+                # threshold's loses the tie to it: keep y > thr_v, and NaN (which sorts
+                # above +inf); a NaN threshold takes everything.
+                take = (~(y <= thr_v[None, :])) & key_ok[:, None] & row_ok[None, :]
+                cnt = _append_lanes(scr, offs_m, offs_n, cnt, _pack(y, keys[:, None]), take, CAP, BLOCK_N)
             t0 = t_stop
-            if PROFILE:
-                _prof_add(PROF, pid, 0, _clock() - c_sec)
-                _prof_add(PROF, pid, 7, 1)
-            if (not SCORE_ONLY) and (t0 < v1_k):
+            if t0 < v1_k:
                 cmax = tl.max(cnt, axis=0)
                 if tl.max(cmax, axis=0) > SUBCAP - LOW_WATER:
-                    if PROFILE:
-                        c_sec = _clock()
                     tl.store(lane_cnt + lane_cnt_offs, cnt)
                     tl.debug_barrier()  # the lane counts and appended keys are visible to every thread
                     kept = tl.zeros([BLOCK_M], dtype=tl.int32) - 1
                     for r in range(BLOCK_M):
                         c = tl.sum(tl.where(offs_m == r, cmax, 0), axis=0)
-                        if c > SUBCAP - SYNC_WATER:
+                        if c > SUBCAP - LOW_WATER:
                             # (with n <= TOPK keys this only repacks the row; LOW_WATER <=
                             # SUBCAP - ceil((TOPK + SLACK) / BLOCK_N) leaves room after it)
-                            nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, SLACK,
-                                                     PROF + pid * 32 + 16, PROFILE)
+                            nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, SLACK)
                             kept = tl.where(offs_m == r, nk, kept)
                             thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
-                            if PROFILE:
-                                _prof_add(PROF, pid, 6, 1)
                     tl.debug_barrier()
                     cnt = tl.where(kept[None, :] >= 0, _lane_counts(kept, offs_n, BLOCK_N), cnt)
                     thr_v = tl.where(thr == EMPTY, est_v, _unpack_value(thr))  # (>= est_v when set)
-                    if PROFILE:
-                        _prof_add(PROF, pid, 1, _clock() - c_sec)
-        if not SCORE_ONLY:
-            if PROFILE:
-                c_sec = _clock()
-            # every row's lanes -> its best min(n, TOPK) keys, contiguous at [0, n)
-            tl.store(lane_cnt + lane_cnt_offs, cnt)
+        # every row's lanes -> its best min(n, TOPK) keys, contiguous at [0, n)
+        tl.store(lane_cnt + lane_cnt_offs, cnt)
+        tl.debug_barrier()
+        cnt1 = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for r in range(BLOCK_M):
+            nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, 0)
+            cnt1 = tl.where(offs_m == r, nk, cnt1)
+            thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
+        tl.debug_barrier()
+        if PRESAMPLE > 0:
+            # the check: a row with an estimate that ended with fewer than TOPK keys lost
+            # keys below it; its block runs again without estimates
+            retry = tl.max(((est_v == est_v) & (cnt1 < TOPK)).to(tl.int32), axis=0)
+            go = retry == 0
+        else:
+            go = True
+        if go:
+            # 2. all hidden tiles below v0 and from v1 to t_end (fillers), in any order: the
+            #    packed threshold also compares indices
+            for i0 in range(0, v0 + (t_end - v1), BLOCK_N):
+                tf = tl.where(i0 < v0, i0, i0 - v0 + v1)  # [0, v0), then [v1, t_end)
+                first_key = {{FILL_HI}} * 4294967296 + (4294967295 - tf)
+                wanted = tl.max(tl.where(row_ok & (thr < first_key), 1, 0), axis=0) > 0
+                if wanted:
+                    keys64 = tf + offs_n.to(tl.int64)
+                    key_ok = keys64 < t_end
+                    p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) + {{FILL_V}}, keys64[:, None])
+                    cnt1, thr = _select_tile(p, key_ok, row_ok, cnt1, thr, scr, scr_cols, offs_m, TOPK, CAP,
+                                             BLOCK_M)
+            # 3. per row: compact to the TOPK best, sort those, write them
             tl.debug_barrier()
-            cnt1 = tl.zeros([BLOCK_M], dtype=tl.int32)
             for r in range(BLOCK_M):
-                nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, 0,
-                                         PROF + pid * 32 + 24, PROFILE)
-                cnt1 = tl.where(offs_m == r, nk, cnt1)
-                thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
+                s = mb.to(tl.int64) * BLOCK_M + r
+                if s < S:
+                    c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
+                    _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
+                              TOPK, TOPK_P2, CAP, SORT, RETURN_VALUES, SORT_R)
             tl.debug_barrier()
-            if PROFILE:
-                _prof_add(PROF, pid, 2, _clock() - c_sec)
-                c_sec = _clock()
-            if PRESAMPLE > 0:
-                # the check (v23): a row with an estimate that ended with fewer than TOPK keys
-                # lost keys below it; its block runs again without estimates
-                retry = tl.max(((est_v == est_v) & (cnt1 < TOPK)).to(tl.int32), axis=0)
-                go = retry == 0
-            else:
-                go = True
-            if go:
-                # 2. all hidden tiles below v0 and from v1 to t_end (fillers), in any order: the
-                #    packed threshold also compares indices
-                for i0 in range(0, v0 + (t_end - v1), BLOCK_N):
-                    tf = tl.where(i0 < v0, i0, i0 - v0 + v1)  # [0, v0), then [v1, t_end)
-                    first_key = {{FILL_HI}} * 4294967296 + (4294967295 - tf)
-                    wanted = tl.max(tl.where(row_ok & (thr < first_key), 1, 0), axis=0) > 0
-                    if wanted:
-                        keys64 = tf + offs_n.to(tl.int64)
-                        key_ok = keys64 < t_end
-                        p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) + {{FILL_V}}, keys64[:, None])
-                        cnt1, thr = _select_tile(p, key_ok, row_ok, cnt1, thr, scr, scr_cols, offs_m, TOPK, CAP,
-                                                 BLOCK_M)
-                # 3. per row: compact to the TOPK best, sort those, write them
-                tl.debug_barrier()
-                if PROFILE:
-                    _prof_add(PROF, pid, 3, _clock() - c_sec)
-                    c_sec = _clock()
-                if SORT_ROWS == 1:
-                    for r in range(BLOCK_M):
-                        s = mb.to(tl.int64) * BLOCK_M + r
-                        if s < S:
-                            c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
-                            _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
-                                      TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, SORT_R, UNSORTED, SORT_NET)
-                else:
-                    for r in range(BLOCK_M):
-                        c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
-                        if c > TOPK:  # fillers were appended
-                            _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, c, TOPK, CAP, 0)
-                    tl.debug_barrier()
-                    # SORT_ROWS rows per bitonic sort: the same network steps, with more
-                    # independent work per step and fewer barriers per row
-                    for r0 in range(0, BLOCK_M, SORT_ROWS):
-                        rr = r0 + tl.arange(0, SORT_ROWS)
-                        s_rows = mb.to(tl.int64) * BLOCK_M + rr
-                        offs_k = tl.arange(0, TOPK_P2)
-                        ok = (s_rows < S)[:, None] & (offs_k < TOPK)[None, :]
-                        keys2 = tl.load(scr + rr[:, None] * CAP + offs_k[None, :], mask=ok, other=EMPTY)
-                        best = tl.sort(keys2, dim=1, descending=True)
-                        _write_keys(OUT_IDX, OUT_VAL, (b64 * S + s_rows)[:, None] * TOPK + offs_k[None, :], best, ok,
-                                    RETURN_VALUES)
-                tl.debug_barrier()
-                if PROFILE:
-                    _prof_add(PROF, pid, 4, _clock() - c_sec)
-        if PROFILE:
-            _prof_add(PROF, pid, 5, _clock() - c_blk)
         if PRESAMPLE > 0:
             if retry == 0:
                 j = tl.atomic_add(COUNTER, 1)
@@ -1340,7 +1183,4 @@ def {{KERNEL_NAME}}(
                 tl.atomic_add(redo_cnt, 1)  # the same block again, without estimates
         else:
             j = tl.atomic_add(COUNTER, 1)
-    if SCORE_ONLY:
-        tl.store(OUT_VAL + pid * BLOCK_M + offs_m, tl.sum(chk, axis=0))
 '''
-

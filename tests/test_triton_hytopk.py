@@ -850,7 +850,6 @@ def test_launch_parameters_do_not_change_bits(interpret):
         HyTopKConfig(block_m=16, block_n=32),
         HyTopKConfig(block_m=32, block_n=16, num_programs=1),
         HyTopKConfig(block_m=16, block_n=64, num_programs=2, sort="bitonic"),
-        HyTopKConfig(block_m=16, block_n=64, num_programs=2, sort="bitonic", sort_rows=4),
     ):
         v, i = hytopk_triton(q, k, w, masks, topk, DSA, return_values=True, config=cfg)
         outs.append((v, i))
@@ -866,11 +865,11 @@ def test_bitonic_sort_with_register_bits_low(interpret):
     g = _gen(181)
     B, S, T, H, D, topk = 1, 3, 700, 2, 16, 300
     q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32, lo=-2, hi=3, w_hi=2)
-    # the networks of the bitonic sort (sort_network: "minmax", the default, pairs its
-    # in-register steps; "tl.sort" is Triton's; "transpose" moves keys into registers)
+    # the bitonic sort (the minmax network, which pairs its in-register steps) against the
+    # rank sort
     outs = [run_exact(q, k, w, [], topk, ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum"),
-                      config=HyTopKConfig(block_m=4, block_n=32, sort=sort, sort_network=net))
-            for sort, net in (("rank", None), ("bitonic", None), ("bitonic", "tl.sort"), ("bitonic", "transpose"))]
+                      config=HyTopKConfig(block_m=4, block_n=32, sort=sort))
+            for sort in ("rank", "bitonic")]
     assert_same_bits(outs)
     assert (outs[0][0][0, :, 1:] == outs[0][0][0, :, :-1]).any(), "the case should have ties"
 
@@ -930,10 +929,6 @@ def test_sort_after_same_bits(interpret, monkeypatch):
             monkeypatch.setattr(triton_hytopk, "_AFTER_BUDGET", budget)
             got = hytopk_triton(q, k, w, [hi], topk, spec, return_values=True, config=after)
             assert_same_bits([want, got])
-            for net in ("tl.sort", "f64"):
-                got = hytopk_triton(q, k, w, [hi], topk, spec, return_values=True,
-                                    config=dataclasses.replace(after, sort_network=net))
-                assert_same_bits([want, got])
             if score_dtype == "float32":  # indices only: the values live in the workspace
                 assert torch.equal(hytopk_triton(q, k, w, [hi], topk, spec, config=after), want[1]), budget
     # several batches over the budget: the fused sort instead (same answer; 5 rows, so that
@@ -944,11 +939,8 @@ def test_sort_after_same_bits(interpret, monkeypatch):
     want = hytopk_triton(q2, k2, w2, [hi2], topk, DSA, return_values=True, config=cfg)
     got = hytopk_triton(q2, k2, w2, [hi2], topk, DSA, config=after)
     assert torch.equal(got, want[1])
-    # the same with the rows' sort network f64 asked for: the launch's own sort takes minmax
-    # (f64 is refused only where asked for inside the fused kernel), and without a sort
-    got = hytopk_triton(q2, k2, w2, [hi2], topk, DSA, config=dataclasses.replace(after, sort_network="f64"))
-    assert torch.equal(got, want[1])
-    got = hytopk_triton(q2, k2, w2, [hi2], topk, DSA, sorted=False, config=dataclasses.replace(after, sort_network="f64"))
+    # and without a sort
+    got = hytopk_triton(q2, k2, w2, [hi2], topk, DSA, sorted=False, config=after)
     assert torch.equal(got.sort(-1).values, want[1].sort(-1).values)
 
 
@@ -990,39 +982,6 @@ def test_sort_after_chunks(interpret, monkeypatch):
         launches.clear()
         assert torch.equal(hytopk_triton(q, k, w, [hi], topk, DSA, config=cfg2), want)
         assert launches == rows, (work, launches)
-    # a config's after_budget lowers the values' share, never raises it past the bound
-    monkeypatch.setattr(triton_hytopk, "_WORKSPACE_BUDGET", 1 << 30)
-    launches.clear()
-    got = hytopk_triton(q, k, w, [hi], topk, DSA, config=dataclasses.replace(cfg, after_budget=4 * topk * 4))
-    assert torch.equal(got, want) and launches == [2, 4], launches
-    monkeypatch.setattr(triton_hytopk, "_WORKSPACE_BUDGET", scratch + 4 * topk * 4)
-    launches.clear()
-    got = hytopk_triton(q, k, w, [hi], topk, DSA, config=dataclasses.replace(cfg2, after_budget=1 << 40))
-    assert torch.equal(got, want) and launches == [2, 4], launches
-    for bad in (0, 1.5):
-        with pytest.raises(SpecError, match=f"config.after_budget={bad!r} must be None or a positive int"):
-            hytopk_triton(q, k, w, [hi], topk, DSA, config=dataclasses.replace(cfg, after_budget=bad))
-    # the rows' sort: its rows per program reach it (2 rows per program, transpose: the same
-    # bits), and bad values are refused before the fused kernel runs
-    seen = []
-    real_sort = triton_hytopk.sort_rows_
-
-    def spy_sort(*a, **kw):
-        seen.append(kw.get("rows_per_program"))
-        return real_sort(*a, **kw)
-    monkeypatch.setattr(triton_hytopk, "sort_rows_", spy_sort)
-    monkeypatch.setattr(triton_hytopk, "_WORKSPACE_BUDGET", 1 << 30)
-    got = hytopk_triton(q, k, w, [hi], topk, DSA,
-                        config=dataclasses.replace(cfg, sort_network="transpose", sort_rows_per_program=2))
-    assert torch.equal(got, want) and seen == [2], seen
-    for kw, msg in ((dict(sort_rows_per_program=3), "rows_per_program=3; expected a power of two"),
-                    (dict(sort_rows_per_program=True), "rows_per_program=True; expected a power of two"),
-                    (dict(sort_rows_per_program=2, sort_network="minmax"), "needs network 'transpose' or 'f64'"),
-                    (dict(sort_rows_per_program=2), r"got 'minmax' \(the default network for 300 keys\)")):
-        launches.clear()
-        with pytest.raises(SpecError, match=msg):
-            hytopk_triton(q, k, w, [hi], topk, DSA, config=dataclasses.replace(cfg, **kw))
-        assert launches == [], "the fused kernel ran before the error"
 
 
 def _compaction_case(seed):
@@ -1051,40 +1010,18 @@ def test_buffer_policy_does_not_change_bits(interpret):
     # k=20, 16-key tiles: the default buffer is 16 lanes x 4 slots (CAP=64), so rows are
     # compacted many times inside the scored-tile loop. low_water (free slots per lane that
     # trigger a compaction, clamped to [1, 2] here) and a larger buffer (cap=128: 8 slots
-    # per lane, clamp [1, 6]) and sync_water (rows compacted along with one that must be)
-    # change when and how often rows are compacted, never which keys survive. Zero ReLU ties
+    # per lane, clamp [1, 6]) change when and how often rows are compacted, never which keys survive. Zero ReLU ties
     # at the boundary exercise the index-word search. Same block shape, so the same
     # arithmetic: results must be bit-identical.
     q, k, w, topk, spec = _compaction_case(151)
     outs = []
-    # Where the head weights live (reread_weights: every tile, every tile loop, the whole row
-    # block) changes registers, never arithmetic.
+    # Where the head weights live (reread_weights: every tile, or the whole row block)
+    # changes registers, never arithmetic.
     for extra in (dict(low_water=1), dict(low_water=2), dict(cap=128, low_water=1), dict(cap=128, low_water=6),
-                  dict(cap=128, low_water=1, sync_water=5), dict(reread_weights=False),
-                  dict(reread_weights="loop", low_water=1)):
+                  dict(reread_weights=False)):
         v, i = run_exact(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, **extra))
         outs.append((v, i))
     assert_same_bits(outs)
-
-
-@pytest.mark.interpret
-def test_l2_prefetch_does_not_change_bits(interpret):
-    # l2_prefetch issues cache hints for the key tile n tiles ahead (clamped to the last
-    # key): no arithmetic changes. 256-byte key rows take it; 64-byte rows (not whole
-    # 128-byte lines) turn it off. The interpreter evaluates the addresses, not the hint, so
-    # this checks that the option runs and leaves the bits alone; that the hint is compiled
-    # in (and out by default) is test_kernel_compiles'. A wrong address could only cost
-    # time: a prefetch never faults and never changes data.
-    g = _gen(161)
-    for D in (64, 16):
-        # small integers: every sum is exact, so run_exact can compare values bit for bit
-        q = torch.randint(-3, 3, (1, 8, 2, D), generator=g).float()
-        k = torch.randint(-3, 3, (1, 300, 1, D), generator=g).float()
-        w = torch.randint(1, 3, (1, 8, 2), generator=g).float()
-        spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum")
-        outs = [run_exact(q, k, w, [], 20, spec, config=HyTopKConfig(block_m=4, block_n=16, l2_prefetch=n))
-                for n in (0, 1, 4, 100)]
-        assert_same_bits(outs)
 
 
 @pytest.mark.interpret
@@ -1364,8 +1301,6 @@ def test_default_config_takes_tma_where_keys_allow():
     without = triton_hytopk.default_config(32768, 32768, 2048, cuda, True, 128, 64, tma=False)
     assert (with_tma.tma, with_tma.reread_weights, with_tma.num_stages) == (True, False, 3)
     assert (without.tma, without.reread_weights, without.num_stages) == (False, None, 3)
-    # (no L2 prefetch by default: measured no faster)
-    assert with_tma.l2_prefetch is None and without.l2_prefetch is None
     # the sampled estimate where it was measured (TMA key tiles at the DSA shape, up to
     # 128K keys; at 1M it lost)
     assert with_tma.presample == 128 and not without.presample
@@ -1428,23 +1363,8 @@ def test_buffer_config_errors(interpret):
     q, k, w, topk, spec = _compaction_case(152)
     with pytest.raises(SpecError, match="cap"):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(block_m=4, block_n=16, cap=48))
-    with pytest.raises(SpecError, match="profile.*CUDA"):
-        hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(profile=True))
     with pytest.raises(SpecError, match="reread_weights='tiles'"):
         hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(reread_weights="tiles"))
-    with pytest.raises(SpecError, match="l2_prefetch=-1"):
-        hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(l2_prefetch=-1))
-    with pytest.raises(SpecError, match="l2_prefetch=2.5"):
-        hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(l2_prefetch=2.5))
-    with pytest.raises(SpecError, match="sort_network='odd-even'"):
-        hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(sort_network="odd-even"))
-    # the f64 network exists only in the rows' sort kernel, and packs 20 index bits
-    with pytest.raises(SpecError, match="sort_network='f64' is the rows' sort kernel's network.*'bitonic'"):
-        hytopk_triton(q, k, w, [], topk, spec, config=HyTopKConfig(sort="bitonic", sort_network="f64"))
-    T2 = (1 << 20) + 1
-    k2 = torch.zeros(k.shape[0], T2, *k.shape[2:], dtype=k.dtype)
-    with pytest.raises(SpecError, match="at most 1048576 keys, here T=1048577"):
-        hytopk_triton(q, k2, w, [], topk, spec, config=HyTopKConfig(sort="after", sort_network="f64"))
 
 
 @pytest.mark.interpret
@@ -1463,14 +1383,6 @@ def test_padded_head_groups_and_block_m(interpret):
         v, i = run_exact(q, k, w, masks, topk, spec, config=HyTopKConfig(block_m=bm, block_n=16))
         outs.append((v, i))
     assert_same_bits(outs)
-
-
-@pytest.mark.interpret
-def test_score_only_diagnostic_runs(interpret):
-    g = _gen(161)
-    q, k, w = int_operands(g, 1, 8, 64, 2, 1, 16, torch.float32)
-    out = hytopk_triton(q, k, w, [causal_hi(1, 8, 64)], 4, DSA, config=HyTopKConfig(score_only=True))
-    assert out.dtype == torch.float32 and not torch.isnan(out).any()  # causal -inf sums are fine
 
 
 @pytest.mark.interpret
@@ -1604,10 +1516,7 @@ def test_gpu_dsa_shape_bf16(cuda, monkeypatch):
     assert used and set(used) == {3}, triton_hytopk._STAGES
     # (the default sorts in a kernel of its own, "after"; the fused sort is one of the extras)
     for extra in (dict(num_stages=2),
-                  dict(sort="bitonic"), dict(sort="bitonic", sort_rows=2), dict(sort="bitonic", sort_rows=4),
-                  dict(tma=False, num_stages=3, reread_weights=True),
-                  dict(l2_prefetch=4), dict(tma=False, l2_prefetch=2), dict(sort="after"),
-                  dict(sort_network="minmax"), dict(sort_network="transpose"), dict(sort_network="f64")):
+                  dict(sort="bitonic"), dict(tma=False, num_stages=3, reread_weights=True), dict(sort="after")):
         cfg = dataclasses.replace(default, **extra)
         v3, i3 = hytopk_triton(q, k, w, masks, topk, spec, return_values=True, config=cfg)
         assert torch.equal(i3, idx) and torch.equal(v3.view(torch.int32), vals.view(torch.int32)), extra
