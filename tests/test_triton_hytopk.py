@@ -1445,6 +1445,44 @@ def test_codegen_file_cache(interpret, kernel_cache):
         cg.render_kernel_source(DSA, 0)  # the mask term names operand 0
 
 
+def _changed_lines(a: str, b: str) -> set:
+    """The stripped lines that differ between two sources (difflib), header comments aside."""
+    import difflib
+
+    diff = difflib.unified_diff(a.splitlines(), b.splitlines(), lineterm="", n=0)
+    changed = {ln[1:].strip() for ln in diff if ln[:1] in "+-" and not ln.startswith(("+++", "---"))}
+    return {ln for ln in changed if not ln.startswith(("# spec:", "# score:"))}
+
+
+def _mask_term_lines(spec: ScoreSpec) -> set:
+    """Every line the spec's mask terms render into the kernel: their arguments, row bounds,
+    skip bounds and post-step lines."""
+    text = "\n".join([cg._render_row_bounds(spec), cg._render_skip_bounds(spec), cg._render_post(spec)])
+    return {ln.strip() for ln in text.splitlines()} | {f"{a}," for a in cg._mask_args(spec)}
+
+
+def test_generated_kernels_differ_only_in_the_mask_term():
+    # The generated file holds only what the spec decides: two DSA specs whose one mask term
+    # differs (an additive -inf causal range, the same range as a -inf fill; the additive form
+    # also waits for the finite check before skipping, SKIPF) differ in that term's lines and
+    # nowhere else, and the default DSA kernel is a short file (the helpers are triton_lib's)
+    fill = dataclasses.replace(DSA, epilogue=(("mul", 128 ** -0.5), ("relu",)))
+    add = dataclasses.replace(fill, masks=(MaskTerm(kind="range", hi=0, mode="add"),))
+    src_add, src_fill = cg.render_kernel_source(add, 1), cg.render_kernel_source(fill, 1)
+    changed = _changed_lines(src_add, src_fill)
+    assert 'y = y + tl.where(hidden0, (-float("inf")), 0.0)' in changed
+    assert 'y = tl.where(hidden0, (-float("inf")), y)' in changed
+    assert "SKIPF," in changed  # (the finite check's flag: the additive term's only)
+    outside = changed - _mask_term_lines(add) - _mask_term_lines(fill)
+    assert not outside, f"lines outside the mask term differ: {sorted(outside)}"
+    # the same holds of a difference in the epilogue: only _epilogue's lines differ
+    scaled = dataclasses.replace(add, epilogue=(("mul", 0.25), ("relu",)))
+    changed = _changed_lines(src_add, cg.render_kernel_source(scaled, 1))
+    assert changed and all("weight_scale" in ln or ln.startswith("# mul") for ln in changed), changed
+    assert src_add.count("\n") < 300, src_add.count("\n")
+    assert "def _compact_row" not in src_add and "def hytopk_kernel(" in src_add
+
+
 @pytest.mark.interpret
 def test_interpreter_tests_in_a_fresh_process(tmp_path):
     """When another test module imported triton before this one could set
