@@ -35,9 +35,9 @@ import os
 import sys
 import tempfile
 import threading
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from .spec import ScoreSpec, SpecError, finite_guard, finite_range_term, skippable_mask_terms, tensor_mask_term
+from .spec import KernelPlan, ScoreSpec, SpecError, kernel_plan
 
 _MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
 _KERNEL_FN_CACHE: Dict[tuple, object] = {}
@@ -99,7 +99,7 @@ def _elementwise_lines(var: str, step, fast_relu: bool = False) -> List[str]:
     raise SpecError(f"unknown elementwise step {step!r}")
 
 
-def _mask_args(spec: ScoreSpec) -> List[str]:
+def _mask_args(spec: ScoreSpec, plan: KernelPlan) -> List[str]:
     """Kernel arguments for the mask terms: one pointer + strides per (term, role)."""
     args = []
     for j, term in enumerate(spec.masks):
@@ -110,12 +110,11 @@ def _mask_args(spec: ScoreSpec) -> List[str]:
                 args += [f"LO{j}", f"stride_lo{j}_b", f"stride_lo{j}_s"]
             if term.hi is not None:
                 args += [f"HI{j}", f"stride_hi{j}_b", f"stride_hi{j}_s"]
-    fin = finite_range_term(spec)
-    if fin is not None or finite_guard(spec) is not None:
-        # int32 [1]: 1 when the launch's bound proves the hidden value (finite_range_term),
-        # or the operands reaching -inf hidden keys finite (finite_guard); never both
+    if plan.skip_flag:
+        # int32 [1]: 1 when the launch's bound proves the hidden value (plan.finite_range),
+        # or the operands reaching -inf hidden keys finite (plan.guard); never both
         args.append("SKIPF")
-    tmt = tensor_mask_term(spec)
+    tmt = plan.tensor_mask
     if tmt is not None:  # each row's visible key range of the mask tensor (triton_mask_ranges)
         args += ["RLO", "stride_rlo_b", "stride_rlo_s", "RHI", "stride_rhi_b", "stride_rhi_s"]
         # and its first run of neutral keys, where the tile loop does not read the tensor
@@ -127,13 +126,13 @@ def _mask_args(spec: ScoreSpec) -> List[str]:
     return args
 
 
-def _filler(spec: ScoreSpec) -> tuple:
+def _filler(spec: ScoreSpec, plan: KernelPlan) -> tuple:
     """(value literal, packed high word) of the keys that skipped tiles stand for: -inf, or
-    the finite value of ``finite_range_term``. The high word is ``_pack``'s, in Python."""
-    tmt = tensor_mask_term(spec)
+    the finite value of ``plan.finite_range``. The high word is ``_pack``'s, in Python."""
+    tmt = plan.tensor_mask
     if tmt is not None and spec.masks[tmt[0]].kind == "add":
         return "fill_v", "fill_hi"  # an additive mask tensor's smallest value, loaded per launch
-    fin = finite_range_term(spec)
+    fin = plan.finite_range
     if tmt is not None:
         value = spec.masks[tmt[0]].value  # a bool mask tensor's fill value
     elif fin is not None:
@@ -221,11 +220,11 @@ def _render_row_bounds(spec: ScoreSpec) -> str:
     return "\n".join(lines)
 
 
-def _row_bound_args(spec: ScoreSpec) -> str:
+def _row_bound_args(spec: ScoreSpec, plan: KernelPlan) -> str:
     """The per-row bounds ``_score_tile`` takes, loaded once per row block (``_render_row_bounds``)."""
     names = [f"{r}{j}" for j, t in enumerate(spec.masks) if t.kind == "range"
              for r, bnd in (("lo", t.lo), ("hi", t.hi)) if bnd is not None]
-    tmt = tensor_mask_term(spec)
+    tmt = plan.tensor_mask
     if tmt is not None:
         names += [f"mlo{tmt[0]}", f"mhi{tmt[0]}"]
     return "".join(f"{n}, " for n in names)
@@ -247,23 +246,22 @@ def _narrow_lines(lo, hi, ok: str = "") -> List[str]:
     return lines
 
 
-def _render_skip_bounds(spec: ScoreSpec) -> str:
+def _render_skip_bounds(spec: ScoreSpec, plan: KernelPlan) -> str:
     """Block-level facts from the skippable range terms.
 
     key_lo: every key t < key_lo is hidden (-inf, or the finite value of
-    ``finite_range_term``) for every row of the block;
+    ``plan.finite_range``) for every row of the block;
     key_hi: every key t >= key_hi is hidden for every row of the block.
     """
     lines = ["key_lo = tl.zeros([], dtype=tl.int64)", "key_hi = tl.zeros([], dtype=tl.int64) + T"]
-    guard = finite_guard(spec)
-    for j in skippable_mask_terms(spec):
+    for j in plan.skippable:
         term = spec.masks[j]
-        # a term of finite_guard (s + -inf is NaN where s is NaN or +inf, and NaN ranks
+        # a term of plan.guard (s + -inf is NaN where s is NaN or +inf, and NaN ranks
         # first): its tiles are skipped only where SKIPF proves the operands finite
-        ok = "(tl.load(SKIPF) != 0)" if guard is not None and j in guard.terms else ""
+        ok = "(tl.load(SKIPF) != 0)" if plan.guarded(j) else ""
         lines += _narrow_lines(f"lo{j}" if term.lo is not None else None, f"hi{j}" if term.hi is not None else None,
                                ok)
-    tmt = tensor_mask_term(spec)
+    tmt = plan.tensor_mask
     if tmt is not None:
         # a mask tensor: each row's visible key range, read off the tensor before the launch
         # (triton_mask_ranges); outside it every key holds the hidden value fill_v (the fill
@@ -275,7 +273,7 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
         if spec.masks[tmt[0]].kind == "add":
             lines.append("fill_v = tl.load(FILLV)")
             lines.append("fill_hi = _pack(fill_v, tl.zeros([], dtype=tl.int64)) >> 32")
-    fin = finite_range_term(spec)
+    fin = plan.finite_range
     if fin is not None:
         # hidden keys all hold one finite value below every visible score (a fill, or
         # an add: fl(s + v) == v) when the run-time bound on |score|, SKIPF, says so:
@@ -303,10 +301,10 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
     return "\n".join(lines)
 
 
-def _render_post(spec: ScoreSpec) -> str:
+def _render_post(spec: ScoreSpec, plan: KernelPlan) -> str:
     """Post steps on the reduced [BLOCK_N, BLOCK_M] score ``y`` (keys x rows; inlined in _score_tile)."""
     lines = []
-    tmt = tensor_mask_term(spec)
+    tmt = plan.tensor_mask
     for i, step in enumerate(spec.post):
         if step[0] != "mask":
             lines += _elementwise_lines("y", step, fast_relu=_zero_sign_blind(spec.post[i + 1:]))
@@ -355,12 +353,12 @@ def _render_reduce(spec: ScoreSpec) -> str:
     return "pass  # reduce='none': H == 1"
 
 
-def _score_call(spec: ScoreSpec, t: str, offs: str, keys: str, indent: int) -> str:
+def _score_call(spec: ScoreSpec, plan: KernelPlan, t: str, offs: str, keys: str, indent: int) -> str:
     """The kernel's ``y = _score_tile(...)`` for the tile at key ``t`` (its element offsets
     ``offs``, key positions ``keys``): the one call, made by the sample and the tile loop."""
     pad = " " * indent
     args = ("kt, qb0, wv0, Q, K, W, " + "".join(f"{a}, " for a in _score_mask_args(spec))
-            + "stride_qh, stride_qd, stride_kt, stride_kh, stride_wh, " + _row_bound_args(spec)
+            + "stride_qh, stride_qd, stride_kt, stride_kh, stride_wh, " + _row_bound_args(spec, plan)
             + f"b64, rows64, row_ok, q_col_off, w_col_off, col_ok, k_base, {t}, {offs}, {keys}, key_ok, "
             + "offs_d, d_ok, T, HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32, REREAD_W")
     lines, line = [], ""
@@ -378,16 +376,18 @@ def _indent(text: str, n: int) -> str:
     return "\n".join((pad + ln) if ln else ln for ln in text.splitlines())
 
 
-def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel") -> str:
+def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel",
+                         plan: Optional[KernelPlan] = None) -> str:
     """Python source of a ``@triton.jit`` HyTopK kernel specialized to ``spec``.
 
     ``num_masks`` is the number of mask operand tensors the op receives (checked against
-    the spec's references). The result depends only on these arguments, so its hash
-    names the cache file.
+    the spec's references). ``plan``: the spec's ``kernel_plan`` where the caller has it
+    already. The result depends only on these arguments, so its hash names the cache file.
     """
     spec.validate(num_mask_operands=num_masks)
-    mask_args = _mask_args(spec)
-    fill_v, fill_hi = _filler(spec)
+    plan = kernel_plan(spec) if plan is None else plan
+    mask_args = _mask_args(spec, plan)
+    fill_v, fill_hi = _filler(spec, plan)
     subs = {
         "SPEC_JSON": spec.to_json(),
         "DESCRIBE": spec.describe(),
@@ -398,14 +398,14 @@ def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = 
         "MASK_ARGS_DEF": "".join(f"    {a},\n" for a in mask_args),
         "SCORE_MASK_ARGS": "".join(f"{a}, " for a in _score_mask_args(spec)),
         "ROW_BOUNDS": _indent(_render_row_bounds(spec), 8) or "        pass",
-        "SKIP_BOUNDS": _indent(_render_skip_bounds(spec), 8),
+        "SKIP_BOUNDS": _indent(_render_skip_bounds(spec, plan), 8),
         "FILL_V": fill_v,
         "FILL_HI": fill_hi,
         "REDUCE": _indent(_render_reduce(spec), 8),
-        "POST": _indent(_render_post(spec), 4) or "    pass",
-        "ROW_BOUND_ARGS_DEF": _row_bound_args(spec),
-        "SCORE_CALL_SAMPLE": _score_call(spec, "t_s", "s_offs", "keys_s", 20),
-        "SCORE_CALL_LOOP": _score_call(spec, "tt", "k_offs", "keys", 16),
+        "POST": _indent(_render_post(spec, plan), 4) or "    pass",
+        "ROW_BOUND_ARGS_DEF": _row_bound_args(spec, plan),
+        "SCORE_CALL_SAMPLE": _score_call(spec, plan, "t_s", "s_offs", "keys_s", 20),
+        "SCORE_CALL_LOOP": _score_call(spec, plan, "tt", "k_offs", "keys", 16),
     }
     src = _KERNEL_TEMPLATE
     for key, val in subs.items():
@@ -485,7 +485,8 @@ def _mod_bodies(spec: ScoreSpec) -> tuple:
     return tuple((name, tuple(m.triton_lines), tuple(m.interp_lines)) for name, m in used)
 
 
-def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel"):
+def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel",
+                plan: Optional[KernelPlan] = None):
     """The generated kernel for ``spec`` (a JITFunction, or an InterpretedFunction under
     ``TRITON_INTERPRET=1``). Modules are cached per (source, interpret mode) in-process,
     and the lookup per (spec, mods, mode): rendering the source takes ~0.6 ms of host time,
@@ -497,7 +498,7 @@ def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_k
     fn = _KERNEL_FN_CACHE.get(fast_key)
     if fn is not None:
         return fn
-    src = render_kernel_source(spec, num_masks, kernel_name=kernel_name)
+    src = render_kernel_source(spec, num_masks, kernel_name=kernel_name, plan=plan)
     key = (src, interp)
     with _LOCK:
         mod = _MODULE_CACHE.get(key)

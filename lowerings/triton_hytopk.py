@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .reference import check_operands, index_dtype
-from .spec import ScoreSpec, SpecError, dtype_of, finite_guard, finite_range_term, tensor_mask_term
+from .spec import KernelPlan, ScoreSpec, SpecError, dtype_of, kernel_plan
 from .triton_codegen import _interpreting, check_interpreter_mode, load_kernel, weight_scale
 from .score_bound import finite_flag, score_bound_flag
 from .triton_mask_ranges import mask_key_ranges
@@ -197,21 +197,23 @@ def _table_view(t: torch.Tensor, B: int, S: int, T: int, what: str) -> torch.Ten
         raise SpecError(f"{what} of shape {tuple(t.shape)} does not broadcast to [B, S, T] = {(B, S, T)}") from None
 
 
-def hidden_value_flag(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
-    """``score_bound_flag`` for the spec's finite range term (``finite_range_term``): 1 when
+def hidden_value_flag(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[torch.Tensor],
+                      plan: Optional[KernelPlan] = None) -> torch.Tensor:
+    """``score_bound_flag`` for the spec's finite range term (``KernelPlan.finite_range``): 1 when
     every key it hides holds exactly its value v, below every visible score, so the kernel
     may skip hidden tiles; else 0 (the kernel then scores every tile)."""
-    _, _, limit = finite_range_term(spec)
+    _, _, limit = (kernel_plan(spec) if plan is None else plan).finite_range
     return score_bound_flag(spec, q, k, w, limit=limit)
 
 
 def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S: int, T: int, device,
                       r0: int = 0, r1: Optional[int] = None, skip_flag: Optional[torch.Tensor] = None,
-                      ranges=None) -> list:
+                      ranges=None, plan: Optional[KernelPlan] = None) -> list:
     """Pointer/stride arguments in the order ``triton_codegen._mask_args`` declares them, for
     query rows [r0, r1); then ``skip_flag`` (``hidden_value_flag``) or the mask tensor's key
     ranges (``triton_mask_ranges.mask_key_ranges``, all rows), when the spec reads them."""
     rows = slice(r0, S if r1 is None else r1)
+    plan = kernel_plan(spec) if plan is None else plan
     args = []
     for j, term in enumerate(spec.masks):
         if term.kind in ("add", "fill"):
@@ -244,11 +246,11 @@ def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S:
                     raise SpecError(f"range bound operand {bound} must be an integer tensor, got {m.dtype}")
                 v = _row_view(m, B, S, f"range bound operand {bound}")[:, rows]
                 args += [v, v.stride(0), v.stride(1)]
-    if finite_range_term(spec) is not None or finite_guard(spec) is not None:
+    if plan.skip_flag:
         if skip_flag is None:
             raise SpecError("internal: the spec's hidden tiles need hidden_value_flag or finite_flag")
         args.append(skip_flag)
-    if tensor_mask_term(spec) is not None:
+    if plan.tensor_mask is not None:
         if ranges is None:
             raise SpecError("internal: the spec's mask tensor needs mask_key_ranges")
         for t in (ranges.lo, ranges.hi, ranges.nlo, ranges.nhi):
@@ -397,7 +399,8 @@ def hytopk_triton(
         spec.fp32_precision == "tf32" and q.dtype == torch.float32 and k.dtype == torch.float32 and not interpret
     )
 
-    kern = load_kernel(spec, len(masks))
+    plan = kernel_plan(spec)  # the spec's mask facts, once for the kernel, its launch and flags
+    kern = load_kernel(spec, len(masks), plan=plan)
     # int32 key positions when every position the loop forms (up to T + CAP) fits
     idx32 = T + cap + 2 * cfg.block_n < 2**31
     # (the interpreter runs it on any dtype, so that CPU tests cover the addressing; a TMA
@@ -446,19 +449,18 @@ def hytopk_triton(
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    fin = finite_range_term(spec)
-    skip_flag = hidden_value_flag(spec, q, k, w_caller) if fin is not None else None
-    if finite_guard(spec) is not None:  # (finite_range_term is None then: -inf terms exist)
-        skip_flag = (finite_flag(spec, q, k, w_caller, masks) if _CHECK_FINITE
+    skip_flag = hidden_value_flag(spec, q, k, w_caller, plan) if plan.finite_range is not None else None
+    if plan.guard is not None:  # (plan.finite_range is None then: -inf terms exist)
+        skip_flag = (finite_flag(spec, q, k, w_caller, masks, guard=plan.guard) if _CHECK_FINITE
                      else torch.ones(1, dtype=torch.int32, device=device))
-    tmt = tensor_mask_term(spec)
+    tmt = plan.tensor_mask
     ranges = None
     if tmt is not None:  # a mask tensor: each row's visible key range, so hidden tiles are skipped
         term = spec.masks[tmt[0]]
         mview = _table_view(masks[term.operand], B, S, T, f"mask operand {term.operand}")
         if mview.dtype == torch.bool:
             mview = mview.view(torch.uint8)
-        ranges = mask_key_ranges(spec, mview, lambda **lim: score_bound_flag(spec, q, k, w_caller, **lim))
+        ranges = mask_key_ranges(spec, mview, lambda **lim: score_bound_flag(spec, q, k, w_caller, **lim), tmt)
 
     def outputs_for(r0, r1):
         # where a launch over query rows [r0, r1) writes: its slice of the indices, and the
@@ -474,7 +476,8 @@ def hytopk_triton(
         rows = r1 - r0
         nrb = triton_cdiv(rows, block_m)
         return [q[:, r0:r1], k, w_arg if w is None else w_arg[:, r0:r1], scratch, counter, idx_t, vals_t,
-                k_desc, k_desc_rows, *_mask_launch_args(spec, masks, B, S, T, device, r0, r1, skip_flag, ranges),
+                k_desc, k_desc_rows, *_mask_launch_args(spec, masks, B, S, T, device, r0, r1, skip_flag, ranges,
+                                                                plan),
                 q.stride(0), q.stride(1), q.stride(2), q.stride(3),
                 kb_stride, k.stride(1), k.stride(2), k.stride(3), *w_strides,
                 rows, T, nrb, B * nrb]

@@ -187,7 +187,7 @@ for add, dt in ((True, torch.float32), (True, torch.bfloat16), (False, torch.uin
 # the HyTopK kernel for HF's masks; the launch's device pre-passes are stubbed (CPU tensors)
 th.score_bound_flag = lambda *a, **kw: torch.ones(1, dtype=torch.int32)
 th.finite_flag = lambda *a, **kw: torch.ones(1, dtype=torch.int32)
-def ranges(spec, m, bound_flag):
+def ranges(spec, m, bound_flag, term=None):
     B, S_, T = m.shape
     j, needs_bound = tensor_mask_term(spec)
     lo, hi = torch.zeros(B, S_, dtype=torch.int32), torch.full((B, S_), T, dtype=torch.int32)

@@ -38,7 +38,8 @@ if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules and not 
 
 from hyscale_compile.lowerings import reference as ref
 from hyscale_compile.lowerings import triton_codegen as cg
-from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec, SpecError, add_limit, dtype_of
+from hyscale_compile.lowerings.spec import (MaskTerm, ScoreSpec, SpecError, add_limit, dtype_of, finite_range_term,
+                                            kernel_plan, skippable_mask_terms, tensor_mask_term)
 from hyscale_compile.lowerings import triton_hytopk
 from hyscale_compile.lowerings.triton_hytopk import HyTopKConfig, hytopk_triton
 from hyscale_compile.lowerings.score_bound import score_bound_flag
@@ -300,7 +301,7 @@ def test_sliding_window_and_tile_skipping(interpret):
     hi = (s + 1).view(1, S)
     spec = ScoreSpec(epilogue=(("relu",), ("mul", 0.5)), post=(("mask", 0),),
                      masks=(MaskTerm(kind="range", lo=0, hi=1),))
-    assert cg.skippable_mask_terms(spec) == [0]
+    assert skippable_mask_terms(spec) == [0]
     run_exact(q, k, w, [lo, hi], topk, spec, config=HyTopKConfig(block_m=16, block_n=16))
     # a window narrower than k: rows hold fewer than k visible keys
     lo2 = (s - 5).clamp(min=0).view(1, S)
@@ -351,7 +352,7 @@ def test_finite_hidden_value_skips_like_inf(interpret, mode, value, skips):
     q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32)
     spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
                      masks=(MaskTerm(kind="range", hi=0, mode=mode, value=value),))
-    assert cg.finite_range_term(spec) == (0, value, add_limit(value) if mode == "add" else -value / 2)
+    assert finite_range_term(spec) == (0, value, add_limit(value) if mode == "add" else -value / 2)
     assert "key_hi = tl.minimum(key_hi, tl.where(" in cg.render_kernel_source(spec, 1)
     assert triton_hytopk.hidden_value_flag(spec, q, k, w).tolist() == [int(skips)]
     vals, idx = run_exact(q, k, w, [causal_hi(B, S, T)], topk, spec, config=HyTopKConfig(block_m=16, block_n=16))
@@ -434,7 +435,7 @@ def _checked_mask_ranges(spec, m, q, k, w):
     first)."""
     from hyscale_compile.lowerings import triton_mask_ranges as tmr
 
-    term = spec.masks[cg.tensor_mask_term(spec)[0]]
+    term = spec.masks[tensor_mask_term(spec)[0]]
     r = tmr.mask_key_ranges(spec, m, lambda **lim: score_bound_flag(spec, q, k, w, **lim))
     add = term.kind == "add"
     lo_ref, hi_ref = tmr.visible_ranges_reference(m, add, term.where, r.hidden)
@@ -473,7 +474,7 @@ def test_mask_tensor_key_ranges(interpret, form):
         mask = ~visible if where else visible
         spec = ScoreSpec(epilogue=(("relu",),), reduce="weighted_sum", post=(("mask", 0),),
                          masks=(MaskTerm(kind="fill", operand=0, where=where, value=value),))
-    tm = cg.tensor_mask_term(spec)
+    tm = tensor_mask_term(spec)
     assert tm == (0, form not in ("fill_bool_ninf", "fill_bool_keep"))
     m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     r = _checked_mask_ranges(spec, m, q, k, w)
@@ -676,14 +677,14 @@ def test_finite_guard_rules():
     # two additive -inf ranges: the second's bound leaves the first out (-inf stays -inf)
     two = spec((("mask", 0), ("mul", 3.0), ("mask", 1)), (add, MaskTerm(kind="range", lo=1, mode="add")))
     g = finite_guard(two)
-    assert cg.skippable_mask_terms(two) == [0, 1] and g.bounds == ((), (("mul", 3.0),))
+    assert skippable_mask_terms(two) == [0, 1] and g.bounds == ((), (("mul", 3.0),))
     # nothing bounds a registered mod's output or a mask tensor's values: never skipped
-    assert cg.skippable_mask_terms(spec((("mask", 1), ("mask", 0)), (add, MaskTerm(kind="add", operand=1)))) == []
+    assert skippable_mask_terms(spec((("mask", 1), ("mask", 0)), (add, MaskTerm(kind="add", operand=1)))) == []
     hyscale_compile.register_score_mod("recip_nan_test", lambda s: 1.0 / s)
     try:
         modded = spec((("mask", 0),), (add,), epilogue=(("mod", "recip_nan_test"),))
-        assert cg.skippable_mask_terms(modded) == [] and finite_guard(modded) is None
-        assert cg.skippable_mask_terms(dataclasses.replace(modded, masks=(fill,))) == [0]
+        assert skippable_mask_terms(modded) == [] and finite_guard(modded) is None
+        assert skippable_mask_terms(dataclasses.replace(modded, masks=(fill,))) == [0]
     finally:
         hyscale_compile.unregister_score_mod("recip_nan_test")
 
@@ -720,16 +721,16 @@ def test_finite_range_term_rules():
 
     add = MaskTerm(kind="range", hi=0, mode="add", value=FINFO_MIN)
     fill = MaskTerm(kind="range", hi=0, mode="fill", value=-1e4)
-    assert cg.finite_range_term(spec((("mask", 0),), (add,))) == (0, FINFO_MIN, add_limit(FINFO_MIN))
-    assert cg.finite_range_term(spec((("mul", 2.0), ("mask", 0)), (fill,))) == (0, -1e4, 5e3)
-    assert cg.finite_range_term(spec((("mask", 0),), (MaskTerm(kind="range", hi=0, value=5.0),))) is None  # v >= 0
-    assert cg.finite_range_term(spec((("mask", 0),), (MaskTerm(kind="range", hi=0, mode="add", value=1.0),))) is None
-    assert cg.finite_range_term(spec((("mask", 0),), (add,), epilogue=(("mod", "softcap"),))) is None  # no bound
-    assert cg.finite_range_term(spec((("mask", 0), ("mul", 2.0)), (add,))) is None  # not the last step
-    assert cg.finite_range_term(spec((("mask", 0), ("mask", 1)), (add, fill))) is None  # two mask steps
-    assert cg.finite_range_term(spec((("mask", 0),), (add,), score_dtype="bfloat16")) is None
-    assert cg.finite_range_term(spec((("mask", 0),), (MaskTerm(kind="range", hi=0),))) is None  # -inf: the old rule
-    assert cg.finite_range_term(spec((("mask", 0),), (MaskTerm(kind="range", mode="add", value=-1.0),))) is None
+    assert finite_range_term(spec((("mask", 0),), (add,))) == (0, FINFO_MIN, add_limit(FINFO_MIN))
+    assert finite_range_term(spec((("mul", 2.0), ("mask", 0)), (fill,))) == (0, -1e4, 5e3)
+    assert finite_range_term(spec((("mask", 0),), (MaskTerm(kind="range", hi=0, value=5.0),))) is None  # v >= 0
+    assert finite_range_term(spec((("mask", 0),), (MaskTerm(kind="range", hi=0, mode="add", value=1.0),))) is None
+    assert finite_range_term(spec((("mask", 0),), (add,), epilogue=(("mod", "softcap"),))) is None  # no bound
+    assert finite_range_term(spec((("mask", 0), ("mul", 2.0)), (add,))) is None  # not the last step
+    assert finite_range_term(spec((("mask", 0), ("mask", 1)), (add, fill))) is None  # two mask steps
+    assert finite_range_term(spec((("mask", 0),), (add,), score_dtype="bfloat16")) is None
+    assert finite_range_term(spec((("mask", 0),), (MaskTerm(kind="range", hi=0),))) is None  # -inf: the old rule
+    assert finite_range_term(spec((("mask", 0),), (MaskTerm(kind="range", mode="add", value=-1.0),))) is None
 
 
 @pytest.mark.interpret
@@ -795,7 +796,7 @@ def test_post_step_after_mask_disables_skipping(interpret):
     B, S, T, H, D, topk = 1, 16, 64, 2, 16, 8
     q, k, w = int_operands(g, B, S, T, H, 1, D, torch.float32)
     spec = ScoreSpec(epilogue=(("relu",),), post=(("mask", 0), ("neg",)), masks=DSA.masks)
-    assert cg.skippable_mask_terms(spec) == []
+    assert skippable_mask_terms(spec) == []
     run_exact(q, k, w, [causal_hi(B, S, 40)], topk, spec, config=HyTopKConfig(block_m=16, block_n=16))
 
 
@@ -1457,8 +1458,9 @@ def _changed_lines(a: str, b: str) -> set:
 def _mask_term_lines(spec: ScoreSpec) -> set:
     """Every line the spec's mask terms render into the kernel: their arguments, row bounds,
     skip bounds and post-step lines."""
-    text = "\n".join([cg._render_row_bounds(spec), cg._render_skip_bounds(spec), cg._render_post(spec)])
-    return {ln.strip() for ln in text.splitlines()} | {f"{a}," for a in cg._mask_args(spec)}
+    plan = kernel_plan(spec)
+    text = "\n".join([cg._render_row_bounds(spec), cg._render_skip_bounds(spec, plan), cg._render_post(spec, plan)])
+    return {ln.strip() for ln in text.splitlines()} | {f"{a}," for a in cg._mask_args(spec, plan)}
 
 
 def test_generated_kernels_differ_only_in_the_mask_term():
