@@ -99,17 +99,108 @@ def _elementwise_lines(var: str, step, fast_relu: bool = False) -> List[str]:
     raise SpecError(f"unknown elementwise step {step!r}")
 
 
+class TableMaskPieces:
+    """A mask tensor term (kind "add" or "fill") as kernel code: a [B, S, T] table read per
+    (row, key), its pointer and strides the kernel's arguments. ``apply_lines`` takes the
+    consumer's index expressions (keys x rows here; a kernel over gathered key indices
+    passes its own), so another kernel family can apply the same term."""
+
+    def __init__(self, j: int, term):
+        self.j, self.term = j, term
+
+    def args(self) -> List[str]:
+        j = self.j
+        return [f"M{j}", f"stride_m{j}_b", f"stride_m{j}_s", f"stride_m{j}_t"]
+
+    def tile_args(self) -> List[str]:
+        return self.args()  # read inside the score tile
+
+    def row_loads(self) -> List[str]:
+        return []
+
+    def row_values(self) -> List[str]:
+        return []
+
+    def apply_lines(self, keys: str = "keys[:, None]", per_row: str = "[None, :]", ok: str = "ok",
+                    neutral_run: bool = False) -> List[str]:
+        """Lines applying the term to ``y``; ``neutral_run``: the row block's first run of
+        neutral keys [mlo, mhi) (triton_mask_ranges) is not read, where it changes nothing."""
+        j, term = self.j, self.term
+        lines, load_ok, other = [], ok, "0"
+        if neutral_run:
+            # not read on the row's first neutral run, where it would change nothing:
+            # the load's "other" is the neutral value (an additive 0, a fill's visible side)
+            lines.append(f"mread{j} = {ok} & (({keys} < mlo{j}) | ({keys} >= mhi{j}))")
+            load_ok, other = f"mread{j}", "0" if term.kind == "add" or term.where else "1"
+        lines.append(
+            f"m{j} = tl.load(M{j} + (b64 * stride_m{j}_b + rows64{per_row} * stride_m{j}_s "
+            f"+ {keys}.to(tl.int64) * stride_m{j}_t), mask={load_ok}, other={other})"
+        )
+        if term.kind == "add":
+            lines.append(f"y = y + m{j}.to(tl.float32)  # fp32 + bf16/fp16 mask: exact upcast, as torch promotes")
+        else:
+            cond = f"m{j} != 0" if term.where else f"m{j} == 0"
+            lines.append(f"y = tl.where({cond}, {_lit(term.value)}, y)")
+        return lines
+
+
+class RangeMaskPieces:
+    """A range term (kind "range") as kernel code: per-row [B, S] bounds lo / hi, loaded once
+    per row block (``row_loads``) and compared with key positions (``apply_lines``, which
+    takes the consumer's key expression and how a per-row value broadcasts against it)."""
+
+    def __init__(self, j: int, term):
+        self.j, self.term = j, term
+
+    def _bounds(self):
+        return [(role, ptr, default) for role, ptr, default, bound in
+                (("lo", f"LO{self.j}", "0", self.term.lo), ("hi", f"HI{self.j}", "T", self.term.hi))
+                if bound is not None]
+
+    def args(self) -> List[str]:
+        j = self.j
+        return [a for role, ptr, _ in self._bounds() for a in (ptr, f"stride_{role}{j}_b", f"stride_{role}{j}_s")]
+
+    def tile_args(self) -> List[str]:
+        return []  # the bounds reach the score tile already loaded (row_values)
+
+    def row_loads(self) -> List[str]:
+        return [_row_load(f"{role}{self.j}", ptr, f"stride_{role}{self.j}", default)
+                for role, ptr, default in self._bounds()]
+
+    def row_values(self) -> List[str]:
+        return [f"{role}{self.j}" for role, _, _ in self._bounds()]
+
+    def apply_lines(self, keys: str = "keys[:, None]", per_row: str = "[None, :]", ok: str = "ok",
+                    neutral_run: bool = False) -> List[str]:
+        j, term = self.j, self.term
+        parts = []
+        if term.lo is not None:
+            parts.append(f"({keys} < lo{j}{per_row})")
+        if term.hi is not None:
+            parts.append(f"({keys} >= hi{j}{per_row})")
+        if not parts:
+            return []  # a range with neither bound hides nothing
+        lines = [f"hidden{j} = " + " | ".join(parts)]
+        if term.mode == "fill":
+            lines.append(f"y = tl.where(hidden{j}, {_lit(term.value)}, y)")
+        else:
+            lines.append(f"y = y + tl.where(hidden{j}, {_lit(term.value)}, 0.0)")
+        return lines
+
+
+# one class per MaskTerm kind: what a kernel reads and runs for a term of that kind
+MASK_PIECES = {"add": TableMaskPieces, "fill": TableMaskPieces, "range": RangeMaskPieces}
+
+
+def mask_pieces(spec: ScoreSpec) -> list:
+    """The kernel pieces of each of the spec's mask terms, in ``spec.masks`` order."""
+    return [MASK_PIECES[term.kind](j, term) for j, term in enumerate(spec.masks)]
+
+
 def _mask_args(spec: ScoreSpec, plan: KernelPlan) -> List[str]:
     """Kernel arguments for the mask terms: one pointer + strides per (term, role)."""
-    args = []
-    for j, term in enumerate(spec.masks):
-        if term.kind in ("add", "fill"):
-            args += [f"M{j}", f"stride_m{j}_b", f"stride_m{j}_s", f"stride_m{j}_t"]
-        else:
-            if term.lo is not None:
-                args += [f"LO{j}", f"stride_lo{j}_b", f"stride_lo{j}_s"]
-            if term.hi is not None:
-                args += [f"HI{j}", f"stride_hi{j}_b", f"stride_hi{j}_s"]
+    args = [a for piece in mask_pieces(spec) for a in piece.args()]
     if plan.skip_flag:
         # int32 [1]: 1 when the launch's bound proves the hidden value (plan.finite_range),
         # or the operands reaching -inf hidden keys finite (plan.guard); never both
@@ -154,11 +245,7 @@ def _filler(spec: ScoreSpec, plan: KernelPlan) -> tuple:
 def _score_mask_args(spec: ScoreSpec) -> List[str]:
     """The subset of ``_mask_args`` that ``_score_tile`` reads (add/fill tables; range
     bounds reach it already loaded, one value per row)."""
-    args = []
-    for j, term in enumerate(spec.masks):
-        if term.kind in ("add", "fill"):
-            args += [f"M{j}", f"stride_m{j}_b", f"stride_m{j}_s", f"stride_m{j}_t"]
-    return args
+    return [a for piece in mask_pieces(spec) for a in piece.tile_args()]
 
 
 def weight_scale(spec: ScoreSpec):
@@ -209,21 +296,12 @@ def _row_load(var: str, ptr: str, stride: str, other: str) -> str:
 
 def _render_row_bounds(spec: ScoreSpec) -> str:
     """Per-row lo/hi bounds of range terms, loaded once per row block."""
-    lines = []
-    for j, term in enumerate(spec.masks):
-        if term.kind != "range":
-            continue
-        for role, ptr, default in (("lo", f"LO{j}", "0"), ("hi", f"HI{j}", "T")):
-            bound = term.lo if role == "lo" else term.hi
-            if bound is not None:
-                lines.append(_row_load(f"{role}{j}", ptr, f"stride_{role}{j}", default))
-    return "\n".join(lines)
+    return "\n".join(ln for piece in mask_pieces(spec) for ln in piece.row_loads())
 
 
 def _row_bound_args(spec: ScoreSpec, plan: KernelPlan) -> str:
     """The per-row bounds ``_score_tile`` takes, loaded once per row block (``_render_row_bounds``)."""
-    names = [f"{r}{j}" for j, t in enumerate(spec.masks) if t.kind == "range"
-             for r, bnd in (("lo", t.lo), ("hi", t.hi)) if bnd is not None]
+    names = [n for piece in mask_pieces(spec) for n in piece.row_values()]
     tmt = plan.tensor_mask
     if tmt is not None:
         names += [f"mlo{tmt[0]}", f"mhi{tmt[0]}"]
@@ -305,41 +383,13 @@ def _render_post(spec: ScoreSpec, plan: KernelPlan) -> str:
     """Post steps on the reduced [BLOCK_N, BLOCK_M] score ``y`` (keys x rows; inlined in _score_tile)."""
     lines = []
     tmt = plan.tensor_mask
+    pieces = mask_pieces(spec)
     for i, step in enumerate(spec.post):
         if step[0] != "mask":
             lines += _elementwise_lines("y", step, fast_relu=_zero_sign_blind(spec.post[i + 1:]))
             continue
         j = step[1]
-        term = spec.masks[j]
-        if term.kind in ("add", "fill"):
-            load_ok, other = "ok", "0"
-            if tmt is not None and tmt[0] == j:
-                # not read on the row's first neutral run, where it would change nothing:
-                # the load's "other" is the neutral value (an additive 0, a fill's visible side)
-                lines.append(f"mread{j} = ok & ((keys[:, None] < mlo{j}) | (keys[:, None] >= mhi{j}))")
-                load_ok, other = f"mread{j}", "0" if term.kind == "add" or term.where else "1"
-            lines.append(
-                f"m{j} = tl.load(M{j} + (b64 * stride_m{j}_b + rows64[None, :] * stride_m{j}_s "
-                f"+ keys[:, None].to(tl.int64) * stride_m{j}_t), mask={load_ok}, other={other})"
-            )
-            if term.kind == "add":
-                lines.append(f"y = y + m{j}.to(tl.float32)  # fp32 + bf16/fp16 mask: exact upcast, as torch promotes")
-            else:
-                cond = f"m{j} != 0" if term.where else f"m{j} == 0"
-                lines.append(f"y = tl.where({cond}, {_lit(term.value)}, y)")
-        else:
-            parts = []
-            if term.lo is not None:
-                parts.append(f"(keys[:, None] < lo{j}[None, :])")
-            if term.hi is not None:
-                parts.append(f"(keys[:, None] >= hi{j}[None, :])")
-            if not parts:
-                continue  # a range with neither bound hides nothing
-            lines.append(f"hidden{j} = " + " | ".join(parts))
-            if term.mode == "fill":
-                lines.append(f"y = tl.where(hidden{j}, {_lit(term.value)}, y)")
-            else:
-                lines.append(f"y = y + tl.where(hidden{j}, {_lit(term.value)}, 0.0)")
+        lines += pieces[j].apply_lines(neutral_run=tmt is not None and tmt[0] == j)
     return "\n".join(lines)
 
 

@@ -1485,6 +1485,26 @@ def test_generated_kernels_differ_only_in_the_mask_term():
     assert "def _compact_row" not in src_add and "def hytopk_kernel(" in src_add
 
 
+def test_mask_pieces_for_another_kernel():
+    # each MaskTerm kind's kernel pieces (triton_codegen.MASK_PIECES) take the consumer's
+    # index expressions: a kernel over gathered key indices idx [rows, k] gets the same
+    # term applied at idx, its per-row values broadcast along its own axis
+    spec = ScoreSpec(post=(("mask", 0), ("mask", 1)), reduce="sum",
+                     masks=(MaskTerm(kind="range", lo=0, hi=1, mode="add"), MaskTerm(kind="fill", operand=2)))
+    rng, table = cg.mask_pieces(spec)
+    assert type(rng) is cg.RangeMaskPieces and type(table) is cg.TableMaskPieces
+    assert rng.apply_lines(keys="idx", per_row="[:, None]") == [
+        "hidden0 = (idx < lo0[:, None]) | (idx >= hi0[:, None])",
+        'y = y + tl.where(hidden0, (-float("inf")), 0.0)']
+    got = table.apply_lines(keys="idx", per_row="[:, None]", ok="sel_ok")
+    assert got[0] == ("m1 = tl.load(M1 + (b64 * stride_m1_b + rows64[:, None] * stride_m1_s + idx.to(tl.int64) "
+                      "* stride_m1_t), mask=sel_ok, other=0)"), got
+    assert got[1] == 'y = tl.where(m1 != 0, (-float("inf")), y)'
+    assert rng.args() == ["LO0", "stride_lo0_b", "stride_lo0_s", "HI0", "stride_hi0_b", "stride_hi0_s"]
+    assert rng.row_values() == ["lo0", "hi0"] and table.tile_args() == ["M1", "stride_m1_b", "stride_m1_s",
+                                                                       "stride_m1_t"]
+
+
 @pytest.mark.interpret
 def test_interpreter_tests_in_a_fresh_process(tmp_path):
     """When another test module imported triton before this one could set
