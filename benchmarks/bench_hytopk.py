@@ -1,7 +1,7 @@
 """HyTopK at the DSA shape against its baselines, side by side, on one GPU.
 
     python benchmarks/bench_hytopk.py --sizes 8192,32768,131072 [--million] [--out DIR]
-    python benchmarks/bench_hytopk.py --sizes 32768,131072 --rows hytopk,hytopk:score-only,score+topk --inputs iid
+    python benchmarks/bench_hytopk.py --sizes 32768,131072 --rows hytopk,score+topk --inputs iid
 
 DSA shape: H=64 indexer heads, D=128, k=2048, bf16 q/k upcast to fp32 in the graph, per-query
 head weights (fp32), ReLU, weighted head sum, causal, batch 1. Rows of the table:
@@ -20,7 +20,6 @@ head weights (fp32), ReLU, weighted head sum, causal, batch 1. Rows of the table
 * hytopk:unsorted  the same with sorted=False, what the rewrite passes for topk(sorted=False)
                  (DeepSeek's own V3.2/V4 inference code): the same set, no final sort.
 * score+topk:unsorted  score+topk with torch.topk(sorted=False), its counterpart.
-* hytopk:score   the same kernel with selection switched off (diagnostic: scoring alone).
 * hyscale-compile  torch.compile(hf_indexer, backend="hyscale") on the whole sequence: the
                  rewrite is what runs (the counter of generated-kernel launches is printed).
 * hyscale-compile:mask  the same indexer with HF's consumer, ``ones(bool).scatter(-1,
@@ -70,7 +69,7 @@ if _ROOT not in sys.path:
 
 H, D, TOPK = 64, 128, 2048
 # every row name --rows / --skip understand (floor is always printed)
-ROWS = ("hytopk", "hytopk:unsorted", "hytopk:score-only", "score+topk", "score+topk:unsorted", "eager", "compile",
+ROWS = ("hytopk", "hytopk:unsorted", "score+topk", "score+topk:unsorted", "eager", "compile",
         "hyscale-compile", "hyscale-compile:mask", "hyscale-compile:mask:sorted", "hyscale-compile:mask-input")
 SCALE = D**-0.5
 
@@ -414,15 +413,6 @@ def main():
                 ms, peak, idx, first = measure(lambda: hytopk_op(q, k, w, hi, spec_json, False), args.reps)
                 row(S, inp, "hytopk:unsorted", ms, peak, check_rows(idx, q, k, w, rows), f"first call {first:.0f} ms")
                 del idx
-            # scoring alone (diagnostic)
-            if "hytopk:score-only" not in skip:
-                # the launch's own default at this shape, selection off (a bare HyTopKConfig
-                # would take pointer loads, 1 stage and re-read weights: a slower kernel)
-                tma = th.default_takes_tma(k.unsqueeze(2), S, True)
-                cfg = dataclasses.replace(th.default_config(S, S, TOPK, q.device, True, D, H, tma=tma), score_only=True)
-                ms, peak, _, _ = measure(
-                    lambda: th.hytopk_triton(q, k.unsqueeze(2), w, [hi], TOPK, spec, config=cfg), args.reps)
-                row(S, inp, "hytopk:score-only", ms, peak, None, "diagnostic: selection off")
             if "score+topk" not in skip:
                 ms, peak, idx, _ = measure(lambda: score_then_topk(q, k, w), args.reps)
                 row(S, inp, "score+topk", ms, peak, check_rows(idx, q, k, w, rows))

@@ -32,7 +32,7 @@ for step in "$@"; do
              > "$OUT/qsa.md" 2> "$OUT/qsa.log"; echo "qsa rc=$?"; cat "$OUT/qsa.md" ;;
     presample)  # the sampled estimate's A/B (docs/kernel.md, "Selecting"): the default (presample=128 up to 128K keys) against no estimate, iid and struct, 32K and 128K
       for args in "--seq 32768 --inputs iid" "--seq 32768 --inputs struct" "--seq 131072 --inputs iid" "--seq 131072 --inputs struct"; do
-        timeout 150 python3 benchmarks/sweep_hytopk_config.py $args --no-score-only --configs "presample=0;default;presample=0;default" \
+        timeout 150 python3 benchmarks/sweep_hytopk_config.py $args --configs "presample=0;default;presample=0;default" \
           >> "$OUT/presample.md" 2>> "$OUT/presample.log"; echo "presample $args rc=$?"
       done
       grep -E "^S=|^\| (default|presample)" "$OUT/presample.md" ;;

@@ -2,7 +2,7 @@
 ptxas made of it: registers, spills, stack, shared memory, and SASS instruction counts.
 
     python benchmarks/inspect_hytopk.py                        # a few configurations
-    python benchmarks/inspect_hytopk.py --configs "default;num_stages=2;score_only=1"
+    python benchmarks/inspect_hytopk.py --configs "default;num_stages=2;sort=bitonic"
     python benchmarks/inspect_hytopk.py --dump DIR              # also write ttgir/ptx/sass
     python benchmarks/inspect_hytopk.py --configs default --lines  # the tile loop per source line
     python benchmarks/inspect_hytopk.py --shape qsa             # QSA's chunk: bf16 q, fp32 pooled keys
@@ -46,7 +46,7 @@ from triton.runtime import driver  # noqa: E402
 from sweep_hytopk_config import parse_fields  # noqa: E402  (benchmarks/ is this script's directory)
 
 H, D, TOPK = 64, 128, 2048
-DEFAULT_CONFIGS = "default;tma=0,num_stages=3,reread_weights=1;reread_weights=1;score_only=1"
+DEFAULT_CONFIGS = "default;tma=0,num_stages=3,reread_weights=1;reread_weights=1"
 
 
 class _Sm90:

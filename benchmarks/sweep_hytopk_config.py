@@ -3,9 +3,7 @@
     python benchmarks/sweep_hytopk_config.py --seq 32768 [--configs default,w8,...] [--deadline 300]
     python benchmarks/sweep_hytopk_config.py --configs "default;num_stages=2,low_water=16"
 
-For each ``HyTopKConfig`` in the list: the full kernel's median time, the same kernel with
-selection off (``score_only``: what the scoring alone costs under that config), whether
-sampled rows pass the contract's threshold check (docs/contract.md, "Exact top-k"), and
+For each ``HyTopKConfig`` in the list: the full kernel's median time, whether sampled rows pass the contract's threshold check (docs/contract.md, "Exact top-k"), and
 whether the indices are bit-identical to the first config's (launch parameters must never
 change the result). Shape and inputs
 are ``bench_hytopk.py``'s (H=64, D=128, k=2048, causal, bf16, iid). Prints a table last;
@@ -52,7 +50,7 @@ def default_fields(seq: int) -> dict:
 
 
 def parse_fields(text: str) -> dict:
-    """'num_stages=2,l2_prefetch=4,sort=after' -> {'num_stages': 2, 'l2_prefetch': 4, 'sort': 'after'} (ints, then floats, where they parse)."""
+    """'num_stages=2,low_water=4,sort=after' -> {'num_stages': 2, 'low_water': 4, 'sort': 'after'} (ints, then floats, where they parse)."""
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, _, val = item.partition("=")
@@ -72,7 +70,6 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="default,w8,n128w8,m2s3")
     ap.add_argument("--deadline", type=float, default=1e9)
     ap.add_argument("--inputs", default="iid", choices=("iid", "struct"), help="bench_hytopk's input generators")
-    ap.add_argument("--no-score-only", action="store_true", help="skip the score-only column")
     args = ap.parse_args(argv)
     # named configs separated by ","; or, when any "=" appears, ";"-separated items that are
     # each a name or a comma-separated list of HyTopKConfig fields over the default
@@ -100,7 +97,7 @@ def main(argv=None) -> int:
     table = []
     for name in names:
         if time.time() - t_start > args.deadline:
-            table.append((name, None, None, None, None, "SKIPPED (deadline)"))
+            table.append((name, None, None, None, "SKIPPED (deadline)"))
             continue
         kw = CONFIGS[name]
         cfg = th.HyTopKConfig(**kw)
@@ -116,22 +113,18 @@ def main(argv=None) -> int:
             same = "yes" if torch.equal(idx, ref_idx) else "NO"
             if same == "NO" and cfg.sort == "none":  # unsorted rows: the same sets?
                 same = "as sets" if torch.equal(idx.sort(-1).values, ref_idx.sort(-1).values) else "NO (sets)"
-        ms_so = float("nan")
-        if not args.no_score_only:
-            so = th.HyTopKConfig(**kw, score_only=True)
-            ms_so, _, _, _ = bh.measure(lambda: th.hytopk_triton(q, k.unsqueeze(2), w, [hi], bh.TOPK, spec, config=so))
-        table.append((name, ms, ms_so, exact, same, f"{kw}; first call {first:.1f} s"
+        table.append((name, ms, exact, same, f"{kw}; first call {first:.1f} s"
                       + (f"; {redone} blocks redone in the last call" if redone else "")))
-        bh.log(name, ms, ms_so, exact, same)
+        bh.log(name, ms, exact, same)
     print(f"\nS={S}, H={bh.H}, D={bh.D}, k={bh.TOPK}, causal, {args.inputs} bf16; floor {floor:.2f} ms "
           f"({torch.cuda.get_device_name()}, torch {torch.__version__})")
-    print("| config | hytopk ms (x floor) | score-only ms (x floor) | exact | bits = first config | parameters |")
-    print("|---|---|---|---|---|---|")
-    for name, ms, ms_so, exact, same, note in table:
+    print("| config | hytopk ms (x floor) | exact | bits = first config | parameters |")
+    print("|---|---|---|---|---|")
+    for name, ms, exact, same, note in table:
         if ms is None:
-            print(f"| {name} | - | - | - | - | {note} |")
+            print(f"| {name} | - | - | - | {note} |")
             continue
-        print(f"| {name} | {ms:.2f} ({ms / floor:.2f}) | {ms_so:.2f} ({ms_so / floor:.2f}) | "
+        print(f"| {name} | {ms:.2f} ({ms / floor:.2f}) | "
               f"{'yes' if exact else 'NO'} | {same or '-'} | {note} |")
     return 0
 

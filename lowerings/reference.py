@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .spec import MaskTerm, ScoreSpec, SpecError, dtype_of, finite_guard, skippable_mask_terms
+from .spec import MaskTerm, ScoreSpec, SpecError, dtype_of, kernel_plan
 
 # Bytes of fp32 per-head logits one step may hold: rows x heads x keys x 4.
 DEFAULT_CHUNK_BYTES = int(os.environ.get("HYSCALE_CPU_CHUNK_BYTES", 16 << 20))
@@ -268,7 +268,8 @@ def streaming_topk(
     # so a CUDA graph capture runs without them
     shortcuts = not _capturing(device)
 
-    skip_terms, guard = skippable_mask_terms(spec), finite_guard(spec)  # once per call, not per chunk
+    plan = kernel_plan(spec)  # once per call, not per chunk
+    skip_terms, guard = plan.skippable, plan.guard
     proof = []
 
     def proven():
@@ -276,7 +277,7 @@ def streaming_topk(
         if not proof:
             from .score_bound import finite_holds
 
-            proof.append(finite_holds(spec, q, k, w, masks))
+            proof.append(finite_holds(spec, q, k, w, masks, guard))
         return proof[0]
 
     for b in range(B):

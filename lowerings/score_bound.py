@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .spec import ScoreSpec, SpecError, finite_guard
+from .spec import FiniteGuard, ScoreSpec, SpecError, finite_guard
 
 
 @triton.jit
@@ -148,12 +148,14 @@ def score_bound_holds(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Opti
     return bool(p < p_max and x < x_max and a2 * x + b2 < math.inf)
 
 
-def finite_flag(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[torch.Tensor], masks) -> torch.Tensor:
+def finite_flag(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[torch.Tensor], masks,
+                guard: Optional[FiniteGuard] = None) -> torch.Tensor:
     """int32 [1] on q's device: 1 when ``spec.finite_guard``'s checks hold (the hidden keys
     of its terms are then exactly -inf and their tiles may be skipped), else 0. On the
     device, no host sync (CUDA graphs capture it): one ``score_bound_flag`` per bound, an
-    ``all`` per mask tensor. ``w``: the caller's weights."""
-    guard = finite_guard(spec)
+    ``all`` per mask tensor. ``w``: the caller's weights; ``guard``: the spec's, where the
+    caller's ``KernelPlan`` has it."""
+    guard = finite_guard(spec) if guard is None else guard
     flag = None
     for steps in guard.bounds:
         f = score_bound_flag(spec, q, k, w, post_steps=steps)
@@ -164,8 +166,9 @@ def finite_flag(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[t
     return flag
 
 
-def finite_holds(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[torch.Tensor], masks) -> bool:
+def finite_holds(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[torch.Tensor], masks,
+                 guard: Optional[FiniteGuard] = None) -> bool:
     """``finite_flag`` on the host (the CPU path)."""
-    guard = finite_guard(spec)
+    guard = finite_guard(spec) if guard is None else guard
     return (all(score_bound_holds(spec, q, k, w, post_steps=steps) for steps in guard.bounds)
             and all(bool((masks[i] < math.inf).all()) for i in guard.tensors))

@@ -457,8 +457,13 @@ def finite_range_term(spec: ScoreSpec) -> Optional[tuple]:
     while |s| < |v| / 2 (half: slack for the bound's rounding). mode "add": a hidden key is
     fl(s + v), which is v (and below every visible s) only while |s| < ``add_limit(v)``.
     """
+    return _finite_range_term(spec, skippable_mask_terms(spec))
+
+
+def _finite_range_term(spec: ScoreSpec, skippable) -> Optional[tuple]:
+    """``finite_range_term``, given the spec's ``skippable_mask_terms``."""
     j = _sole_last_mask(spec)
-    if j is None or skippable_mask_terms(spec):
+    if j is None or skippable:
         return None
     term = spec.masks[j]
     if term.kind != "range" or not math.isfinite(term.value) or (term.lo is None and term.hi is None):
@@ -503,6 +508,41 @@ def tensor_mask_term(spec: ScoreSpec) -> Optional[tuple]:
     if any(s[0] not in _BOUNDED_STEPS for s in (*spec.epilogue, *spec.post[:-1])):
         return None
     return j, True
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """What a kernel and its launch need to know of a spec's masks, derived once per call
+    (``kernel_plan``) and handed to the code generator, the launch, the score bound and the
+    reference, so that none of them asks the spec again.
+
+    skippable:    -inf range terms whose hidden tiles may be skipped (``skippable_mask_terms``)
+    guard:        what skipping some of them waits for per call, or None (``finite_guard``)
+    finite_range: (j, v, limit) of a range term hiding one finite value v (``finite_range_term``)
+    tensor_mask:  (j, needs_bound) of a mask tensor reduced to row ranges (``tensor_mask_term``)
+    """
+
+    skippable: tuple
+    guard: Optional[FiniteGuard]
+    finite_range: Optional[tuple]
+    tensor_mask: Optional[tuple]
+
+    @property
+    def skip_flag(self) -> bool:
+        """Whether the kernel reads a per-call verdict (SKIPF) before it skips range tiles:
+        the bound behind ``finite_range``, or ``guard``'s checks (never both)."""
+        return self.finite_range is not None or self.guard is not None
+
+    def guarded(self, j: int) -> bool:
+        """Whether skipping term j's tiles waits for ``guard``'s checks."""
+        return self.guard is not None and j in self.guard.terms
+
+
+def kernel_plan(spec: ScoreSpec) -> KernelPlan:
+    """The spec's ``KernelPlan``. (Not cached across calls: a mod's ``keeps_neg_inf`` may
+    change when it is registered again.)"""
+    terms, guard = _skip_terms(spec)
+    return KernelPlan(tuple(terms), guard, _finite_range_term(spec, terms), tensor_mask_term(spec))
 
 
 def tile_skipping(spec: ScoreSpec) -> str:

@@ -12,11 +12,15 @@ the source, and imports it: ``triton.jit`` reads the function's source with
 
 What is generated, and what is fixed text
 -----------------------------------------
-Only the score arithmetic depends on the spec (``_epilogue``, ``_post`` and the
-reduction inside ``_score_tile``). The selection machinery (packing scores into
-ordered int64 keys, the threshold-filtered candidate buffer, the bitonic merges, the
-tile skipping) is the same for every spec and lives in ``_KERNEL_TEMPLATE`` below.
-See docs/kernel.md for the algorithm and why it was chosen.
+The generated file holds only what the spec decides: the entry kernel (its mask
+arguments, row bounds and skippable key ranges, the fillers' value), ``_score_tile``
+(the head weighting and the post steps and masks) and ``_epilogue``. The selection
+machinery every spec shares (the ordered int64 keys, the lane sub-buffers, the
+compactions, the fillers, the final sort) is imported from ``triton_lib`` and
+``triton_keys``, so two generated kernels differ only where their specs do. A change to
+those modules needs no new file: the generated module imports them, and Triton's own
+cache key covers the source of every function a kernel calls. See docs/kernel.md for the
+algorithm and why it was chosen.
 
 Whether Triton runs a kernel compiled or interpreted (``TRITON_INTERPRET=1``) is
 decided when ``@triton.jit`` decorates the function, i.e. when the generated module is
@@ -31,13 +35,9 @@ import os
 import sys
 import tempfile
 import threading
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from .spec import ScoreSpec, SpecError, finite_guard, finite_range_term, skippable_mask_terms, tensor_mask_term
-
-# Bumped whenever the template changes in a way the hash of the source would not show
-# (it always does today: the version is part of the source text).
-CODEGEN_VERSION = 12
+from .spec import KernelPlan, ScoreSpec, SpecError, kernel_plan
 
 _MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
 _KERNEL_FN_CACHE: Dict[tuple, object] = {}
@@ -99,23 +99,113 @@ def _elementwise_lines(var: str, step, fast_relu: bool = False) -> List[str]:
     raise SpecError(f"unknown elementwise step {step!r}")
 
 
-def _mask_args(spec: ScoreSpec) -> List[str]:
-    """Kernel arguments for the mask terms: one pointer + strides per (term, role)."""
-    args = []
-    for j, term in enumerate(spec.masks):
-        if term.kind in ("add", "fill"):
-            args += [f"M{j}", f"stride_m{j}_b", f"stride_m{j}_s", f"stride_m{j}_t"]
+class TableMaskPieces:
+    """A mask tensor term (kind "add" or "fill") as kernel code: a [B, S, T] table read per
+    (row, key), its pointer and strides the kernel's arguments. ``apply_lines`` takes the
+    consumer's index expressions (keys x rows here; a kernel over gathered key indices
+    passes its own), so another kernel family can apply the same term."""
+
+    def __init__(self, j: int, term):
+        self.j, self.term = j, term
+
+    def args(self) -> List[str]:
+        j = self.j
+        return [f"M{j}", f"stride_m{j}_b", f"stride_m{j}_s", f"stride_m{j}_t"]
+
+    def tile_args(self) -> List[str]:
+        return self.args()  # read inside the score tile
+
+    def row_loads(self) -> List[str]:
+        return []
+
+    def row_values(self) -> List[str]:
+        return []
+
+    def apply_lines(self, keys: str = "keys[:, None]", per_row: str = "[None, :]", ok: str = "ok",
+                    neutral_run: bool = False) -> List[str]:
+        """Lines applying the term to ``y``; ``neutral_run``: the row block's first run of
+        neutral keys [mlo, mhi) (triton_mask_ranges) is not read, where it changes nothing."""
+        j, term = self.j, self.term
+        lines, load_ok, other = [], ok, "0"
+        if neutral_run:
+            # not read on the row's first neutral run, where it would change nothing:
+            # the load's "other" is the neutral value (an additive 0, a fill's visible side)
+            lines.append(f"mread{j} = {ok} & (({keys} < mlo{j}) | ({keys} >= mhi{j}))")
+            load_ok, other = f"mread{j}", "0" if term.kind == "add" or term.where else "1"
+        lines.append(
+            f"m{j} = tl.load(M{j} + (b64 * stride_m{j}_b + rows64{per_row} * stride_m{j}_s "
+            f"+ {keys}.to(tl.int64) * stride_m{j}_t), mask={load_ok}, other={other})"
+        )
+        if term.kind == "add":
+            lines.append(f"y = y + m{j}.to(tl.float32)  # fp32 + bf16/fp16 mask: exact upcast, as torch promotes")
         else:
-            if term.lo is not None:
-                args += [f"LO{j}", f"stride_lo{j}_b", f"stride_lo{j}_s"]
-            if term.hi is not None:
-                args += [f"HI{j}", f"stride_hi{j}_b", f"stride_hi{j}_s"]
-    fin = finite_range_term(spec)
-    if fin is not None or finite_guard(spec) is not None:
-        # int32 [1]: 1 when the launch's bound proves the hidden value (finite_range_term),
-        # or the operands reaching -inf hidden keys finite (finite_guard); never both
+            cond = f"m{j} != 0" if term.where else f"m{j} == 0"
+            lines.append(f"y = tl.where({cond}, {_lit(term.value)}, y)")
+        return lines
+
+
+class RangeMaskPieces:
+    """A range term (kind "range") as kernel code: per-row [B, S] bounds lo / hi, loaded once
+    per row block (``row_loads``) and compared with key positions (``apply_lines``, which
+    takes the consumer's key expression and how a per-row value broadcasts against it)."""
+
+    def __init__(self, j: int, term):
+        self.j, self.term = j, term
+
+    def _bounds(self):
+        return [(role, ptr, default) for role, ptr, default, bound in
+                (("lo", f"LO{self.j}", "0", self.term.lo), ("hi", f"HI{self.j}", "T", self.term.hi))
+                if bound is not None]
+
+    def args(self) -> List[str]:
+        j = self.j
+        return [a for role, ptr, _ in self._bounds() for a in (ptr, f"stride_{role}{j}_b", f"stride_{role}{j}_s")]
+
+    def tile_args(self) -> List[str]:
+        return []  # the bounds reach the score tile already loaded (row_values)
+
+    def row_loads(self) -> List[str]:
+        return [_row_load(f"{role}{self.j}", ptr, f"stride_{role}{self.j}", default)
+                for role, ptr, default in self._bounds()]
+
+    def row_values(self) -> List[str]:
+        return [f"{role}{self.j}" for role, _, _ in self._bounds()]
+
+    def apply_lines(self, keys: str = "keys[:, None]", per_row: str = "[None, :]", ok: str = "ok",
+                    neutral_run: bool = False) -> List[str]:
+        j, term = self.j, self.term
+        parts = []
+        if term.lo is not None:
+            parts.append(f"({keys} < lo{j}{per_row})")
+        if term.hi is not None:
+            parts.append(f"({keys} >= hi{j}{per_row})")
+        if not parts:
+            return []  # a range with neither bound hides nothing
+        lines = [f"hidden{j} = " + " | ".join(parts)]
+        if term.mode == "fill":
+            lines.append(f"y = tl.where(hidden{j}, {_lit(term.value)}, y)")
+        else:
+            lines.append(f"y = y + tl.where(hidden{j}, {_lit(term.value)}, 0.0)")
+        return lines
+
+
+# one class per MaskTerm kind: what a kernel reads and runs for a term of that kind
+MASK_PIECES = {"add": TableMaskPieces, "fill": TableMaskPieces, "range": RangeMaskPieces}
+
+
+def mask_pieces(spec: ScoreSpec) -> list:
+    """The kernel pieces of each of the spec's mask terms, in ``spec.masks`` order."""
+    return [MASK_PIECES[term.kind](j, term) for j, term in enumerate(spec.masks)]
+
+
+def _mask_args(spec: ScoreSpec, plan: KernelPlan) -> List[str]:
+    """Kernel arguments for the mask terms: one pointer + strides per (term, role)."""
+    args = [a for piece in mask_pieces(spec) for a in piece.args()]
+    if plan.skip_flag:
+        # int32 [1]: 1 when the launch's bound proves the hidden value (plan.finite_range),
+        # or the operands reaching -inf hidden keys finite (plan.guard); never both
         args.append("SKIPF")
-    tmt = tensor_mask_term(spec)
+    tmt = plan.tensor_mask
     if tmt is not None:  # each row's visible key range of the mask tensor (triton_mask_ranges)
         args += ["RLO", "stride_rlo_b", "stride_rlo_s", "RHI", "stride_rhi_b", "stride_rhi_s"]
         # and its first run of neutral keys, where the tile loop does not read the tensor
@@ -127,13 +217,13 @@ def _mask_args(spec: ScoreSpec) -> List[str]:
     return args
 
 
-def _filler(spec: ScoreSpec) -> tuple:
+def _filler(spec: ScoreSpec, plan: KernelPlan) -> tuple:
     """(value literal, packed high word) of the keys that skipped tiles stand for: -inf, or
-    the finite value of ``finite_range_term``. The high word is ``_pack``'s, in Python."""
-    tmt = tensor_mask_term(spec)
+    the finite value of ``plan.finite_range``. The high word is ``_pack``'s, in Python."""
+    tmt = plan.tensor_mask
     if tmt is not None and spec.masks[tmt[0]].kind == "add":
         return "fill_v", "fill_hi"  # an additive mask tensor's smallest value, loaded per launch
-    fin = finite_range_term(spec)
+    fin = plan.finite_range
     if tmt is not None:
         value = spec.masks[tmt[0]].value  # a bool mask tensor's fill value
     elif fin is not None:
@@ -155,11 +245,7 @@ def _filler(spec: ScoreSpec) -> tuple:
 def _score_mask_args(spec: ScoreSpec) -> List[str]:
     """The subset of ``_mask_args`` that ``_score_tile`` reads (add/fill tables; range
     bounds reach it already loaded, one value per row)."""
-    args = []
-    for j, term in enumerate(spec.masks):
-        if term.kind in ("add", "fill"):
-            args += [f"M{j}", f"stride_m{j}_b", f"stride_m{j}_s", f"stride_m{j}_t"]
-    return args
+    return [a for piece in mask_pieces(spec) for a in piece.tile_args()]
 
 
 def weight_scale(spec: ScoreSpec):
@@ -210,22 +296,13 @@ def _row_load(var: str, ptr: str, stride: str, other: str) -> str:
 
 def _render_row_bounds(spec: ScoreSpec) -> str:
     """Per-row lo/hi bounds of range terms, loaded once per row block."""
-    lines = []
-    for j, term in enumerate(spec.masks):
-        if term.kind != "range":
-            continue
-        for role, ptr, default in (("lo", f"LO{j}", "0"), ("hi", f"HI{j}", "T")):
-            bound = term.lo if role == "lo" else term.hi
-            if bound is not None:
-                lines.append(_row_load(f"{role}{j}", ptr, f"stride_{role}{j}", default))
-    return "\n".join(lines)
+    return "\n".join(ln for piece in mask_pieces(spec) for ln in piece.row_loads())
 
 
-def _row_bound_args(spec: ScoreSpec) -> str:
+def _row_bound_args(spec: ScoreSpec, plan: KernelPlan) -> str:
     """The per-row bounds ``_score_tile`` takes, loaded once per row block (``_render_row_bounds``)."""
-    names = [f"{r}{j}" for j, t in enumerate(spec.masks) if t.kind == "range"
-             for r, bnd in (("lo", t.lo), ("hi", t.hi)) if bnd is not None]
-    tmt = tensor_mask_term(spec)
+    names = [n for piece in mask_pieces(spec) for n in piece.row_values()]
+    tmt = plan.tensor_mask
     if tmt is not None:
         names += [f"mlo{tmt[0]}", f"mhi{tmt[0]}"]
     return "".join(f"{n}, " for n in names)
@@ -247,23 +324,22 @@ def _narrow_lines(lo, hi, ok: str = "") -> List[str]:
     return lines
 
 
-def _render_skip_bounds(spec: ScoreSpec) -> str:
+def _render_skip_bounds(spec: ScoreSpec, plan: KernelPlan) -> str:
     """Block-level facts from the skippable range terms.
 
     key_lo: every key t < key_lo is hidden (-inf, or the finite value of
-    ``finite_range_term``) for every row of the block;
+    ``plan.finite_range``) for every row of the block;
     key_hi: every key t >= key_hi is hidden for every row of the block.
     """
     lines = ["key_lo = tl.zeros([], dtype=tl.int64)", "key_hi = tl.zeros([], dtype=tl.int64) + T"]
-    guard = finite_guard(spec)
-    for j in skippable_mask_terms(spec):
+    for j in plan.skippable:
         term = spec.masks[j]
-        # a term of finite_guard (s + -inf is NaN where s is NaN or +inf, and NaN ranks
+        # a term of plan.guard (s + -inf is NaN where s is NaN or +inf, and NaN ranks
         # first): its tiles are skipped only where SKIPF proves the operands finite
-        ok = "(tl.load(SKIPF) != 0)" if guard is not None and j in guard.terms else ""
+        ok = "(tl.load(SKIPF) != 0)" if plan.guarded(j) else ""
         lines += _narrow_lines(f"lo{j}" if term.lo is not None else None, f"hi{j}" if term.hi is not None else None,
                                ok)
-    tmt = tensor_mask_term(spec)
+    tmt = plan.tensor_mask
     if tmt is not None:
         # a mask tensor: each row's visible key range, read off the tensor before the launch
         # (triton_mask_ranges); outside it every key holds the hidden value fill_v (the fill
@@ -275,7 +351,7 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
         if spec.masks[tmt[0]].kind == "add":
             lines.append("fill_v = tl.load(FILLV)")
             lines.append("fill_hi = _pack(fill_v, tl.zeros([], dtype=tl.int64)) >> 32")
-    fin = finite_range_term(spec)
+    fin = plan.finite_range
     if fin is not None:
         # hidden keys all hold one finite value below every visible score (a fill, or
         # an add: fl(s + v) == v) when the run-time bound on |score|, SKIPF, says so:
@@ -303,45 +379,17 @@ def _render_skip_bounds(spec: ScoreSpec) -> str:
     return "\n".join(lines)
 
 
-def _render_post(spec: ScoreSpec) -> str:
+def _render_post(spec: ScoreSpec, plan: KernelPlan) -> str:
     """Post steps on the reduced [BLOCK_N, BLOCK_M] score ``y`` (keys x rows; inlined in _score_tile)."""
     lines = []
-    tmt = tensor_mask_term(spec)
+    tmt = plan.tensor_mask
+    pieces = mask_pieces(spec)
     for i, step in enumerate(spec.post):
         if step[0] != "mask":
             lines += _elementwise_lines("y", step, fast_relu=_zero_sign_blind(spec.post[i + 1:]))
             continue
         j = step[1]
-        term = spec.masks[j]
-        if term.kind in ("add", "fill"):
-            load_ok, other = "ok", "0"
-            if tmt is not None and tmt[0] == j:
-                # not read on the row's first neutral run, where it would change nothing:
-                # the load's "other" is the neutral value (an additive 0, a fill's visible side)
-                lines.append(f"mread{j} = ok & ((keys[:, None] < mlo{j}) | (keys[:, None] >= mhi{j}))")
-                load_ok, other = f"mread{j}", "0" if term.kind == "add" or term.where else "1"
-            lines.append(
-                f"m{j} = tl.load(M{j} + (b64 * stride_m{j}_b + rows64[None, :] * stride_m{j}_s "
-                f"+ keys[:, None].to(tl.int64) * stride_m{j}_t), mask={load_ok}, other={other})"
-            )
-            if term.kind == "add":
-                lines.append(f"y = y + m{j}.to(tl.float32)  # fp32 + bf16/fp16 mask: exact upcast, as torch promotes")
-            else:
-                cond = f"m{j} != 0" if term.where else f"m{j} == 0"
-                lines.append(f"y = tl.where({cond}, {_lit(term.value)}, y)")
-        else:
-            parts = []
-            if term.lo is not None:
-                parts.append(f"(keys[:, None] < lo{j}[None, :])")
-            if term.hi is not None:
-                parts.append(f"(keys[:, None] >= hi{j}[None, :])")
-            if not parts:
-                continue  # a range with neither bound hides nothing
-            lines.append(f"hidden{j} = " + " | ".join(parts))
-            if term.mode == "fill":
-                lines.append(f"y = tl.where(hidden{j}, {_lit(term.value)}, y)")
-            else:
-                lines.append(f"y = y + tl.where(hidden{j}, {_lit(term.value)}, 0.0)")
+        lines += pieces[j].apply_lines(neutral_run=tmt is not None and tmt[0] == j)
     return "\n".join(lines)
 
 
@@ -355,74 +403,22 @@ def _render_reduce(spec: ScoreSpec) -> str:
     return "pass  # reduce='none': H == 1"
 
 
-# The tile loop's append. Compiled: one predicated st.global per element in the layout the
-# head sum leaves the scores in (lanes of a quad hold the same element and store the same
-# value to the same address). A tl.store there makes Triton convert pointers, keys and
-# masks to a coalesced layout through shared memory: 2-4 barriers per tile, and 2 KiB of
-# shared memory that stopped two programs with 3 pipeline stages from fitting on an SM.
-_STORE_TAKEN_PTX = """@triton.jit
-def _store_taken(ptrs, p, take):
-    # ptrs[i] = p[i] where take[i], in the operands' own layout (no layout conversion)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred t; setp.ne.b32 t, $3, 0; @t st.global.b64 [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,l,r", [ptrs.to(tl.uint64, bitcast=True), p, take.to(tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1)"""
-
-# Section timing for benchmarks/profile_sections.py (PROFILE=True only): the SM's cycle
-# counter, and a per-program accumulator. Scalar stores are made by one thread, which also
-# made the load, so the read-modify-write needs no atomic.
-_CLOCK_PTX = """@triton.jit
-def _clock():
-    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit
-def _clock_after(x):
-    # the cycle counter, read once x (int64) is known (an unused asm operand); per element
-    # for a tensor x
-    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [x], dtype=tl.int64, is_pure=False, pack=1)"""
-
-_CLOCK_INTERP = """@triton.jit
-def _clock():
-    return tl.zeros([], dtype=tl.int64)  # the interpreter has no cycle counter
-
-
-@triton.jit
-def _clock_after(x):
-    return tl.zeros_like(x)"""
-
-_PREFETCH_L2_PTX = """@triton.jit
-def _prefetch_l2(ptrs):
-    # a hint: bring each address's line into L2 (no data comes back, nothing waits)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l",
-                              [ptrs.to(tl.uint64, bitcast=True)], dtype=tl.int32, is_pure=False, pack=1)"""
-
-_PREFETCH_L2_INTERP = """@triton.jit
-def _prefetch_l2(ptrs):
-    pass  # the interpreter has no caches to warm"""
-
-_STORE_TAKEN_INTERP = """@triton.jit
-def _store_taken(ptrs, p, take):
-    tl.store(ptrs, p, mask=take)  # the interpreter runs no inline PTX"""
-
-
-# Two reductions over one axis at once. Compiled: one tl.reduce over a tuple, whose partial
-# results cross the warps in one shared-memory exchange (one barrier) instead of two. The
-# interpreter runs a custom combine function element by element in Python, so it gets the
-# two numpy-backed reductions (same integers).
-_MULTI_REDUCE_COMPILED = """@triton.jit
-def _min_max_combine(lo0, hi0, lo1, hi1):
-    return tl.minimum(lo0, lo1), tl.maximum(hi0, hi1)
-
-
-@triton.jit
-def _min_max(lo, hi):
-    # (min of lo, max of hi) over axis 0
-    return tl.reduce((lo, hi), 0, _min_max_combine)"""
-
-_MULTI_REDUCE_INTERP = """@triton.jit
-def _min_max(lo, hi):
-    return tl.min(lo, 0), tl.max(hi, 0)"""
+def _score_call(spec: ScoreSpec, plan: KernelPlan, t: str, offs: str, keys: str, indent: int) -> str:
+    """The kernel's ``y = _score_tile(...)`` for the tile at key ``t`` (its element offsets
+    ``offs``, key positions ``keys``): the one call, made by the sample and the tile loop."""
+    pad = " " * indent
+    args = ("kt, qb0, wv0, Q, K, W, " + "".join(f"{a}, " for a in _score_mask_args(spec))
+            + "stride_qh, stride_qd, stride_kt, stride_kh, stride_wh, " + _row_bound_args(spec, plan)
+            + f"b64, rows64, row_ok, q_col_off, w_col_off, col_ok, k_base, {t}, {offs}, {keys}, key_ok, "
+            + "offs_d, d_ok, T, HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32, REREAD_W")
+    lines, line = [], ""
+    for a in args.split(", "):
+        if len(pad) + 4 + len(line) + len(a) + 2 > 118:
+            lines.append(pad + "    " + line.rstrip())
+            line = ""
+        line += a + ", "
+    lines.append(pad + "    " + line.rstrip().rstrip(","))
+    return pad + "y = _score_tile(\n" + "\n".join(lines) + ")"
 
 
 def _indent(text: str, n: int) -> str:
@@ -430,43 +426,42 @@ def _indent(text: str, n: int) -> str:
     return "\n".join((pad + ln) if ln else ln for ln in text.splitlines())
 
 
-def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel") -> str:
+def render_kernel_source(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel",
+                         plan: Optional[KernelPlan] = None) -> str:
     """Python source of a ``@triton.jit`` HyTopK kernel specialized to ``spec``.
 
     ``num_masks`` is the number of mask operand tensors the op receives (checked against
-    the spec's references). The result depends only on these arguments, so its hash
-    names the cache file.
+    the spec's references). ``plan``: the spec's ``kernel_plan`` where the caller has it
+    already. The result depends only on these arguments, so its hash names the cache file.
     """
     spec.validate(num_mask_operands=num_masks)
-    mask_args = _mask_args(spec)
-    fill_v, fill_hi = _filler(spec)
+    plan = kernel_plan(spec) if plan is None else plan
+    mask_args = _mask_args(spec, plan)
+    fill_v, fill_hi = _filler(spec, plan)
     subs = {
-        "VERSION": str(CODEGEN_VERSION),
         "SPEC_JSON": spec.to_json(),
         "DESCRIBE": spec.describe(),
         "KERNEL_NAME": kernel_name,
         # registered score mods call libdevice (tanh, log1p, ...); the interpreter has none
         "LIBDEVICE": "" if _interpreting() else "from triton.language.extra import libdevice\n",
         "EPILOGUE_FN": _render_epilogue(spec),
-        "STORE_TAKEN_FN": _STORE_TAKEN_INTERP if _interpreting() else _STORE_TAKEN_PTX,
-        "PREFETCH_FN": _PREFETCH_L2_INTERP if _interpreting() else _PREFETCH_L2_PTX,
-        "MULTI_REDUCE_FNS": _MULTI_REDUCE_INTERP if _interpreting() else _MULTI_REDUCE_COMPILED,
-        "CLOCK_FN": _CLOCK_INTERP if _interpreting() else _CLOCK_PTX,
         "MASK_ARGS_DEF": "".join(f"    {a},\n" for a in mask_args),
         "SCORE_MASK_ARGS": "".join(f"{a}, " for a in _score_mask_args(spec)),
         "ROW_BOUNDS": _indent(_render_row_bounds(spec), 8) or "        pass",
-        "SKIP_BOUNDS": _indent(_render_skip_bounds(spec), 8),
+        "SKIP_BOUNDS": _indent(_render_skip_bounds(spec, plan), 8),
         "FILL_V": fill_v,
         "FILL_HI": fill_hi,
         "REDUCE": _indent(_render_reduce(spec), 8),
-        "POST": _indent(_render_post(spec), 4) or "    pass",
-        "ROW_BOUND_ARGS_DEF": _row_bound_args(spec),
+        "POST": _indent(_render_post(spec, plan), 4) or "    pass",
+        "ROW_BOUND_ARGS_DEF": _row_bound_args(spec, plan),
+        "SCORE_CALL_SAMPLE": _score_call(spec, plan, "t_s", "s_offs", "keys_s", 20),
+        "SCORE_CALL_LOOP": _score_call(spec, plan, "tt", "k_offs", "keys", 16),
     }
     src = _KERNEL_TEMPLATE
     for key, val in subs.items():
         src = src.replace("{{" + key + "}}", val)
     assert "{{" not in src, "unfilled template slot"
-    return src
+    return "\n".join(ln.rstrip() for ln in src.split("\n"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -540,7 +535,8 @@ def _mod_bodies(spec: ScoreSpec) -> tuple:
     return tuple((name, tuple(m.triton_lines), tuple(m.interp_lines)) for name, m in used)
 
 
-def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel"):
+def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_kernel",
+                plan: Optional[KernelPlan] = None):
     """The generated kernel for ``spec`` (a JITFunction, or an InterpretedFunction under
     ``TRITON_INTERPRET=1``). Modules are cached per (source, interpret mode) in-process,
     and the lookup per (spec, mods, mode): rendering the source takes ~0.6 ms of host time,
@@ -552,7 +548,7 @@ def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_k
     fn = _KERNEL_FN_CACHE.get(fast_key)
     if fn is not None:
         return fn
-    src = render_kernel_source(spec, num_masks, kernel_name=kernel_name)
+    src = render_kernel_source(spec, num_masks, kernel_name=kernel_name, plan=plan)
     key = (src, interp)
     with _LOCK:
         mod = _MODULE_CACHE.get(key)
@@ -579,198 +575,41 @@ def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_k
 # Slots are {{NAME}}; everything else is literal Triton code. Notation:
 #   BLOCK_M query rows of one batch per block, BLOCK_N keys per tile, BLOCK_D >= D (pow2),
 #   TOPK = k, CAP = pow2 >= TOPK + BLOCK_N: the per-row candidate buffer in SCRATCH.
-_KERNEL_TEMPLATE = r'''# Generated by hyscale_compile.lowerings.triton_codegen (codegen v{{VERSION}}). Do not edit.
+_KERNEL_TEMPLATE = r'''# Generated by hyscale_compile.lowerings.triton_codegen. Do not edit.
 # spec: {{SPEC_JSON}}
 # score: {{DESCRIBE}}
 import triton
 import triton.language as tl
 {{LIBDEVICE}}
-# Ordered int64 keys (score bits above, 0xFFFFFFFF - key index below): one descending
-# sort gives (value desc, index asc). Shared with the rows' sort kernel.
-from hyscale_compile.lowerings.triton_keys import (  # noqa: F401
-    EMPTY, FULL, NEG_INF_HI, _pack, _score_bits, _sort_desc_by, _unpack_index, _unpack_value)
-
-
-@triton.jit
-def _round_bf16(x):
-    # fp32 -> bf16 -> fp32 with round-to-nearest-even, on the bits (NaN stays NaN).
-    u = x.to(tl.uint32, bitcast=True)
-    u = (u + (0x7FFF + ((u >> 16) & 1))) & 0xFFFF0000
-    return tl.where(x != x, x, u.to(tl.float32, bitcast=True))
-
-
-{{STORE_TAKEN_FN}}
-
-
-{{PREFETCH_FN}}
-
-
-{{MULTI_REDUCE_FNS}}
-
-
-{{CLOCK_FN}}
-
-
-@triton.jit
-def _prof_add(PROF, pid, slot: tl.constexpr, delta):
-    # PROFILE sections (per program): 0 scored-tile loops, 1 in-loop compactions, 2 final
-    # compactions, 3 filler tiles, 4 sort + write, 5 whole row blocks (cycles); 6 rows
-    # compacted inside the loop, 7 inner-loop runs (counts); 16-23 in-loop compactions and
-    # 24-31 final ones, as _compact_row and _compact_lanes count them
-    p = PROF + pid * 32 + slot
-    tl.store(p, tl.load(p) + delta)
-
-
-@triton.jit
-def _as_key(x, T, IDX32: tl.constexpr):
-    # A key position (or a bound compared with key positions) in the tile loop's key type:
-    # int32 when T + 2 tiles < 2**31 (the launcher's IDX32), clamped to [0, T], which keeps
-    # every compare with a key in [0, T) the same.
-    if IDX32:
-        return tl.minimum(tl.maximum(x, 0), T).to(tl.int32)
-    else:
-        return x.to(tl.int64)
+# The spec-independent helpers (triton_lib) and the ordered int64 keys (triton_keys): in this
+# module's namespace, where Triton resolves the kernel's globals.
+from hyscale_compile.lowerings.triton_keys import EMPTY, NEG_INF_HI, _pack, _unpack_value  # noqa: F401
+from hyscale_compile.lowerings.triton_lib import (  # noqa: F401
+    _append_lanes, _as_key, _col_row_head, _compact_all_rows, _compact_full_rows, _emit_rows, _fill_tiles,
+    _head_logits, _head_sum, _load_k, _load_q, _round_bf16, _sample_estimate)
 
 
 {{EPILOGUE_FN}}
 
 
 @triton.jit
-def _head_sum(x, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr):
-    # [BLOCK_N, BLOCK_M * GP] -> [BLOCK_N, BLOCK_M]: the GP heads of each row summed in
-    # Triton's own reduction order. Columns are (row m, head i) at _col_row_head's
-    # ((i // 2) * BLOCK_M + m) * 2 + i % 2. The order is a function of the compiled kernel,
-    # and the launch configuration of the shape and k's layout (no autotuning), so the bits
-    # are reproducible across processes; other configurations may round differently
-    # (fp32 reassociation, DESIGN.md). v6's fixed pairwise tree cost 88 more instructions
-    # per tile (docs/kernel-design.md, v7).
-    if GP >= 2:
-        # (the long sum first: its chain of adds fuses with the weights' products into FMAs)
-        return tl.sum(tl.sum(tl.reshape(x, [BLOCK_N, GP // 2, BLOCK_M, 2]), axis=1), axis=2)
-    else:
-        return tl.reshape(x, [BLOCK_N, BLOCK_M])
-
-
-@triton.jit
-def _col_row_head(offs_c, BLOCK_M: tl.constexpr, GP: tl.constexpr):
-    # The (query row, head in group) of each dot column. The wgmma accumulator gives each
-    # thread column bit 0 and bits 3+ in registers and bits 1-2 in the lanes of a quad. With
-    # the rows at bits 1-2 (BLOCK_M = 4) the head sum stays inside each thread and leaves
-    # every (key, row) score in one lane: with the rows in registers (v8: column m * GP + i)
-    # the sum ended in shuffles that left each score in all four lanes of the quad, and the
-    # append did its work four times (docs/kernel-design.md, v9).
-    if GP >= 2:
-        return (offs_c // 2) % BLOCK_M, (offs_c // (2 * BLOCK_M)) * 2 + offs_c % 2
-    else:
-        return offs_c, offs_c * 0
-
-
-@triton.jit
-def _load_q(Q, W, q_col_off, w_col_off, hk, col_ok, offs_d, d_ok,
-            stride_qh, stride_qd, stride_wh, G: tl.constexpr, UPCAST: tl.constexpr):
-    # The Q block of kv head hk as [BLOCK_M * GP, BLOCK_D]: a column is query row m,
-    # head hk*G + i (the offsets carry the i part), with the matching per-column head
-    # weights (0 for padding columns).
-    qb = tl.load(Q + q_col_off[:, None] + (hk * G) * stride_qh + offs_d[None, :] * stride_qd,
-                 mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST == 1 or UPCAST == 3:
-        qb = qb.to(tl.float32)
-    wv = tl.load(W + w_col_off + (hk * G) * stride_wh, mask=col_ok, other=0.0).to(tl.float32)
-    return qb, wv
-
-
-@triton.jit
-def _bf16_top(x):
-    # x's top 8 significant bits (sign, exponent, 7 stored bits): its low 16 bits cleared,
-    # i.e. rounded toward zero to bf16, which never overflows
-    return (x.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _dot_split3(kt, qb, DOT16: tl.constexpr):
-    # kt [BLOCK_N, BLOCK_D] fp32 keys . qb [cols, BLOCK_D] bf16 queries (UPCAST 2/3) on the
-    # bf16 tensor cores: kt = hi + mid + lo exactly, three bf16 values (the fp32
-    # significand's top, middle and last 8 bits, by truncation, which never overflows), so
-    # every product with a bf16 query is exact in fp32; only the fp32 accumulation rounds
-    # (3 x D terms, the small parts first, in the tensor cores' order: within DESIGN.md's
-    # (D + H + 2) u tolerance). Non-finite keys stay whole in hi (mid = lo = 0), and
-    # non-finite queries meet only hi (the mid and lo dots see them as 0), so inf and NaN
-    # come out as in an fp32 dot (inf * 0 = NaN only where the key itself is 0). Keys
-    # below ~2**-103 in magnitude may lose mid or lo to bf16 subnormals (an error below
-    # 2**-126 |q|). DOT16 false (the interpreter, which has no bf16 dot): the same parts
-    # in fp32 IEEE dots.
-    hi = tl.where(kt != kt, kt, _bf16_top(kt))
-    r = tl.where(kt - kt == 0.0, kt - hi, 0.0)  # exact; 0 for inf and NaN
-    mid = _bf16_top(r)
-    lo = r - mid                                # <= 8 significant bits: exact in bf16
-    qt = tl.trans(qb)
-    qf = tl.trans(tl.where(qb - qb == 0.0, qb, 0.0).to(qb.dtype))  # finite queries only
-    if DOT16:
-        x = tl.dot(lo.to(tl.bfloat16), qf, out_dtype=tl.float32)
-        x = tl.dot(mid.to(tl.bfloat16), qf, acc=x, out_dtype=tl.float32)
-        x = tl.dot(hi.to(tl.bfloat16), qt, acc=x, out_dtype=tl.float32)
-    else:
-        x = tl.dot(lo, qf, input_precision="ieee", out_dtype=tl.float32)
-        x = tl.dot(mid, qf, acc=x, input_precision="ieee", out_dtype=tl.float32)
-        x = tl.dot(hi, qt, acc=x, input_precision="ieee", out_dtype=tl.float32)
-    return x
-
-
-@triton.jit
-def _load_k(K, k_base, hk, t_tile, k_offs, key_ok, d_ok, stride_kt, stride_kh, UPCAST: tl.constexpr):
-    # keys as the rows of the dot: [BLOCK_N, BLOCK_D]. 64-bit math once per tile; the
-    # per-element offsets (k_offs, 32-bit) are loop invariants.
-    t64 = tl.zeros([], dtype=tl.int64) + t_tile  # (a Python int under the interpreter)
-    kt = tl.load((K + (k_base + t64 * stride_kt + hk * stride_kh)) + k_offs,
-                 mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST == 1:
-        kt = kt.to(tl.float32)
-    return kt
-
-
-@triton.jit
 def _score_tile(
-    kt0, qb0, wv0,
-    Q, K, W, {{SCORE_MASK_ARGS}}
-    stride_qh, stride_qd, stride_kt, stride_kh, stride_wh,
-    {{ROW_BOUND_ARGS_DEF}}
-    b64, rows64, row_ok, q_col_off, w_col_off, col_ok, k_base, t_tile, k_offs, keys, key_ok,
-    offs_d, d_ok, T,
-    HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    kt0, qb0, wv0, Q, K, W, {{SCORE_MASK_ARGS}}
+    stride_qh, stride_qd, stride_kt, stride_kh, stride_wh, {{ROW_BOUND_ARGS_DEF}}
+    b64, rows64, row_ok, q_col_off, w_col_off, col_ok, k_base, t_tile, k_offs, keys, key_ok, offs_d, d_ok, T,
+    HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, TF32: tl.constexpr, REREAD_W: tl.constexpr,
 ):
     # Final scores y [BLOCK_N, BLOCK_M] (fp32, keys x rows) of one key tile against the
-    # block's rows. Keys are the rows of the dot, (row, head) pairs its columns: the head
-    # sum runs along the accumulator's columns, mostly inside each thread.
+    # block's rows: each kv head's logits (_head_logits), the spec's epilogue and head
+    # weighting, the head sum, then the spec's post steps and masks.
     PADDED: tl.constexpr = GP != G
     ok = key_ok[:, None] & row_ok[None, :]
     y = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    # kv heads in a fixed order 0..HK-1
-    for hk in range(HK):
-        if HK == 1:
-            # one kv head: the Q block and its weights stay on chip for the whole row block
-            kt = kt0
-            qb = qb0
-            if REREAD_W:
-                # Re-read per tile (L1): held across the loop, the weights take BLOCK_M*GP/4
-                # registers per thread next to the accumulator. The offset t_tile // (T + 1)
-                # is 0, but not provably, so Triton's LICM cannot hoist the load.
-                wv = tl.load(W + w_col_off + t_tile // (T + 1), mask=col_ok, other=0.0).to(tl.float32)
-            else:
-                wv = wv0
-        else:
-            kt = _load_k(K, k_base, hk, t_tile, k_offs, key_ok, d_ok, stride_kt, stride_kh, UPCAST)
-            qb, wv = _load_q(Q, W, q_col_off, w_col_off, hk, col_ok, offs_d, d_ok,
-                             stride_qh, stride_qd, stride_wh, G, UPCAST)
-        # x[t, m*GP + i] = k[t] . q[m, head i] (fp32 accumulation)
-        if UPCAST >= 2:
-            x = _dot_split3(kt, qb, UPCAST == 2)
-        elif TF32:
-            x = tl.dot(kt, tl.trans(qb), input_precision="tf32", out_dtype=tl.float32)
-        else:
-            # IEEE for fp32 operands; for 16-bit operands the products are exact anyway
-            x = tl.dot(kt, tl.trans(qb), input_precision="ieee", out_dtype=tl.float32)
+    for hk in range(HK):  # kv heads in a fixed order 0..HK-1
+        x, wv = _head_logits(kt0, qb0, wv0, Q, K, W, stride_qh, stride_qd, stride_kt, stride_kh, stride_wh,
+                             q_col_off, w_col_off, col_ok, k_base, t_tile, k_offs, key_ok, offs_d, d_ok, T, hk,
+                             HK, G, UPCAST, TF32, REREAD_W)
         x = _epilogue(x)
 {{REDUCE}}
         if PADDED:
@@ -781,256 +620,8 @@ def _score_tile(
 
 
 @triton.jit
-def _rank_desc(keys):
-    # Position of each key in descending order, by counting the keys above it: O(n^2)
-    # compares, but plain vector ops, where the interpreter runs a bitonic network's
-    # xor-reductions element by element in Python. Real keys are distinct.
-    return tl.sum((keys[None, :] > keys[:, None]).to(tl.int32), axis=1)
-
-
-@triton.jit
-def _highest_bit(x):
-    # Index of the highest set bit of a uint32 scalar (0 for x <= 1): five halving steps.
-    hb = tl.zeros([], dtype=tl.int32)
-    for i in tl.static_range(5):
-        sh = 16 >> i
-        big = x >= (1 << sh)
-        x = tl.where(big, x >> sh, x)
-        hb += tl.where(big, sh, 0)
-    return hb
-
-
-@triton.jit
-def _prefix_search(u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
-    # _kth_largest's bitwise search: the largest score-bits prefix v (the bits below it 0)
-    # with #{u >= v} >= TOPK, or the first one found that keeps at most TOPK + SLACK keys.
-    # Returns (v, #{u >= v}, passes).
-    umin, umax = _min_max(tl.where(valid, u, tl.full([], 4294967295, tl.uint32)), u)
-    # bit: the highest bit where umin and umax differ (0 when every key has the same score)
-    hbu = _highest_bit(umin ^ umax).to(tl.uint32)
-    bit = tl.where(umin == umax, 0, tl.full([], 1, tl.uint32) << hbu)
-    # the bits above it, common to every key; every valid key is >= this prefix
-    prefix = tl.where(umin == umax, umin, ((umin >> hbu) >> 1) << 1 << hbu)
-    n_ge = n                                              # #{u >= prefix}
-    passes = tl.zeros([], dtype=tl.int32)
-    while (bit > 0) & (n_ge > TOPK + SLACK):
-        passes += 1
-        c = prefix | bit
-        n_c = tl.sum((u >= c).to(tl.int32), axis=0)      # c >= 1: invalid keys (u = 0) never count
-        prefix = tl.where(n_c >= TOPK, c, prefix)
-        n_ge = tl.where(n_c >= TOPK, n_c, n_ge)
-        bit = bit >> 1
-    return prefix, n_ge, passes
-
-
-@triton.jit
-def _kth_largest(keys, u, valid, n, TOPK: tl.constexpr, SLACK: tl.constexpr):
-    # A key kth with TOPK <= #{valid keys >= kth} <= TOPK + SLACK (the valid keys are
-    # distinct; n > TOPK of them; u: their score bits, _score_bits, 0 where not valid).
-    # Returns (kth, that count, the number of one-bit passes: profiling).
-    #
-    # SLACK = 0: the TOPK-th largest key, by a bitwise search for the largest score-bits
-    # value v with #{u >= v} >= TOPK, then, only when the boundary score is shared by more
-    # keys than are needed, over the low words (the index) of the keys with that score.
-    # SLACK > 0 (compactions inside the tile loop only need a lower bound): the search stops
-    # as soon as the score prefix found so far keeps at most TOPK + SLACK keys, and kth is
-    # the smallest key with that prefix.
-    #
-    # The search starts below the highest bit where the smallest and largest score differ:
-    # the bits above (the sign, most of the exponent) are common to every key. One bit per
-    # pass, one compare and one count per key: v7's two bits per pass took three compares
-    # and two counts, from bit 31; v8's first try, 4-bit histograms packed into eight sums,
-    # spilled and measured slower (docs/kernel-design.md, v8). (v19's bracketing search,
-    # value-space regula falsi, took 2.4x fewer passes but was no faster timed: kernel-design.)
-    prefix, n_ge, passes = _prefix_search(u, valid, n, TOPK, SLACK)
-    # the smallest key whose score bits are >= prefix (keeps exactly those n_ge keys): the
-    # answer when SLACK allows it
-    kth = (prefix ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64) << 32
-    if n_ge > TOPK + SLACK:
-        # all 32 bits resolved and more keys share the boundary score than may be kept
-        eq = valid & (u == prefix)
-        n_eq = tl.sum(tl.where(eq, 1, 0), axis=0)
-        need = TOPK - (n_ge - n_eq)                      # 1 <= need <= n_eq
-        kth = tl.min(tl.where(eq, keys, FULL), axis=0)   # right when every tied key is needed
-        if n_eq > need:
-            low = keys & 4294967295                      # larger low word = smaller key index
-            lp = tl.zeros([], dtype=tl.int64)
-            lstep = tl.zeros([], dtype=tl.int64) + 2147483648
-            for _ in range(32):
-                cand = lp + lstep
-                c = tl.sum(tl.where(eq & (low >= cand), 1, 0), axis=0)
-                lp = tl.where(c >= need, cand, lp)
-                lstep = lstep // 2
-            kth = tl.max(tl.where(eq & (low == lp), keys, EMPTY), axis=0)
-        n_ge = TOPK
-    return kth, n_ge, passes
-
-
-@triton.jit
-def _compact_row(row_ptr, valid, n, TOPK: tl.constexpr, CAP: tl.constexpr, SLACK: tl.constexpr,
-                 prof_ptr=None, PROFILE: tl.constexpr = False):
-    # The best m of the n valid keys among row_ptr[0:CAP], moved to row_ptr[0:m] in no
-    # particular order: m = n when n <= TOPK, else TOPK <= m <= TOPK + SLACK (m = TOPK when
-    # SLACK = 0). Returns (m, the smallest key kept, or EMPTY when n <= TOPK). No sort: a
-    # count-based search for the threshold (_kth_largest), then one compaction.
-    # (PROFILE: prof_ptr[0:3] += cycles of the load (until the row's max is known), the
-    # search, the cumsum + store; [3] += cycles until the last key is in a register, [4] +=
-    # the search's passes, [6] += compactions timed)
-    if PROFILE:
-        c0 = _clock()
-    offs = tl.arange(0, CAP)
-    keys = tl.load(row_ptr + offs, mask=valid, other=EMPTY)
-    kth = tl.full([], EMPTY, tl.int64)
-    m = n
-    passes = tl.zeros([], dtype=tl.int32)
-    if PROFILE:
-        c_in = tl.max(_clock_after(keys), axis=0)  # each thread's clock once its keys are in
-        c1 = _clock_after(tl.max(keys, axis=0))
-    if n > TOPK:
-        u = tl.where(valid, _score_bits(keys), 0)
-        kth, m, passes = _kth_largest(keys, u, valid, n, TOPK, SLACK)
-    if PROFILE:
-        c2 = _clock_after(kth)
-    keep = valid & (keys >= kth)                    # real keys are > EMPTY
-    k32 = keep.to(tl.int32)
-    pos = tl.cumsum(k32, axis=0) - k32
-    tl.debug_barrier()  # every thread has read the row before any thread overwrites it
-    # (the inline-PTX store keeps the keys in their load layout: a tl.store here with its
-    # data-dependent addresses got its own layout, and Triton moved the 32 KiB of keys and
-    # the mask through shared memory to it; v9)
-    _store_taken(row_ptr + pos, keys, keep)
-    if PROFILE:
-        tl.debug_barrier()
-        c3 = _clock()
-        tl.store(prof_ptr, tl.load(prof_ptr) + (c1 - c0))
-        tl.store(prof_ptr + 1, tl.load(prof_ptr + 1) + (c2 - c1))
-        tl.store(prof_ptr + 2, tl.load(prof_ptr + 2) + (c3 - c2))
-        tl.store(prof_ptr + 3, tl.load(prof_ptr + 3) + (c_in - c0))
-        tl.store(prof_ptr + 4, tl.load(prof_ptr + 4) + passes)
-        tl.store(prof_ptr + 6, tl.load(prof_ptr + 6) + 1)
-    return m, kth
-
-
-@triton.jit
-def _compact_lanes(row_ptr, lane_cnt_ptr, TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SLACK: tl.constexpr, prof_ptr, PROFILE: tl.constexpr):
-    # _compact_row over a row held as lane sub-buffers. (PROFILE: prof_ptr[5] += cycles until
-    # the row's key count is known)
-    if PROFILE:
-        c0 = _clock()
-    n = tl.sum(tl.load(lane_cnt_ptr + tl.arange(0, BLOCK_N)), axis=0)
-    if PROFILE:
-        c1 = _clock_after(n.to(tl.int64))
-        tl.store(prof_ptr + 5, tl.load(prof_ptr + 5) + (c1 - c0))
-    return _compact_row(row_ptr, _lane_valid(lane_cnt_ptr, CAP, BLOCK_N), n, TOPK, CAP, SLACK, prof_ptr, PROFILE)
-
-
-@triton.jit
-def _lane_valid(lane_cnt_ptr, CAP: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Which of a row's CAP slots hold keys while the buffer is BLOCK_N lane sub-buffers
-    # (slot s of lane j at s * BLOCK_N + j; lane_cnt_ptr[j] keys in lane j).
-    offs = tl.arange(0, CAP)
-    return (offs // BLOCK_N) < tl.load(lane_cnt_ptr + offs % BLOCK_N)
-
-
-@triton.jit
-def _sample_estimate(row_ptr, lane_cnt_ptr, J: tl.constexpr, CAP: tl.constexpr, BLOCK_N: tl.constexpr):
-    # v23 (docs/kernel-design.md): from a row's sampled keys (lane sub-buffers, more than J
-    # of them), a score at or below the J-th best sampled one: _kth_largest's search with a
-    # slack of J / 4, without its tie-break (a lower estimate is as exact, only less
-    # selective). Returned as the fp32 value just below it, which the tile loop's filter
-    # (take y > it) turns into "take scores >= it". Below +0.0 that is -1.4e-45, not -0.0,
-    # which compares equal.
-    valid = _lane_valid(lane_cnt_ptr, CAP, BLOCK_N)
-    n = tl.sum(tl.load(lane_cnt_ptr + tl.arange(0, BLOCK_N)), axis=0)
-    keys = tl.load(row_ptr + tl.arange(0, CAP), mask=valid, other=EMPTY)
-    prefix, _, _ = _prefix_search(tl.where(valid, _score_bits(keys), 0), valid, n, J, J // 4)
-    below = prefix - tl.where(prefix == 2147483648, 2, 1).to(tl.uint32)
-    return _unpack_value((below ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64) << 32)
-
-
-@triton.jit
-def _append_lanes(scr, offs_m, offs_n, cnt, p, take, CAP: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Append a tile's packed keys p [BLOCK_N, BLOCK_M] where take, each to its own lane
-    # sub-buffer: key j of the tile, row m -> slot cnt[j, m] of lane j, at scr + m * CAP +
-    # slot * BLOCK_N + j (the layout _lane_valid and _compact_lanes read). Returns the new
-    # lane counts.
-    _store_taken(scr + (offs_m[None, :] * CAP + cnt * BLOCK_N + offs_n[:, None]), p, take)
-    return cnt + take.to(tl.int32)
-
-
-@triton.jit
-def _lane_counts(n, offs_n, BLOCK_N: tl.constexpr):
-    # Keys per lane [BLOCK_N, BLOCK_M] of rows whose n keys sit contiguously at [0, n): slot
-    # s of lane j is position s * BLOCK_N + j, so a contiguous row is a valid lane layout.
-    return n[None, :] // BLOCK_N + (offs_n[:, None] < n[None, :] % BLOCK_N).to(tl.int32)
-
-
-@triton.jit
-def _select_tile(p, key_ok, row_ok, cnt, thr, scr, scr_cols, offs_m,
-                 TOPK: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr):
-    # p [BLOCK_N, BLOCK_M]: packed keys of one tile. Keys above a row's threshold are
-    # appended, compacted, to that row's candidate buffer; a row whose buffer could
-    # overflow is first compacted to its TOPK best (raising its threshold).
-    take = (p > thr[None, :]) & key_ok[:, None] & row_ok[None, :]
-    n_take = tl.sum(take.to(tl.int32), axis=0)
-    if tl.max(cnt + n_take, axis=0) > CAP:
-        tl.debug_barrier()  # earlier candidate stores are visible to every thread
-        for r in range(BLOCK_M):
-            c = tl.sum(tl.where(offs_m == r, cnt, 0), axis=0)
-            nr = tl.sum(tl.where(offs_m == r, n_take, 0), axis=0)
-            if c + nr > CAP:
-                _, kth = _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, c, TOPK, CAP, 0)
-                cnt = tl.where(offs_m == r, TOPK, cnt)
-                thr = tl.where(offs_m == r, kth, thr)
-        tl.debug_barrier()
-        # the threshold rose: filter again
-        take = (p > thr[None, :]) & key_ok[:, None] & row_ok[None, :]
-        n_take = tl.sum(take.to(tl.int32), axis=0)
-    if tl.max(n_take, axis=0) > 0:
-        take32 = take.to(tl.int32)
-        pos = cnt[None, :] + tl.cumsum(take32, axis=0) - take32
-        tl.store(scr_cols + pos, p, mask=take)
-        cnt += n_take
-    return cnt, thr
-
-
-@triton.jit
-def _write_keys(OUT_IDX, OUT_VAL, out, keys, keep, RETURN_VALUES: tl.constexpr):
-    # packed keys -> their indices (and fp32 values) at output offsets out, where keep
-    tl.store(OUT_IDX + out, _unpack_index(keys).to(OUT_IDX.dtype.element_ty), mask=keep)
-    if RETURN_VALUES:
-        tl.store(OUT_VAL + out, _unpack_value(keys), mask=keep)
-
-
-@triton.jit
-def _emit_row(row_ptr, n, OUT_IDX, OUT_VAL, out_off, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-              CAP: tl.constexpr, RANK_SORT: tl.constexpr, RETURN_VALUES: tl.constexpr, SORT_R: tl.constexpr,
-              UNSORTED: tl.constexpr, SORT_NET: tl.constexpr):
-    # Write the TOPK best of the n (>= TOPK) keys in row_ptr[0:n], in (value desc, index
-    # asc) order: compact to TOPK keys, then sort only those. UNSORTED (topk's
-    # sorted=False): in the buffer's order instead, which the compactions fix (the same
-    # for every run of the same launch), without the sort.
-    if n > TOPK:
-        _compact_row(row_ptr, tl.arange(0, CAP) < n, n, TOPK, CAP, 0)
-        tl.debug_barrier()
-    offs = tl.arange(0, TOPK_P2)
-    keys = tl.load(row_ptr + offs, mask=offs < TOPK, other=EMPTY)
-    if UNSORTED:
-        pos = offs
-        best = keys
-    elif RANK_SORT:
-        pos = _rank_desc(keys)
-        best = keys
-    else:
-        best = _sort_desc_by(keys, TOPK_P2, SORT_R, SORT_NET)  # bitonic
-        pos = tl.arange(0, TOPK_P2)
-    _write_keys(OUT_IDX, OUT_VAL, out_off + pos, best, pos < TOPK, RETURN_VALUES)
-
-
-@triton.jit
 def {{KERNEL_NAME}}(
-    Q, K, W, SCRATCH, COUNTER, OUT_IDX, OUT_VAL, PROF, K_DESC, k_desc_rows,
+    Q, K, W, SCRATCH, COUNTER, OUT_IDX, OUT_VAL, K_DESC, k_desc_rows,
 {{MASK_ARGS_DEF}}    stride_qb, stride_qs, stride_qh, stride_qd,
     # the key strides within a batch are compile-time constants: a key tile's per-element
     # offsets then come from the thread index in a few instructions instead of occupying
@@ -1042,12 +633,9 @@ def {{KERNEL_NAME}}(
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, TF32: tl.constexpr, RETURN_VALUES: tl.constexpr,
-    RANK_SORT: tl.constexpr, SCORE_ONLY: tl.constexpr, LOW_WATER: tl.constexpr, SYNC_WATER: tl.constexpr,
-    SLACK: tl.constexpr,
-    IDX32: tl.constexpr, SORT_ROWS: tl.constexpr, SORT_R: tl.constexpr,
-    UNSORTED: tl.constexpr,
-    W_AT: tl.constexpr, PROFILE: tl.constexpr, USE_TMA: tl.constexpr, L2_PREFETCH: tl.constexpr,
-    PF_LINES: tl.constexpr, SORT_NET: tl.constexpr, PRESAMPLE: tl.constexpr, PRESAMPLE_J: tl.constexpr,
+    SORT: tl.constexpr, LOW_WATER: tl.constexpr, SLACK: tl.constexpr,
+    IDX32: tl.constexpr, SORT_R: tl.constexpr,
+    REREAD_W: tl.constexpr, USE_TMA: tl.constexpr, PRESAMPLE: tl.constexpr, PRESAMPLE_J: tl.constexpr,
 ):
     # Persistent programs take row blocks from an atomic counter, heaviest first (the last
     # rows of a causal mask see the most keys), so SCRATCH holds P x BLOCK_M x CAP keys
@@ -1065,7 +653,6 @@ def {{KERNEL_NAME}}(
     else:
         d_ok = offs_d < D
     k_offs = offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd  # a key tile's element offsets
-    offs_pf = tl.arange(0, PF_LINES)  # L2_PREFETCH: the 128-byte lines of a key tile
     scr = SCRATCH + pid.to(tl.int64) * (BLOCK_M * CAP)
     scr_cols = scr + offs_m.to(tl.int64)[None, :] * CAP  # [1, BLOCK_M] row starts
     # this program's lane counts [BLOCK_N, BLOCK_M], written where compactions read them
@@ -1073,18 +660,13 @@ def {{KERNEL_NAME}}(
     lane_cnt = COUNTER + 1 + pid * (BLOCK_M * BLOCK_N)
     # 32-bit offsets (computed where used: registers are scarce across the tile loop)
     lane_cnt_offs = offs_m[None, :] * BLOCK_N + offs_n[:, None]
-    # SCORE_ONLY: every score is added here, elementwise, so that none is dead code; summed
-    # once at the end (a sum over keys per tile would add a cross-warp reduction per tile)
-    chk = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if PRESAMPLE > 0:
-        # a block whose estimate failed its check (v23) runs again without one; COUNTER's
-        # last slot counts them
+        # a block whose estimate failed its check runs again without one; COUNTER's last
+        # slot counts them
         redo_cnt = COUNTER + 1 + tl.num_programs(0) * (BLOCK_M * BLOCK_N)
         retry = tl.zeros([], dtype=tl.int32)
     j = tl.atomic_add(COUNTER, 1)
     while j < num_blocks:
-        if PROFILE:
-            c_blk = _clock()
         nbatch = num_blocks // num_row_blocks
         b = j % nbatch
         mb = num_row_blocks - 1 - j // nbatch
@@ -1124,28 +706,25 @@ def {{KERNEL_NAME}}(
         cnt = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
         thr = tl.zeros([BLOCK_M], dtype=tl.int64) + EMPTY
         thr_v = tl.zeros([BLOCK_M], dtype=tl.float32) + float("nan")
-        # est_v: each row's sampled estimate (v23, presample), the threshold while the row's
-        # own compactions have set none; NaN (take everything) without one
+        # est_v: each row's sampled estimate (presample), the threshold while the row's own
+        # compactions have set none; NaN (take everything) without one
         est_v = thr_v
         tl.debug_barrier()  # the previous block's last reads of SCRATCH are done
         if PRESAMPLE > 0:
-            # v23 (docs/kernel-design.md): a block with at least 3k keys to score first scores
-            # every PRESAMPLE-th of them into its lanes, takes each row's estimate from them
-            # (est_v: a value at or below the PRESAMPLE_J-th best sampled score, NaN: none),
-            # and throws the sample away: the tile loop then runs in key order as always,
-            # taking only keys above est_v. Every key a row keeps then scores >= its estimate,
-            # so the row is exact iff it ends with TOPK keys (checked after the final
-            # compaction; the block is redone without an estimate otherwise).
+            # The sampled estimate (docs/kernel.md, "Selecting"): a block with at least 3k
+            # keys to score first scores every PRESAMPLE-th of them into its lanes, takes each
+            # row's estimate from them (est_v: a value at or below the PRESAMPLE_J-th best
+            # sampled score, NaN: none), and throws the sample away: the tile loop then runs
+            # in key order as always, taking only keys above est_v. Every key a row keeps
+            # then scores >= its estimate, so the row is exact iff it ends with TOPK keys
+            # (checked after the final compaction; the block is redone without an estimate
+            # otherwise).
             if (retry == 0) & (v1 - v0 >= 3 * TOPK):
                 m_keys = (v1 - v0 + PRESAMPLE - 1) // PRESAMPLE
                 if PRESAMPLE * stride_kt * BLOCK_N < 2147483648:  # (32-bit offsets: fewer registers)
                     s_offs = offs_n[:, None] * (PRESAMPLE * stride_kt) + offs_d[None, :] * stride_kd
                 else:
                     s_offs = offs_n.to(tl.int64)[:, None] * (PRESAMPLE * stride_kt) + offs_d[None, :] * stride_kd
-                if W_AT == 1:
-                    wv_s = tl.load(W + w_col_off + v0 // (T + 1), mask=col_ok, other=0.0).to(tl.float32)
-                else:
-                    wv_s = wv0
                 for st in range(0, m_keys, BLOCK_N):
                     t_s = v0.to(tl.int64) + st * PRESAMPLE
                     keys_s = t_s + offs_n.to(tl.int64) * PRESAMPLE
@@ -1154,15 +733,7 @@ def {{KERNEL_NAME}}(
                         kt = _load_k(K, k_base, 0, t_s, s_offs, key_ok, d_ok, stride_kt, stride_kh, UPCAST)
                     else:
                         kt = tl.zeros([BLOCK_N, BLOCK_D], dtype=K.dtype.element_ty)
-                    y = _score_tile(
-                        kt, qb0, wv_s,
-                        Q, K, W, {{SCORE_MASK_ARGS}}
-                        stride_qh, stride_qd, stride_kt, stride_kh, stride_wh,
-                        {{ROW_BOUND_ARGS_DEF}}
-                        b64, rows64, row_ok, q_col_off, w_col_off, col_ok, k_base, t_s, s_offs, keys_s, key_ok,
-                        offs_d, d_ok, T,
-                        HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32, W_AT == 2,
-                    )
+{{SCORE_CALL_SAMPLE}}
                     # (masked keys are not sampled: m counts the row's visible ones)
                     take = key_ok[:, None] & row_ok[None, :] & (y != float("-inf"))
                     cnt = _append_lanes(scr, offs_m, offs_n, cnt, _pack(y, keys_s[:, None]), take, CAP, BLOCK_N)
@@ -1180,8 +751,7 @@ def {{KERNEL_NAME}}(
         #    every lane can take (a tile adds at most one key per lane and row), so it holds
         #    no merge and no nested loop, and Triton software-pipelines its key-tile loads.
         #    Between inner loops, when some row's fullest lane has fewer than LOW_WATER free
-        #    slots, every row with fewer than SYNC_WATER (>= LOW_WATER) is compacted to its
-        #    TOPK best (which raises its threshold).
+        #    slots, every such row is compacted to its TOPK best (which raises its threshold).
         # the scored range in the key type (int32 when T allows: cheaper masks and packs)
         t_end_k = _as_key(t_end, T, IDX32)
         t0 = _as_key(v0, T, IDX32)
@@ -1189,25 +759,9 @@ def {{KERNEL_NAME}}(
         while t0 < v1_k:
             space = SUBCAP - tl.max(tl.max(cnt, axis=0), axis=0)
             t_stop = tl.minimum(v1_k, t0 + space * BLOCK_N)
-            if W_AT == 1:
-                # the head weights, held in registers through this tile loop only: not live
-                # across the compactions between loops, which then do not spill (v9). A new
-                # name, so that they are not a loop-carried value of the outer loop; the
-                # offset t0 // (T + 1) is 0, but not provably, so the load stays here.
-                wv_l = tl.load(W + w_col_off + t0 // (T + 1), mask=col_ok, other=0.0).to(tl.float32)
-            else:
-                wv_l = wv0
-            if PROFILE:
-                c_sec = _clock()
             for tt in range(t0, t_stop, BLOCK_N):
                 keys = tt + offs_n
                 key_ok = keys < t_end_k
-                if L2_PREFETCH > 0:
-                    # the key tile L2_PREFETCH tiles ahead into L2, one 128-byte line per
-                    # lane of offs_pf (clamped to the last key: a hint, never a fault; v13)
-                    pf_row = tl.minimum(tt + L2_PREFETCH * BLOCK_N + offs_pf // (PF_LINES // BLOCK_N), T - 1)
-                    _prefetch_l2(K + (k_base + pf_row.to(tl.int64) * stride_kt)
-                                 + (offs_pf % (PF_LINES // BLOCK_N)) * (1024 // K.dtype.element_ty.primitive_bitwidth))
                 if USE_TMA:
                     # one bulk copy per tile (K as [batches x T, D]; rows past the copy's
                     # batch or past the tensor are masked by key_ok or zero-filled)
@@ -1218,121 +772,31 @@ def {{KERNEL_NAME}}(
                     kt = _load_k(K, k_base, 0, tt, k_offs, key_ok, d_ok, stride_kt, stride_kh, UPCAST)
                 else:
                     kt = tl.zeros([BLOCK_N, BLOCK_D], dtype=K.dtype.element_ty)
-                y = _score_tile(
-                    kt, qb0, wv_l,
-                    Q, K, W, {{SCORE_MASK_ARGS}}
-                    stride_qh, stride_qd, stride_kt, stride_kh, stride_wh,
-                    {{ROW_BOUND_ARGS_DEF}}
-                    b64, rows64, row_ok, q_col_off, w_col_off, col_ok, k_base, tt, k_offs, keys, key_ok,
-                    offs_d, d_ok, T,
-                    HK, G, GP, BLOCK_M, BLOCK_N, UPCAST, TF32, W_AT == 2,
-                )
-                if SCORE_ONLY:
-                    chk += tl.where(key_ok[:, None], y, 0.0)
-                else:
-                    # Keys come in increasing index order, so a key whose value equals the
-                    # threshold's loses the tie to it: keep y > thr_v, and NaN (which sorts
-                    # above +inf); a NaN threshold takes everything.
-                    take = (~(y <= thr_v[None, :])) & key_ok[:, None] & row_ok[None, :]
-                    cnt = _append_lanes(scr, offs_m, offs_n, cnt, _pack(y, keys[:, None]), take, CAP, BLOCK_N)
+{{SCORE_CALL_LOOP}}
+                # Keys come in increasing index order, so a key whose value equals the
+                # threshold's loses the tie to it: keep y > thr_v, and NaN (which sorts
+                # above +inf); a NaN threshold takes everything.
+                take = (~(y <= thr_v[None, :])) & key_ok[:, None] & row_ok[None, :]
+                cnt = _append_lanes(scr, offs_m, offs_n, cnt, _pack(y, keys[:, None]), take, CAP, BLOCK_N)
             t0 = t_stop
-            if PROFILE:
-                _prof_add(PROF, pid, 0, _clock() - c_sec)
-                _prof_add(PROF, pid, 7, 1)
-            if (not SCORE_ONLY) and (t0 < v1_k):
-                cmax = tl.max(cnt, axis=0)
-                if tl.max(cmax, axis=0) > SUBCAP - LOW_WATER:
-                    if PROFILE:
-                        c_sec = _clock()
-                    tl.store(lane_cnt + lane_cnt_offs, cnt)
-                    tl.debug_barrier()  # the lane counts and appended keys are visible to every thread
-                    kept = tl.zeros([BLOCK_M], dtype=tl.int32) - 1
-                    for r in range(BLOCK_M):
-                        c = tl.sum(tl.where(offs_m == r, cmax, 0), axis=0)
-                        if c > SUBCAP - SYNC_WATER:
-                            # (with n <= TOPK keys this only repacks the row; LOW_WATER <=
-                            # SUBCAP - ceil((TOPK + SLACK) / BLOCK_N) leaves room after it)
-                            nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, SLACK,
-                                                     PROF + pid * 32 + 16, PROFILE)
-                            kept = tl.where(offs_m == r, nk, kept)
-                            thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
-                            if PROFILE:
-                                _prof_add(PROF, pid, 6, 1)
-                    tl.debug_barrier()
-                    cnt = tl.where(kept[None, :] >= 0, _lane_counts(kept, offs_n, BLOCK_N), cnt)
-                    thr_v = tl.where(thr == EMPTY, est_v, _unpack_value(thr))  # (>= est_v when set)
-                    if PROFILE:
-                        _prof_add(PROF, pid, 1, _clock() - c_sec)
-        if not SCORE_ONLY:
-            if PROFILE:
-                c_sec = _clock()
-            # every row's lanes -> its best min(n, TOPK) keys, contiguous at [0, n)
-            tl.store(lane_cnt + lane_cnt_offs, cnt)
-            tl.debug_barrier()
-            cnt1 = tl.zeros([BLOCK_M], dtype=tl.int32)
-            for r in range(BLOCK_M):
-                nk, kth = _compact_lanes(scr + r * CAP, lane_cnt + r * BLOCK_N, TOPK, CAP, BLOCK_N, 0,
-                                         PROF + pid * 32 + 24, PROFILE)
-                cnt1 = tl.where(offs_m == r, nk, cnt1)
-                thr = tl.where((offs_m == r) & (kth != EMPTY), kth, thr)
-            tl.debug_barrier()
-            if PROFILE:
-                _prof_add(PROF, pid, 2, _clock() - c_sec)
-                c_sec = _clock()
-            if PRESAMPLE > 0:
-                # the check (v23): a row with an estimate that ended with fewer than TOPK keys
-                # lost keys below it; its block runs again without estimates
-                retry = tl.max(((est_v == est_v) & (cnt1 < TOPK)).to(tl.int32), axis=0)
-                go = retry == 0
-            else:
-                go = True
-            if go:
-                # 2. all hidden tiles below v0 and from v1 to t_end (fillers), in any order: the
-                #    packed threshold also compares indices
-                for i0 in range(0, v0 + (t_end - v1), BLOCK_N):
-                    tf = tl.where(i0 < v0, i0, i0 - v0 + v1)  # [0, v0), then [v1, t_end)
-                    first_key = {{FILL_HI}} * 4294967296 + (4294967295 - tf)
-                    wanted = tl.max(tl.where(row_ok & (thr < first_key), 1, 0), axis=0) > 0
-                    if wanted:
-                        keys64 = tf + offs_n.to(tl.int64)
-                        key_ok = keys64 < t_end
-                        p = _pack(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) + {{FILL_V}}, keys64[:, None])
-                        cnt1, thr = _select_tile(p, key_ok, row_ok, cnt1, thr, scr, scr_cols, offs_m, TOPK, CAP,
-                                                 BLOCK_M)
-                # 3. per row: compact to the TOPK best, sort those, write them
-                tl.debug_barrier()
-                if PROFILE:
-                    _prof_add(PROF, pid, 3, _clock() - c_sec)
-                    c_sec = _clock()
-                if SORT_ROWS == 1:
-                    for r in range(BLOCK_M):
-                        s = mb.to(tl.int64) * BLOCK_M + r
-                        if s < S:
-                            c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
-                            _emit_row(scr + r * CAP, c, OUT_IDX, OUT_VAL, (b64 * S + s) * TOPK,
-                                      TOPK, TOPK_P2, CAP, RANK_SORT, RETURN_VALUES, SORT_R, UNSORTED, SORT_NET)
-                else:
-                    for r in range(BLOCK_M):
-                        c = tl.sum(tl.where(offs_m == r, cnt1, 0), axis=0)
-                        if c > TOPK:  # fillers were appended
-                            _compact_row(scr + r * CAP, tl.arange(0, CAP) < c, c, TOPK, CAP, 0)
-                    tl.debug_barrier()
-                    # SORT_ROWS rows per bitonic sort: the same network steps, with more
-                    # independent work per step and fewer barriers per row
-                    for r0 in range(0, BLOCK_M, SORT_ROWS):
-                        rr = r0 + tl.arange(0, SORT_ROWS)
-                        s_rows = mb.to(tl.int64) * BLOCK_M + rr
-                        offs_k = tl.arange(0, TOPK_P2)
-                        ok = (s_rows < S)[:, None] & (offs_k < TOPK)[None, :]
-                        keys2 = tl.load(scr + rr[:, None] * CAP + offs_k[None, :], mask=ok, other=EMPTY)
-                        best = tl.sort(keys2, dim=1, descending=True)
-                        _write_keys(OUT_IDX, OUT_VAL, (b64 * S + s_rows)[:, None] * TOPK + offs_k[None, :], best, ok,
-                                    RETURN_VALUES)
-                tl.debug_barrier()
-                if PROFILE:
-                    _prof_add(PROF, pid, 4, _clock() - c_sec)
-        if PROFILE:
-            _prof_add(PROF, pid, 5, _clock() - c_blk)
+            if t0 < v1_k:
+                cnt, thr, thr_v = _compact_full_rows(scr, lane_cnt, lane_cnt_offs, cnt, thr, thr_v, est_v, offs_m,
+                                                     offs_n, TOPK, CAP, BLOCK_N, BLOCK_M, LOW_WATER, SLACK)
+        # every row's lanes -> its best min(n, TOPK) keys, contiguous at [0, n)
+        cnt1, thr = _compact_all_rows(scr, lane_cnt, lane_cnt_offs, cnt, thr, offs_m, TOPK, CAP, BLOCK_N, BLOCK_M)
+        if PRESAMPLE > 0:
+            # the check: a row with an estimate that ended with fewer than TOPK keys lost
+            # keys below it; its block runs again without estimates
+            retry = tl.max(((est_v == est_v) & (cnt1 < TOPK)).to(tl.int32), axis=0)
+            go = retry == 0
+        else:
+            go = True
+        if go:
+            # 2. the hidden tiles, as fillers; 3. per row: compact, sort, write
+            cnt1, thr = _fill_tiles({{FILL_V}}, {{FILL_HI}}, v0, v1, t_end, row_ok, cnt1, thr, scr, scr_cols, offs_m,
+                                    offs_n, TOPK, CAP, BLOCK_M, BLOCK_N)
+            _emit_rows(scr, cnt1, mb, b64, S, offs_m, OUT_IDX, OUT_VAL, TOPK, TOPK_P2, CAP, SORT, RETURN_VALUES,
+                       SORT_R, BLOCK_M)
         if PRESAMPLE > 0:
             if retry == 0:
                 j = tl.atomic_add(COUNTER, 1)
@@ -1340,7 +804,4 @@ def {{KERNEL_NAME}}(
                 tl.atomic_add(redo_cnt, 1)  # the same block again, without estimates
         else:
             j = tl.atomic_add(COUNTER, 1)
-    if SCORE_ONLY:
-        tl.store(OUT_VAL + pid * BLOCK_M + offs_m, tl.sum(chk, axis=0))
 '''
-

@@ -16,11 +16,11 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .reference import check_operands, index_dtype
-from .spec import ScoreSpec, SpecError, dtype_of, finite_guard, finite_range_term, tensor_mask_term
+from .spec import KernelPlan, ScoreSpec, SpecError, dtype_of, kernel_plan
 from .triton_codegen import _interpreting, check_interpreter_mode, load_kernel, weight_scale
 from .score_bound import finite_flag, score_bound_flag
 from .triton_mask_ranges import mask_key_ranges
-from .triton_sort_rows import NETWORKS as SORT_NETWORKS, sort_rows_, sort_rows_launch
+from .triton_sort_rows import sort_rows_
 
 # The workspace beside the outputs: at most 1 GiB (issue 3's bound), the fused kernel's
 # scratch included. sort="after": at most _AFTER_BUDGET bytes of fp32 values held for the
@@ -62,78 +62,35 @@ class HyTopKConfig:
     num_warps: int = 4
     num_stages: int = 1
     num_programs: Optional[int] = None  # persistent programs; None: 2 per SM (or 64)
-    # How a row's final TOPK keys are ordered: "bitonic" (tl.sort of the int64 keys inside
-    # the fused kernel); or "rank" (count the keys above each
-    # key: O(k^2), but vectorized, which the interpreter runs far faster than a bitonic
-    # network); "none" (the buffer's order, no sort: what topk's sorted=False allows, and
-    # what the launch uses when called with sorted=False); or "after" (the rows written
-    # unsorted with their fp32 values, then sorted by a kernel of their own,
-    # triton_sort_rows; the values in chunks of rows within _AFTER_BUDGET bytes, B == 1,
-    # else bitonic). None: rank when interpreting; on a GPU "after" for k > 1024 where
-    # it takes at most two launches, else bitonic.
+    # How a row's final TOPK keys are ordered: "bitonic" (the minmax bitonic network over
+    # the int64 keys inside the fused kernel); "rank" (count the keys above each key: O(k^2),
+    # but vectorized, which the interpreter runs far faster than a bitonic network); "none"
+    # (the buffer's order, no sort: what topk's sorted=False allows, and what the launch uses
+    # when called with sorted=False); or "after" (the rows written unsorted with their fp32
+    # values, then sorted by a kernel of their own, triton_sort_rows; the values in chunks of
+    # rows within _AFTER_BUDGET bytes, B == 1, else bitonic). None: rank when interpreting;
+    # on a GPU "after" for k > 1024 where it takes at most two launches, else bitonic.
     sort: Optional[str] = None
-    # Benchmarks only: score every tile but select nothing (outputs are garbage). Shows
-    # what the selection costs on top of the scoring.
-    score_only: bool = False
     # Free slots per lane (tiles) a row's buffer must have after the compactions between two
     # inner loops: every row with fewer is compacted then. None: 8 tiles; clamped to
     # [1, CAP / block_n - ceil(k / block_n)]. Only the number of compactions and loop
-    # restarts depends on it, never the result.
+    # restarts depends on it, never the result (tests use it to force compactions).
     low_water: Optional[int] = None
-    # When some row must be compacted, also compact the rows whose fullest lane has fewer
-    # than this many free slots (tiles), so that the rows' compactions fall together and the
-    # inner loops between them run longer. None: low_water (only the rows that must).
-    # Clamped to [low_water, CAP / block_n - 1]. Never changes the result.
-    sync_water: Optional[int] = None
     # Candidate buffer per row, in keys (a power of two); None: the smallest power of two
     # >= 2k with room for two tiles per lane above a compacted row.
     cap: Optional[int] = None
     # Head weights (one kv head), BLOCK_M * GP / 4 registers per thread next to the
-    # accumulator: re-read from L1 every tile (None, True); held for the whole row block
-    # (False); or "loop": loaded before each tile loop, held through it, not across the
-    # compactions between loops (fewer spills there, but measured no faster: 23.8 against
-    # 24.2 ms at 32K, 291.5 against 279.8 at 128K). default_config holds them when the key
-    # tiles come by TMA (which frees the registers): 28.5 against 30.2 ms at 32K when
-    # measured (docs/kernel.md, "The measurements behind the choices").
-    reread_weights: Optional[Union[bool, str]] = None
-    # Rows sorted together by one bitonic tl.sort at the end of a row block (a divisor of
-    # block_m; the "rank" sort always goes row by row). None: 1.
-    sort_rows: Optional[int] = None
-    # Benchmarks only (GPU): time the kernel's sections with the SM cycle counter; the call
-    # returns a [programs, 32] int64 tensor instead of its outputs (slots: _prof_add in the
-    # generated kernel). benchmarks/profile_sections.py prints it.
-    profile: bool = False
+    # accumulator: re-read from L1 every tile (None, True), or held for the whole row block
+    # (False). default_config holds them when the key tiles come by TMA (which frees the
+    # registers; docs/kernel.md, "The measurements behind the choices").
+    reread_weights: Optional[bool] = None
     # Key tiles by TMA (a host tensor descriptor over K as [batches x T, D]: one bulk copy per
     # tile, zero-filled past the tensor) instead of per-thread masked loads. Used only where
     # the layout allows it (one kv head, 16-bit keys, rows 16-byte aligned, batches
     # contiguous, int32 key positions); elsewhere the pointer loads. default_config turns it
     # on where it applies and was measured (sm_90+, 64 heads per kv head, k <= 2048), with
-    # 3 key-tile stages (114,712 B of shared memory at the DSA shape: two programs per SM)
-    # and held weights.
+    # 3 key-tile stages and held weights.
     tma: bool = False
-    # Prefetch the key tile this many tiles ahead into L2 (one hint per 128-byte line of the
-    # tile: one per thread at the DSA shape) so that its copy finds it there; 0 or None: off.
-    # Only for one kv head whose key rows are whole 128-byte lines with a contiguous feature
-    # dim, and a power-of-two number of lines per tile; elsewhere off. A hint: never changes
-    # the result, never faults.
-    l2_prefetch: Optional[int] = None
-    # The bitonic network of the final sort (inside the fused kernel one row at a time, or
-    # triton_sort_rows' for "after"; sort_rows > 1 always uses tl.sort over [rows, k]):
-    # "minmax" (its in-register steps once per pair: 8.84 -> 6.82 ms for the rows' sort at
-    # 128K), "tl.sort" (Triton's, per element at every step) or "transpose" (every
-    # step once per pair, keys moved through shared memory: 6.80 -> 4.45 ms for the rows'
-    # sort at 128K; it spills inside the fused kernel) or "f64" (the rows' sort only:
-    # transpose with each pair compared as doubles, T <= 2^20: 4.45 -> 3.68 ms at 128K).
-    # The same order every way. None: "minmax" inside the fused kernel,
-    # triton_sort_rows' default (2,048 keys: "f64" where T <= 2^20, else "transpose") for
-    # "after".
-    sort_network: Optional[str] = None
-    # Rows per program of the rows' sort kernel (sort="after"; benchmarks): None, its default
-    # (2 for the f64 network at 2,048 keys: docs/kernel.md, "The final sort").
-    sort_rows_per_program: Optional[int] = None
-    # Bytes of fp32 values one launch hands to the rows' sort (sort="after"; benchmarks):
-    # None, _AFTER_BUDGET; never more than the workspace bound leaves beside the scratch.
-    after_budget: Optional[int] = None
     # Sampled threshold estimate (docs/kernel.md, "Selecting"): a row block with at least 3k
     # keys to score first scores every presample-th of them (a key stride; raised to
     # ceil(T / cap) so that a row's sample fits its buffer), takes each row's estimate of its
@@ -195,7 +152,6 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
     programs = 2 if fits(1, 2) else 1
     stages = next((n for n in (3, 2) if fits(n, programs)), 1)
     if tma:
-        # (l2_prefetch: the scoring alone gains 4-6% at 128K, the full kernel nothing)
         # presample=128: a sampled estimate of each row's k-th best score, from every
         # 128th key; measured -1.4 to -4% at 32K and -1 to -2% at 128K against none, iid and
         # structured (one call; strides 32, 64 and 256 no better); the sample costs 1/128 more
@@ -206,16 +162,14 @@ def default_config(S: int, T: int, topk: int, device: torch.device, native16: bo
     return HyTopKConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=stages)
 
 
-def _weights_at(reread) -> int:
-    """HyTopKConfig.reread_weights as the kernel's W_AT: 2 every tile (None, True), 1 every
-    tile loop ("loop"), 0 once per row block (False)."""
-    if reread is None or reread == 1:  # (True == 1, False == 0)
-        return 2
-    if reread == 0:
-        return 0
-    if reread == "loop":
-        return 1
-    raise SpecError(f"config.reread_weights={reread!r}; expected True, False or 'loop'")
+def _reread_weights(reread) -> bool:
+    """HyTopKConfig.reread_weights as the kernel's REREAD_W: every tile (None, True) or once per
+    row block (False)."""
+    if reread is None or (not isinstance(reread, str) and reread == 1):  # (True == 1, False == 0)
+        return True
+    if not isinstance(reread, str) and reread == 0:
+        return False
+    raise SpecError(f"config.reread_weights={reread!r}; expected True or False")
 
 
 def _block_m(cfg: HyTopKConfig, gp: int, interpret: bool) -> int:
@@ -243,21 +197,23 @@ def _table_view(t: torch.Tensor, B: int, S: int, T: int, what: str) -> torch.Ten
         raise SpecError(f"{what} of shape {tuple(t.shape)} does not broadcast to [B, S, T] = {(B, S, T)}") from None
 
 
-def hidden_value_flag(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
-    """``score_bound_flag`` for the spec's finite range term (``finite_range_term``): 1 when
+def hidden_value_flag(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[torch.Tensor],
+                      plan: Optional[KernelPlan] = None) -> torch.Tensor:
+    """``score_bound_flag`` for the spec's finite range term (``KernelPlan.finite_range``): 1 when
     every key it hides holds exactly its value v, below every visible score, so the kernel
     may skip hidden tiles; else 0 (the kernel then scores every tile)."""
-    _, _, limit = finite_range_term(spec)
+    _, _, limit = (kernel_plan(spec) if plan is None else plan).finite_range
     return score_bound_flag(spec, q, k, w, limit=limit)
 
 
 def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S: int, T: int, device,
                       r0: int = 0, r1: Optional[int] = None, skip_flag: Optional[torch.Tensor] = None,
-                      ranges=None) -> list:
+                      ranges=None, plan: Optional[KernelPlan] = None) -> list:
     """Pointer/stride arguments in the order ``triton_codegen._mask_args`` declares them, for
     query rows [r0, r1); then ``skip_flag`` (``hidden_value_flag``) or the mask tensor's key
     ranges (``triton_mask_ranges.mask_key_ranges``, all rows), when the spec reads them."""
     rows = slice(r0, S if r1 is None else r1)
+    plan = kernel_plan(spec) if plan is None else plan
     args = []
     for j, term in enumerate(spec.masks):
         if term.kind in ("add", "fill"):
@@ -290,11 +246,11 @@ def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S:
                     raise SpecError(f"range bound operand {bound} must be an integer tensor, got {m.dtype}")
                 v = _row_view(m, B, S, f"range bound operand {bound}")[:, rows]
                 args += [v, v.stride(0), v.stride(1)]
-    if finite_range_term(spec) is not None or finite_guard(spec) is not None:
+    if plan.skip_flag:
         if skip_flag is None:
             raise SpecError("internal: the spec's hidden tiles need hidden_value_flag or finite_flag")
         args.append(skip_flag)
-    if tensor_mask_term(spec) is not None:
+    if plan.tensor_mask is not None:
         if ranges is None:
             raise SpecError("internal: the spec's mask tensor needs mask_key_ranges")
         for t in (ranges.lo, ranges.hi, ranges.nlo, ranges.nhi):
@@ -380,19 +336,6 @@ def hytopk_triton(
     # >= 1: room for one more tile; <= subcap - lanes(k + slack): a row compacted when its
     # fullest lane passes subcap - low_water holds more than k keys, and has room afterwards
     low_water = max(1, min(low_water, subcap - lanes(topk + slack)))
-    sync_water = low_water if cfg.sync_water is None else max(low_water, min(int(cfg.sync_water), subcap - 1))
-    # L2 prefetch: a key row's feature dim as whole 128-byte lines, stride_d 1
-    if cfg.l2_prefetch is not None and (not isinstance(cfg.l2_prefetch, int) or isinstance(cfg.l2_prefetch, bool)):
-        raise SpecError(f"config.l2_prefetch={cfg.l2_prefetch!r} must be an int (tiles ahead) or None")
-    l2_prefetch = int(cfg.l2_prefetch or 0)
-    if l2_prefetch < 0:
-        raise SpecError(f"config.l2_prefetch={cfg.l2_prefetch} must be >= 0")
-    row_bytes = D * k.element_size()
-    pf_lines = cfg.block_n * row_bytes // 128  # a key tile's 128-byte lines
-    if Hk != 1 or k.stride(3) != 1 or row_bytes % 128 or pf_lines & (pf_lines - 1):
-        l2_prefetch = 0
-    if not l2_prefetch:
-        pf_lines = 1
     presample = cfg.presample or 0
     if not isinstance(presample, int) or isinstance(presample, bool) or presample == 1 or presample < 0:
         raise SpecError(f"config.presample={cfg.presample!r} must be None, 0 (off) or an int >= 2 (a key stride)")
@@ -400,7 +343,7 @@ def hytopk_triton(
     if isinstance(pz, bool) or not isinstance(pz, (int, float)) or not (0.0 <= pz < 1e6):
         raise SpecError(f"config.presample_z={cfg.presample_z!r} must be a finite number >= 0")
     presample_j = 0
-    if presample and not cfg.score_only:
+    if presample:
         presample = max(presample, triton_cdiv(T, cap))  # a row's sample fits its cap slots
         e = topk / presample
         presample_j = max(1, math.ceil(e + pz * math.sqrt(e)))
@@ -424,10 +367,7 @@ def hytopk_triton(
     # kernel's scratch fit the workspace bound (all rows when they fit, or when the caller's
     # fp32 values are the workspace; else chunks of whole row blocks, B == 1 only: row slices
     # of several batches are not contiguous; 0: no chunking possible, the fused sort instead).
-    if cfg.after_budget is not None and (isinstance(cfg.after_budget, bool) or not isinstance(cfg.after_budget, int)
-                                         or cfg.after_budget < 1):
-        raise SpecError(f"config.after_budget={cfg.after_budget!r} must be None or a positive int")
-    values_budget = min(cfg.after_budget or _AFTER_BUDGET, _WORKSPACE_BUDGET - nprog * block_m * cap * 8)
+    values_budget = min(_AFTER_BUDGET, _WORKSPACE_BUDGET - nprog * block_m * cap * 8)
     if (return_values and score_dtype == torch.float32) or B * S * topk * 4 <= values_budget:
         after_rows = S
     elif B == 1:
@@ -440,40 +380,14 @@ def hytopk_triton(
     # docs/history.md, "The final sort")
     after_ok = after_rows > 0 and triton_cdiv(S, after_rows) <= 2 and _next_pow2(topk) >= 2048
     sort = cfg.sort or ("rank" if interpret else "after" if after_ok else "bitonic")
-    sort_network = cfg.sort_network or "minmax"
-    if sort_network not in SORT_NETWORKS:
-        raise SpecError(f"config.sort_network={cfg.sort_network!r}; expected one of {list(SORT_NETWORKS)}")
     if sort not in ("rank", "bitonic", "none", "after"):
         raise SpecError(f"config.sort={cfg.sort!r}; expected 'rank', 'bitonic', 'none' or 'after'")
     if not sorted:
         sort = "none"  # any order will do: skip the sort
     if sort == "after" and after_rows == 0:  # several batches over the budget: the fused sort
         sort = "rank" if interpret else "bitonic"
-    elif sort == "after" and (cfg.score_only or cfg.profile):  # (benchmarks: the fused kernel alone)
-        sort = "none"
-    if sort_network == "f64":
-        # the rows' sort kernel's network only (its keys hold 20 index bits; the fused
-        # kernel's are _pack's): refused where asked for inside the fused kernel or past 2^20
-        # keys; where the launch itself moves the sort into the fused kernel (several
-        # batches over the workspace budget) that sort takes minmax, the same order
-        if cfg.sort == "bitonic":
-            raise SpecError("config.sort_network='f64' is the rows' sort kernel's network (sort='after'); "
-                            "config.sort='bitonic' sorts inside the fused kernel")
-        if sort == "after" and T > 1 << 20:
-            raise SpecError(f"config.sort_network='f64' packs key indices in 20 bits: at most {1 << 20} keys, "
-                            f"here T={T}")
-        sort_network = "minmax"
-    if sort == "after":  # the rows' sort kernel's launch arguments, checked before the fused kernel runs
-        try:
-            sort_rows_launch(topk, 2, cfg.sort_network, T, None, cfg.sort_rows_per_program, interpret)
-        except ValueError as e:
-            raise SpecError(f"config.sort_network / config.sort_rows_per_program: {e}") from None
     block_d = max(16, _next_pow2(D))
     topk_p2 = _next_pow2(topk)
-    # (the rows are sorted together inside the fused kernel only by the bitonic sort)
-    sort_rows = 1 if cfg.sort_rows is None or sort in ("rank", "none", "after") else int(cfg.sort_rows)
-    if sort_rows < 1 or sort_rows & (sort_rows - 1) or block_m % sort_rows:
-        raise SpecError(f"sort_rows must be a power of two dividing block_m={block_m}, got {cfg}")
 
     # 16-bit operands of one dtype go to the tensor cores as they are (products are exact
     # in fp32): UPCAST 0. bf16 queries with fp32 keys: each key tile split into three bf16
@@ -485,7 +399,8 @@ def hytopk_triton(
         spec.fp32_precision == "tf32" and q.dtype == torch.float32 and k.dtype == torch.float32 and not interpret
     )
 
-    kern = load_kernel(spec, len(masks))
+    plan = kernel_plan(spec)  # the spec's mask facts, once for the kernel, its launch and flags
+    kern = load_kernel(spec, len(masks), plan=plan)
     # int32 key positions when every position the loop forms (up to T + CAP) fits
     idx32 = T + cap + 2 * cfg.block_n < 2**31
     # (the interpreter runs it on any dtype, so that CPU tests cover the addressing; a TMA
@@ -509,13 +424,8 @@ def hytopk_triton(
     # default launch keeps no tensor past its return, which CUDA graph trees require of
     # every allocation in their pool that is not an output
     _LAST.counter = None if defaulted else counter
-    if cfg.profile and interpret:
-        raise SpecError("config.profile reads the GPU's cycle counter: it needs a CUDA device")
-    prof = torch.zeros((nprog, 32) if cfg.profile else (1,), dtype=torch.int64, device=device)
     write_vals = return_values or sort == "after"
-    if cfg.score_only:
-        vals32 = torch.empty(nprog * block_m, dtype=torch.float32, device=device)
-    elif return_values and score_dtype == torch.float32:
+    if return_values and score_dtype == torch.float32:
         vals32 = val_out
     elif write_vals:
         vals32 = torch.empty((B, after_rows if sort == "after" else S, topk), dtype=torch.float32, device=device)
@@ -525,36 +435,32 @@ def hytopk_triton(
     launch = dict(
         HK=Hk, G=G, GP=gp, D=D, TOPK=topk, TOPK_P2=topk_p2, CAP=cap,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        UPCAST=upcast, TF32=tf32, RETURN_VALUES=write_vals, RANK_SORT=sort == "rank",
-        SCORE_ONLY=bool(cfg.score_only), LOW_WATER=low_water, SYNC_WATER=sync_water, SLACK=slack,
-        IDX32=idx32,
-        W_AT=_weights_at(cfg.reread_weights),
-        SORT_ROWS=sort_rows, PROFILE=bool(cfg.profile), USE_TMA=k_desc is not None,
-        L2_PREFETCH=l2_prefetch, PF_LINES=pf_lines,
+        UPCAST=upcast, TF32=tf32, RETURN_VALUES=write_vals,
+        # the fused kernel's final order: 0 bitonic, 1 rank, 2 none (the rows' sort follows)
+        SORT={"bitonic": 0, "rank": 1}.get(sort, 2),
+        LOW_WATER=low_water, SLACK=slack, IDX32=idx32,
         # the final sort's [SORT_R, TOPK_P2 / SORT_R] view (_sort_desc): the keys come in
         # 4 consecutive per thread (the 32-bit output stores' vectors) over 32 * num_warps
         # threads, so SORT_R = TOPK_P2 / (4 * threads) is the number of register repeats
         SORT_R=max(1, topk_p2 // (128 * (1 if interpret else cfg.num_warps))),
-        UNSORTED=sort in ("none", "after"),
-        SORT_NET=SORT_NETWORKS[sort_network],
+        REREAD_W=_reread_weights(cfg.reread_weights), USE_TMA=k_desc is not None,
         PRESAMPLE=presample, PRESAMPLE_J=presample_j,
     )
     if not interpret:
         launch.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    fin = finite_range_term(spec)
-    skip_flag = hidden_value_flag(spec, q, k, w_caller) if fin is not None else None
-    if finite_guard(spec) is not None:  # (finite_range_term is None then: -inf terms exist)
-        skip_flag = (finite_flag(spec, q, k, w_caller, masks) if _CHECK_FINITE
+    skip_flag = hidden_value_flag(spec, q, k, w_caller, plan) if plan.finite_range is not None else None
+    if plan.guard is not None:  # (plan.finite_range is None then: -inf terms exist)
+        skip_flag = (finite_flag(spec, q, k, w_caller, masks, guard=plan.guard) if _CHECK_FINITE
                      else torch.ones(1, dtype=torch.int32, device=device))
-    tmt = tensor_mask_term(spec)
+    tmt = plan.tensor_mask
     ranges = None
     if tmt is not None:  # a mask tensor: each row's visible key range, so hidden tiles are skipped
         term = spec.masks[tmt[0]]
         mview = _table_view(masks[term.operand], B, S, T, f"mask operand {term.operand}")
         if mview.dtype == torch.bool:
             mview = mview.view(torch.uint8)
-        ranges = mask_key_ranges(spec, mview, lambda **lim: score_bound_flag(spec, q, k, w_caller, **lim))
+        ranges = mask_key_ranges(spec, mview, lambda **lim: score_bound_flag(spec, q, k, w_caller, **lim), tmt)
 
     def outputs_for(r0, r1):
         # where a launch over query rows [r0, r1) writes: its slice of the indices, and the
@@ -569,8 +475,9 @@ def hytopk_triton(
         # idx_t / vals_t ([B, r1 - r0, topk], contiguous)
         rows = r1 - r0
         nrb = triton_cdiv(rows, block_m)
-        return [q[:, r0:r1], k, w_arg if w is None else w_arg[:, r0:r1], scratch, counter, idx_t, vals_t, prof,
-                k_desc, k_desc_rows, *_mask_launch_args(spec, masks, B, S, T, device, r0, r1, skip_flag, ranges),
+        return [q[:, r0:r1], k, w_arg if w is None else w_arg[:, r0:r1], scratch, counter, idx_t, vals_t,
+                k_desc, k_desc_rows, *_mask_launch_args(spec, masks, B, S, T, device, r0, r1, skip_flag, ranges,
+                                                                plan),
                 q.stride(0), q.stride(1), q.stride(2), q.stride(3),
                 kb_stride, k.stride(1), k.stride(2), k.stride(3), *w_strides,
                 rows, T, nrb, B * nrb]
@@ -599,16 +506,11 @@ def hytopk_triton(
             if sort == "after":
                 # (the rows' sort kernel has its own default network: "f64" or "transpose",
                 # which are not for the fused kernel)
-                sort_rows_(idx_t, vals_t, write_values=return_values, network=cfg.sort_network, index_bound=T,
-                           rows_per_program=cfg.sort_rows_per_program)
+                sort_rows_(idx_t, vals_t, write_values=return_values, index_bound=T)
                 if return_values and vals32 is not val_out:
                     val_out[:, r0:r1].copy_(vals_t)
     if sort == "after":
         vals32 = val_out  # (sorted in place, or copied chunk by chunk)
-    if cfg.profile:
-        return prof
-    if cfg.score_only:
-        return vals32
     if return_values:
         if vals32 is not val_out:
             val_out.copy_(vals32)

@@ -122,12 +122,14 @@ class MaskRanges(NamedTuple):
     nhi: torch.Tensor  # kernel skips reading the mask
 
 
-def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound_flag: Callable[..., torch.Tensor]) -> MaskRanges:
+def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound_flag: Callable[..., torch.Tensor],
+                    term_of_plan: Optional[tuple] = None) -> MaskRanges:
     """Each row's visible key range of the spec's mask tensor ``m`` (a [B, S, T] view, bool
     masks as uint8), its hidden value, and whether the kernel may skip outside the ranges.
     ``bound_flag(limit=... | hidden=...)``: the launch's ``score_bound.score_bound_flag``
-    for its operands."""
-    j, needs_bound = tensor_mask_term(spec)
+    for its operands; ``term_of_plan``: the spec's ``KernelPlan.tensor_mask``, where the
+    caller has it."""
+    j, needs_bound = tensor_mask_term(spec) if term_of_plan is None else term_of_plan
     term = spec.masks[j]
     B, S, T = m.shape
     add = term.kind == "add"
