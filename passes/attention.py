@@ -55,6 +55,7 @@ from ..lowerings.attention_reference import check_attention_operands
 from ..lowerings.attention_spec import AttentionSpec, form_of
 from ..lowerings.spec import SpecError, dtype_name
 from . import layout as L
+from . import mla
 from .diagnostics import AttentionRecord
 from .canonicalize import (CONTRACTIONS, _AND, _CASTS, _NOT, _OR, _VIEWS, GraphFacts, OperandPlan, SiteAnalysis,
                            Unsupported, analyse_operand, dtype_of_node, is_backward_node, propagate_view, shape_of,
@@ -592,6 +593,13 @@ class AppliedAttention:
 def apply(em: Emitter, m: AttentionMatch, replay: bool = True) -> AppliedAttention:
     r = m.region
     q, k, v = em.operand(m.q), em.operand(m.k), em.operand(m.v)
+    try:  # MLA: MQA over the shared latent, the up-projections absorbed (passes/mla.py)
+        absorbed = mla.absorb(em, q, k, v) if m.form == "per_head" else None
+        q, k, v, m.form = absorbed.q, absorbed.k, absorbed.v, mla.FORM
+        m.sizes.update(absorbed.record())
+    except Unsupported as e:
+        absorbed = None
+        m.sizes["latent"] = str(e)
     masks = [em.operand(op) if isinstance(op, OperandPlan) else em.bound(op[1], op[2]) for op in m.mask_operands]
     idx = r.selection
     if len(shape_of(idx)) != 3:
@@ -610,6 +618,8 @@ def apply(em: Emitter, m: AttentionMatch, replay: bool = True) -> AppliedAttenti
         tag_saved(call)
         out.meta.pop("recompute", None)  # the output follows the user's policy
     roles = m.roles
+    if absorbed is not None:
+        out = absorbed.output(em, out)
     new = _to_layout(em, out, [roles["B"], roles["S"], roles["H"], roles["Dv"]], m.out_layout, r.pv)
     if val(new).dtype != val(r.pv).dtype:
         new = em.call(prims.convert_element_type.default, [new, val(r.pv).dtype])
@@ -704,6 +714,7 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled)
         em2 = Emitter(graph, r.pv)
         try:
             applied = apply(em2, m, replay=replay)
+            rec.form, rec.sizes = m.form, dict(m.sizes)
             backward = ""
             if graph_kind == "joint":
                 backward = rewrite_attention_backward(graph, m, applied)
