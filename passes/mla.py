@@ -296,6 +296,16 @@ class Absorbed:
     B: Any
     S: Any
     why: str
+    # the forward's pieces the absorbed backward reads
+    q_canon: fx.Node  # the per-head form's canonical q [B, S, H, Dqk]
+    q_heads: fx.Node  # q_pass per head [H, B*S, Dn]
+    w_k: fx.Node  # [H, Dn, R]
+    w_v: fx.Node  # [H, R, Dv]
+    lat: fx.Node  # [B, T, R], a view of the latent rows
+    rot: fx.Node  # [B, T, Dr]
+    rot_src: Optional[fx.Node]  # the per-token tensor the expand over heads reads (rot views it)
+    out_lat: Optional[fx.Node] = None  # the op's output [B, S, H, R]
+    out_heads: Optional[fx.Node] = None  # it per head [H, B*S, R]
 
     def record(self) -> dict:
         lt = self.latent
@@ -304,13 +314,22 @@ class Absorbed:
     def output(self, em, out_lat: fx.Node) -> fx.Node:
         """The op's output over the latent [B, S, H, R] -> the attention's [B, S, H, Dv]."""
         lt = self.latent
-        w = _head_weight(em, lt, lt.o_v, lt.Dv, [1, 0, 2])  # [H, R, Dv]
-        x, w = _common_dtype(em, out_lat, w)
-        x = em.call(aten.permute.default, [x, [2, 0, 1, 3]])
-        x = em.call(aten.reshape.default, [x, [lt.H, _mul(em, self.B, self.S), lt.R]])
-        y = em.call(aten.bmm.default, [x, w])
-        y = em.call(aten.reshape.default, [y, [lt.H, self.B, self.S, lt.Dv]])
-        return em.call(aten.permute.default, [y, [1, 2, 0, 3]])
+        x, w = _common_dtype(em, out_lat, self.w_v)
+        x = _per_head(em, x, lt.H, self.B, self.S)
+        self.out_lat, self.out_heads = out_lat, x
+        return _from_heads(em, em.call(aten.bmm.default, [x, w]), lt.H, self.B, self.S)
+
+
+def _per_head(em, x, H, B, S):
+    """[B, S, H, D] -> [H, B*S, D]."""
+    return em.call(aten.reshape.default, [em.call(aten.permute.default, [x, [2, 0, 1, 3]]),
+                                          [H, _mul(em, B, S), shape_of(x)[3]]])
+
+
+def _from_heads(em, x, H, B, S):
+    """[H, B*S, D] -> [B, S, H, D]."""
+    return em.call(aten.permute.default, [em.call(aten.reshape.default, [x, [H, B, S, shape_of(x)[2]]]),
+                                          [1, 2, 0, 3]])
 
 
 def _mul(em, a, b):
@@ -354,26 +373,198 @@ def absorb(em, q: fx.Node, k: fx.Node, v: fx.Node) -> Absorbed:
     H, R = lt.H, lt.R
     # the latent key [B, T, 1, R + Dr] = [latent | k_rot] and its value view
     lat = em.call(aten.reshape.default, [lt.rows, [B, T, R]])
-    rot = lt.rot_node
+    rot, rot_src = lt.rot_node, None
     order = [d for d in lt.rot_dims if d is not None]
     order += [d for d in range(len(shape_of(rot))) if d not in order]
+    h = lt.rot_dims[2]
+    if rot.target is aten.expand.default and h is not None and len(shape_of(rot.args[0])) == len(shape_of(rot)) \
+            and _eq(shape_of(rot.args[0])[h], 1):
+        rot = rot_src = rot.args[0]  # the per-token tensor itself (its gradient is the backward's)
     if order != list(range(len(order))):
         rot = em.call(aten.permute.default, [rot, order])
-    rot = em.call(aten.reshape.default, [rot, [B, T, _size(em, k, 2), lt.Dr]])
-    rot = em.call(aten.select.int, [rot, 2, 0])
+    if rot_src is not None:
+        rot = em.call(aten.reshape.default, [rot, [B, T, lt.Dr]])
+    else:
+        rot = em.call(aten.reshape.default, [rot, [B, T, _size(em, k, 2), lt.Dr]])
+        rot = em.call(aten.select.int, [rot, 2, 0])
     kl = em.call(aten.unsqueeze.default, [em.call(aten.cat.default, [[lat, rot], -1]), 2])
     vl = em.call(aten.slice.Tensor, [kl, 3, 0, R])
     # the absorbed query [B, S, H, R + Dr] = [q_pass W_kb | q_rot]
     qp = em.call(aten.slice.Tensor, [q, 3, lt.nope[0], lt.nope[1]])
     qr = em.call(aten.slice.Tensor, [q, 3, lt.rot[0], lt.rot[1]])
     wk = _head_weight(em, lt, lt.o_k, lt.Dn, [1, 2, 0])  # [H, Dn, R]
+    wv = _head_weight(em, lt, lt.o_v, lt.Dv, [1, 0, 2])  # [H, R, Dv]
     qp, wk = _common_dtype(em, qp, wk)
-    qp = em.call(aten.reshape.default, [em.call(aten.permute.default, [qp, [2, 0, 1, 3]]), [H, _mul(em, B, S), lt.Dn]])
-    qa = em.call(aten.bmm.default, [qp, wk])
-    qa = em.call(aten.permute.default, [em.call(aten.reshape.default, [qa, [H, B, S, R]]), [1, 2, 0, 3]])
+    qh = _per_head(em, qp, H, B, S)
+    qa = _from_heads(em, em.call(aten.bmm.default, [qh, wk]), H, B, S)
     qa, qr = _common_dtype(em, qa, qr)
     qa, kl = _common_dtype(em, qa, kl)
     if val(kl).dtype != val(vl).dtype:
         vl = em.call(aten.slice.Tensor, [kl, 3, 0, R])
     qc = em.call(aten.cat.default, [[qa, qr], -1])
-    return Absorbed(q=qc, k=kl, v=vl, latent=lt, B=B, S=S, why=why)
+    return Absorbed(q=qc, k=kl, v=vl, latent=lt, B=B, S=S, why=why, q_canon=q, q_heads=qh, w_k=wk, w_v=wv,
+                    lat=lat, rot=rot, rot_src=rot_src)
+
+
+# ------------------------------------------------------------------------------------------
+# Training: the absorbed form's backward
+# ------------------------------------------------------------------------------------------
+
+
+def _region(graph: fx.Graph, pv: fx.Node, sources: dict):
+    """(gradient in, {role: the gradient of that source}, region) for the backward of the
+    attention and the per-head K/V expansion with its up-projection (the forward nodes
+    between ``sources`` and the value contraction ``pv``). The gradient in is the one the
+    backward of ``pv`` reads; each source's gradient is the node of the backward of its
+    reader (by ``seq_nr``) shaped like it; the region is every backward node between them
+    (the expansion's in-place writes have backward nodes whose ``seq_nr`` no functional
+    forward node carries, so the region is found by the gradient's flow). Unsupported where
+    another gradient enters the region or a node of it is read outside."""
+    from .canonicalize import is_backward_node
+    from .sparse_backward import _same_shape, _site_nodes
+
+    site = _site_nodes(pv, set(sources.values())) - {u for u in pv.users if u.target is operator.getitem}
+    bw = [n for n in graph.nodes if is_backward_node(n)]
+    sn = pv.meta.get("seq_nr")
+    pv_bw = [n for n in bw if sn is not None and n.meta.get("seq_nr") == sn]
+    if not pv_bw:
+        return None, {}, set()
+    g_ins = {a for n in pv_bw for a in n.all_input_nodes if is_backward_node(a) and a.meta.get("seq_nr") != sn}
+    if len(g_ins) != 1 or not _same_shape(next(iter(g_ins)), pv):
+        raise Unsupported("the backward of the value contraction does not read one gradient shaped like its output")
+    g_in = g_ins.pop()
+    desc, stack = set(), [g_in]
+    while stack:
+        for u in stack.pop().users:
+            if u not in desc and is_backward_node(u):
+                desc.add(u)
+                stack.append(u)
+    outs = {}
+    for role, x in sources.items():
+        seqs = {f.meta.get("seq_nr") for f in site if x in f.all_input_nodes} - {None}
+        cands = [e for e in desc if e.meta.get("seq_nr") in seqs and _same_shape(e, x)
+                 and any(u.meta.get("seq_nr") not in seqs for u in e.users)]
+        if len(cands) > 1:
+            raise Unsupported(f"cannot tell which node of the backward is the gradient of {role} ({x.name})")
+        if cands:
+            outs[role] = cands[0]
+    region, stack = set(), list(outs.values())
+    while stack:
+        n = stack.pop()
+        if n in region or n not in desc:
+            continue
+        region.add(n)
+        stack.extend(n.all_input_nodes)
+    tangent = set()
+    for n in graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in tangent for a in n.all_input_nodes):
+            tangent.add(n)
+    ends = set(outs.values())
+    for n in region:
+        for a in n.all_input_nodes:
+            if a in tangent and a not in region and a is not g_in:
+                raise Unsupported(f"another gradient ({a.name}) enters the backward of the attention and its K/V "
+                                  "expansion")
+        if n not in ends and any(u not in region for u in n.users):
+            raise Unsupported(f"{n.name} of the backward of the attention and its K/V expansion is read outside it")
+    return g_in, outs, region
+
+
+def rewrite_backward(graph: fx.Graph, m, applied) -> str:
+    """The backward of the attention and of the per-head K/V expansion (the nodes sharing
+    ``seq_nr`` with them) becomes the absorbed form's: dOut -> d out_lat (bmm with W_vb) and
+    dW_vb; ``sparse_attention_backward`` -> d q_cat, d latent (its key part plus its value
+    view); d q_pass (bmm with W_kb^T) and dW_kb; d k_rot once per token (what the original's
+    expand backward sums). Returns "sparse", or "" when no gradient reaches it; Unsupported
+    (with the reason) where the region is not of that shape: the caller then runs the
+    attention per head."""
+    from ..lowerings import attention_ops  # noqa: F401
+    from .rewrite import Emitter
+    from .sparse_backward import KeepDense, _invert_views
+
+    ab: Absorbed = applied.absorbed
+    pv, spec = m.region.pv, m.spec.to_json()
+    lt = ab.latent
+    if ab.rot_src is None:
+        raise Unsupported("the per-token key part is not an expand over the heads of one tensor")
+    (lo, hi) = sorted([(lt.o_k, lt.o_k + lt.Dn, "k"), (lt.o_v, lt.o_v + lt.Dv, "v")])
+    if lo[1] > hi[0]:
+        raise Unsupported("a head's key and value columns of the up-projection overlap")
+    sources = {"q": m.q.node, "rows": lt.rows, "w": lt.weight, "rot": ab.rot_src}
+    g_in, found, rset = _region(graph, pv, sources)
+    if g_in is None or not found:
+        return ""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = max((g_in, applied.replaced, applied.out, applied.lse), key=lambda n: order[n])
+    em = Emitter(graph, last.next)
+    H, B, S, R = lt.H, ab.B, ab.S, lt.R
+    conv = torch.ops.prims.convert_element_type.default
+
+    def cast(x, like):
+        dt = val(like).dtype
+        return x if val(x).dtype == dt else em.call(conv, [x, dt])
+
+    try:
+        g = _invert_views(em, g_in, applied.replaced, applied.out)
+        # out = per head out_lat @ W_vb
+        gh, wv = _common_dtype(em, _per_head(em, g, H, B, S), ab.w_v)
+        d_ol = em.call(aten.bmm.default, [gh, em.call(aten.transpose.int, [wv, 1, 2])])
+        oh, gh2 = _common_dtype(em, ab.out_heads, gh)
+        d_wv = em.call(aten.bmm.default, [em.call(aten.transpose.int, [oh, 1, 2]), gh2])  # [H, R, Dv]
+        d_ol = cast(_from_heads(em, d_ol, H, B, S), ab.out_lat)
+        call = em.call(torch.ops.hyscale.sparse_attention_backward.default,
+                       [d_ol, ab.q, ab.k, ab.v, applied.idx, applied.masks, ab.out_lat, applied.lse, spec,
+                        True, True, True])
+        gq, gk, gv = (em.call(operator.getitem, [call, i]) for i in range(3))
+        # the latent is the key and (a view of it) the value
+        d_lat = em.call(aten.add.Tensor, [em.call(aten.slice.Tensor, [gk, 3, 0, R]), gv])
+        d_lat = em.call(aten.squeeze.dim, [d_lat, 2])
+        d_rot = em.call(aten.squeeze.dim, [em.call(aten.slice.Tensor, [gk, 3, R, R + lt.Dr]), 2])
+        # q_abs = per head q_pass @ W_kb
+        gqa = _per_head(em, em.call(aten.slice.Tensor, [gq, 3, 0, R]), H, B, S)
+        gqa, wk = _common_dtype(em, gqa, ab.w_k)
+        d_qp = _from_heads(em, em.call(aten.bmm.default, [gqa, em.call(aten.transpose.int, [wk, 1, 2])]), H, B, S)
+        qh, gqa2 = _common_dtype(em, ab.q_heads, gqa)
+        d_wk = em.call(aten.bmm.default, [em.call(aten.transpose.int, [qh, 1, 2]), gqa2])  # [H, Dn, R]
+        parts = sorted([(lt.nope[0], cast(d_qp, ab.q_canon)),
+                        (lt.rot[0], cast(em.call(aten.slice.Tensor, [gq, 3, R, R + lt.Dr]), ab.q_canon))],
+                       key=lambda p: p[0])
+        d_q = em.call(aten.cat.default, [[p for _, p in parts], -1])
+        # W^T [R, H*E]: each head's key and value columns, zero elsewhere
+        cols = {"k": em.call(aten.permute.default, [d_wk, [2, 0, 1]]),
+                "v": em.call(aten.permute.default, [d_wv, [1, 0, 2]])}
+        pieces, at = [], 0
+        for a, b, name in (lo, hi):
+            if a > at:
+                pieces.append(em.call(aten.full.default, [[R, H, a - at], 0.0],
+                                      {"dtype": val(lt.weight).dtype, "device": val(lt.weight).device}))
+            pieces.append(cast(cols[name], lt.weight))
+            at = b
+        if at < lt.E:
+            pieces.append(em.call(aten.full.default, [[R, H, lt.E - at], 0.0],
+                                  {"dtype": val(lt.weight).dtype, "device": val(lt.weight).device}))
+        d_w = em.call(aten.reshape.default, [em.call(aten.cat.default, [pieces, -1]), [R, H * lt.E]])
+        grads = {"q": _invert_views(em, d_q, ab.q_canon, sources["q"]),
+                 "rows": cast(_invert_views(em, d_lat, ab.lat, lt.rows), lt.rows),
+                 "w": d_w,
+                 "rot": cast(_invert_views(em, d_rot, ab.rot, ab.rot_src), ab.rot_src)}
+    except KeepDense as e:
+        em.rollback()
+        raise Unsupported(str(e)) from None
+    except Exception:
+        em.rollback()
+        raise
+    for role, e in found.items():
+        new = grads[role]
+        if not _eq_shape(new, e):
+            em.rollback()
+            raise Unsupported(f"internal: the absorbed gradient of {role} is not shaped like the original's")
+    for role, e in found.items():
+        e.replace_all_uses_with(grads[role], delete_user_cb=lambda u: u not in rset)
+    return "sparse"
+
+
+def _eq_shape(a, b) -> bool:
+    va, vb = val(a), val(b)
+    return va.dim() == vb.dim() and va.dtype == vb.dtype and all(_eq(x, y) for x, y in zip(va.shape, vb.shape))
+

@@ -201,3 +201,98 @@ def test_absorbed_dynamic():
     assert len(recs) == 1 and recs[0].form == mla.FORM, [r.line() for r in diagnostics.attention_records()]
     assert any(isinstance(s, torch.SymInt) for s in op_shapes(cap)[1])
     torch.testing.assert_close(out, orig)
+
+
+def grads_of(fn, args, g):
+    leaves = [t.detach().clone().requires_grad_(True) if i >= 3 else t for i, t in enumerate(args)]
+    out = fn(*leaves)
+    out.backward(g)
+    return out.detach(), [t.grad for t in leaves[3:]]
+
+
+def check_training(seed, dtype, cat=False, **dims):
+    args = make_inputs(seed, dtype=dtype, **dims)
+    model = lambda *a: mla_model(*a, cat=cat)  # noqa: E731
+    fn, cap = compiled(model)
+    g = torch.randn(mla_model(*args, cat=cat).shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    out, grads = grads_of(fn, args, g)
+    orig, ograds = grads_of(model, args, g)
+    ref, rgrads = grads_of(model, [t.double() if i >= 3 else t for i, t in enumerate(args)], g.double())
+    eps = torch.finfo(dtype).eps / 2
+    # the op's reference backward takes the softmax's delta as dO . O: 8 eps, as
+    # tests/test_attention_pass.py allows until lowerings/attention_reference.py does better
+    slack = 8 * eps if dtype == torch.float32 else 2 * eps
+    names = ("out", "q_pass", "q_rot", "k_pass", "k_rot", "w_kv")
+    for name, x, o, r in zip(names, [out, *grads], [orig, *ograds], [ref, *rgrads]):
+        e_op, e_orig = err(x, r), err(o, r)
+        print(f"seed {seed} {dtype} {name}: err(op) {e_op:.3g}, err(orig) {e_orig:.3g}")
+        assert x.dtype == o.dtype and x.shape == o.shape, name
+        assert e_op <= 2 * e_orig + (2 * eps if name == "out" else slack), \
+            f"{name}: err(op) {e_op:.3g} > 2 err(orig) {e_orig:.3g} + slack"
+    return cap, diagnostics.attention_records()
+
+
+def assert_absorbed_training(cap, recs):
+    assert len(recs) == 1 and recs[0].rewritten and recs[0].form == mla.FORM, [r.line() for r in recs]
+    assert recs[0].backward == "sparse", [r.line() for r in recs]
+    fw = {n.target for n in nodes(cap, "forward")}
+    bw = {n.target for n in nodes(cap, "backward")}
+    assert OP in fw and torch.ops.hyscale.sparse_attention_backward.default in bw
+    # neither the per-head expansion nor its backward is left (no up-projection mm, no slice writes)
+    for t in (aten.mm.default, aten.slice_scatter.default):
+        assert t not in fw and t not in bw, t
+
+
+@pytest.mark.parametrize("i", range(5))
+def test_training_absorbed_fp32(i):
+    cap, recs = check_training(fresh_seed(f"mla_training_fp32[{i}]"), torch.float32)
+    assert_absorbed_training(cap, recs)
+
+
+@pytest.mark.parametrize("i", range(2))
+def test_training_absorbed_bf16(i):
+    cap, recs = check_training(fresh_seed(f"mla_training_bf16[{i}]"), torch.bfloat16)
+    assert_absorbed_training(cap, recs)
+
+
+def test_training_absorbed_cat_spelling():
+    cap, recs = check_training(fresh_seed("mla_training_cat"), torch.float32, cat=True)
+    assert_absorbed_training(cap, recs)
+
+
+def test_training_rule_per_head():
+    """H = 1: the rule keeps the per-head form in training too."""
+    args = make_inputs(fresh_seed("mla_training_per_head"), H=1)
+    fn, cap = compiled(mla_model)
+    g = torch.randn(mla_model(*args).shape)
+    out, grads = grads_of(fn, args, g)
+    orig, ograds = grads_of(mla_model, args, g)
+    recs = diagnostics.attention_records()
+    assert len(recs) == 1 and recs[0].form == "per_head", [r.line() for r in recs]
+    assert "per head reads fewer bytes" in recs[0].sizes["latent"]
+    for x, o in zip([out, *grads], [orig, *ograds]):
+        torch.testing.assert_close(x, o)
+
+
+def key_also_returned(qi, ki, w, q_pass, q_rot, k_pass, k_rot, w_kv):
+    """The expanded keys are also read outside the attention (a second gradient enters their
+    backward): the absorbed backward does not apply."""
+    H, Dn = q_pass.shape[1], q_pass.shape[-1]
+    k, v = expand_kv(k_pass, k_rot, w_kv, H, Dn, w_kv.shape[0] // H - Dn)
+    q = torch.cat((q_pass, q_rot), dim=-1)
+    out = af.official_v32_attention(af.indexer(qi, ki, w, 4), q.transpose(1, 2), k.transpose(1, 2),
+                                    v.transpose(1, 2))
+    return out + k.square().sum()
+
+
+def test_training_region_not_absorbable_falls_back_to_per_head():
+    args = make_inputs(fresh_seed("mla_training_fallback"))
+    fn, cap = compiled(key_also_returned)
+    g = torch.randn(key_also_returned(*args).shape)
+    out, grads = grads_of(fn, args, g)
+    orig, ograds = grads_of(key_also_returned, args, g)
+    recs = diagnostics.attention_records()
+    assert len(recs) == 1 and recs[0].form == "per_head", [r.line() for r in recs]
+    assert recs[0].sizes["latent"].startswith("training graph: another gradient"), recs[0].sizes
+    for x, o in zip([out, *grads], [orig, *ograds]):  # k.square().sum() dominates: relative to its size
+        torch.testing.assert_close(x, o, rtol=1e-5, atol=1e-5 * o.abs().max().item())
