@@ -363,6 +363,8 @@ def _head_weight(em, lt: Latent, o: int, width: int, perm) -> fx.Node:
 def absorb(em, q: fx.Node, k: fx.Node, v: fx.Node) -> Absorbed:
     """The absorbed operands of the op (canonical q, k, v of the per-head form in), or
     Unsupported with the reason the attention runs per head."""
+    if not _eq(shape_of(q)[2], shape_of(k)[2]):
+        raise Unsupported("the query heads are grouped over fewer key heads")
     lt = find_latent(k, v, em.fake_mode)
     cheaper, why = latent_is_cheaper(lt, k, v)
     if not cheaper:

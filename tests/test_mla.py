@@ -296,3 +296,60 @@ def test_training_region_not_absorbable_falls_back_to_per_head():
     assert recs[0].sizes["latent"].startswith("training graph: another gradient"), recs[0].sizes
     for x, o in zip([out, *grads], [orig, *ograds]):  # k.square().sum() dominates: relative to its size
         torch.testing.assert_close(x, o, rtol=1e-5, atol=1e-5 * o.abs().max().item())
+
+
+def hf_layer(build):
+    from tests.models import hf_models as hm
+
+    if not hm.transformers_available():
+        pytest.skip("transformers is not installed")
+    model, _ = getattr(hm, build)(0)
+    return model.model.layers[1].self_attn
+
+
+def hf_glm5_eager_model(layer):
+    """HF's own ``expand_kv`` (DeepseekV32Attention / GlmMoeDsaAttention, whose kv_b_proj is a
+    parameter) feeding GLM-5's eager sparse attention (index mask of -inf by scatter_, HF's
+    causal mask, ``eager_attention_forward``)."""
+    def f(qi, ki, w, q_pass, q_rot, k_pass, k_rot, mask):
+        k, v = layer.expand_kv(k_pass, k_rot)
+        q = torch.cat((q_pass, q_rot), dim=-1)
+        return af.glm5_eager_attention(af.indexer(qi, ki, w, 4), q.transpose(1, 2), k.transpose(1, 2),
+                                       v.transpose(1, 2), mask)
+    return f
+
+
+@pytest.mark.parametrize("build", ["build_deepseek_v32", "build_glm_moe_dsa"])
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_hf_expand_kv(build, train):
+    import copy
+
+    layer = hf_layer(build)
+    assert (layer.num_heads, layer.qk_nope_head_dim, layer.v_head_dim, layer.kv_lora_rank,
+            layer.qk_rope_head_dim) == (4, 16, 16, 32, 8)
+    seed = fresh_seed(f"mla_hf_expand_kv[{build}, {train}]")
+    args = list(make_inputs(seed)[:7]) + [af.hf_causal_mask(2, 16)]
+    fn, cap = compiled(hf_glm5_eager_model(layer))
+    layer64 = copy.deepcopy(layer).double()
+    runs = []
+    for f, lay, dt in ((fn, layer, torch.float32), (hf_glm5_eager_model(layer), layer, torch.float32),
+                       (hf_glm5_eager_model(layer64), layer64, torch.float64)):
+        a = [t.to(dt) if 3 <= i < 7 else t for i, t in enumerate(args)]
+        a = [t.detach().clone().requires_grad_(train) if 3 <= i < 7 else t for i, t in enumerate(a)]
+        lay.zero_grad()
+        with torch.set_grad_enabled(train):
+            out = f(*a)
+            if train:
+                out.backward(torch.ones_like(out) * torch.linspace(-1, 1, out.shape[-1], dtype=dt))
+        grads = [t.grad for t in a[3:7]] + [lay.kv_b_proj.weight.grad] if train else []
+        runs.append([out.detach(), *grads])
+    recs = diagnostics.attention_records()
+    assert len(recs) == 1 and recs[0].rewritten and recs[0].form == mla.FORM, [r.line() for r in recs]
+    assert recs[0].backward == ("sparse" if train else "")
+    eps = torch.finfo(torch.float32).eps / 2
+    for j, (x, o, r) in enumerate(zip(*runs)):
+        e_op, e_orig = err(x, r), err(o, r)
+        assert e_op <= 2 * e_orig + (2 if j == 0 else 8) * eps, f"output/grad {j}: {e_op:.3g} vs {e_orig:.3g}"
+    left = {n.target for kind in ("inference", "forward", "backward") for n in nodes(cap, kind)}
+    assert OP in left
+    assert aten.mm.default not in left and aten.slice_scatter.default not in left
