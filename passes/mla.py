@@ -379,8 +379,9 @@ def absorb(em, q: fx.Node, k: fx.Node, v: fx.Node) -> Absorbed:
     order = [d for d in lt.rot_dims if d is not None]
     order += [d for d in range(len(shape_of(rot))) if d not in order]
     h = lt.rot_dims[2]
-    if rot.target is aten.expand.default and h is not None and len(shape_of(rot.args[0])) == len(shape_of(rot)) \
-            and _eq(shape_of(rot.args[0])[h], 1):
+    x = rot.args[0] if rot.target is aten.expand.default else None
+    if x is not None and h is not None and len(shape_of(x)) == len(shape_of(rot)) and _eq(shape_of(x)[h], 1) \
+            and all(_eq(a, b) for d, (a, b) in enumerate(zip(shape_of(x), shape_of(rot))) if d != h):
         rot = rot_src = rot.args[0]  # the per-token tensor itself (its gradient is the backward's)
     if order != list(range(len(order))):
         rot = em.call(aten.permute.default, [rot, order])

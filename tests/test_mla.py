@@ -353,3 +353,25 @@ def test_hf_expand_kv(build, train):
     left = {n.target for kind in ("inference", "forward", "backward") for n in nodes(cap, kind)}
     assert OP in left
     assert aten.mm.default not in left and aten.slice_scatter.default not in left
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "budget0"])
+def test_training_absorbed_under_checkpointing(how):
+    """The backward reads the op's saved indices and log-sum-exp: no selection, no index
+    mask, no per-head expansion in it."""
+    from torch.utils.checkpoint import checkpoint
+
+    args = make_inputs(fresh_seed(f"mla_checkpoint[{how}]"))
+    model = (lambda *a: checkpoint(mla_model, *a, use_reentrant=False)) if how == "checkpoint" else mla_model
+    g = torch.randn(2, 16, 4, 16)
+    with torch._functorch.config.patch(activation_memory_budget=0.0 if how == "budget0" else 1.0):
+        fn, cap = compiled(model)
+        out, grads = grads_of(fn, args, g)
+    orig, ograds = grads_of(mla_model, args, g)
+    recs = diagnostics.attention_records()
+    assert len(recs) == 1 and recs[0].form == mla.FORM and recs[0].backward == "sparse", [r.line() for r in recs]
+    bw = {n.target for n in nodes(cap, "backward")}
+    for t in (torch.ops.hyscale.hytopk.default, aten.scatter.value, aten.mm.default, aten.slice_scatter.default):
+        assert t not in bw, t
+    for x, o in zip([out, *grads], [orig, *ograds]):
+        torch.testing.assert_close(x, o, rtol=1e-5, atol=1e-5)
