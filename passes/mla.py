@@ -34,6 +34,18 @@ latent, stay per head). Rounding: the absorbed query ``q_pass W_kb`` is computed
 dtype of q and W (rounded to bf16 in a bf16 model, as FlashMLA does); the op's output
 over the latent is rounded to the attention's output dtype before the value projection.
 The tests check both against the numerics rule of docs/contract.md.
+
+explain records the form as "mqa over the latent (absorbed)" with R, Dr and the rule's
+byte counts, or "per_head" with the reason under ``latent``.
+
+**Training** (``rewrite_backward``): the backward of the attention *and* of the per-head
+expansion (the slice writes, the split, the up-projection's mm) becomes the absorbed
+form's: dOut -> d out_lat (bmm with W_vb) and dW_vb; ``sparse_attention_backward`` -> d
+q_cat and d latent (its key part plus its value view); d q_pass (bmm with W_kb^T) and
+dW_kb; d k_rot once per token (what the expand's backward sums). The region is found by
+the gradient's flow from the value contraction's backward to the gradients of q, the
+latent, the weight and k_rot; where another gradient enters it or one of its nodes is read
+elsewhere, the attention runs per head and explain says why.
 """
 from __future__ import annotations
 
