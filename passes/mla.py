@@ -523,9 +523,9 @@ def rewrite_backward(graph: fx.Graph, m, applied) -> str:
         g = _invert_views(em, g_in, applied.replaced, applied.out)
         # out = per head out_lat @ W_vb
         gh, wv = _common_dtype(em, _per_head(em, g, H, B, S), ab.w_v)
-        d_ol = em.call(aten.bmm.default, [gh, em.call(aten.transpose.int, [wv, 1, 2])])
+        d_ol = em.call(aten.bmm.default, [gh, em.call(aten.permute.default, [wv, [0, 2, 1]])])
         oh, gh2 = _common_dtype(em, ab.out_heads, gh)
-        d_wv = em.call(aten.bmm.default, [em.call(aten.transpose.int, [oh, 1, 2]), gh2])  # [H, R, Dv]
+        d_wv = em.call(aten.bmm.default, [em.call(aten.permute.default, [oh, [0, 2, 1]]), gh2])  # [H, R, Dv]
         d_ol = cast(_from_heads(em, d_ol, H, B, S), ab.out_lat)
         call = em.call(torch.ops.hyscale.sparse_attention_backward.default,
                        [d_ol, ab.q, ab.k, ab.v, applied.idx, applied.masks, ab.out_lat, applied.lse, spec,
@@ -538,9 +538,9 @@ def rewrite_backward(graph: fx.Graph, m, applied) -> str:
         # q_abs = per head q_pass @ W_kb
         gqa = _per_head(em, em.call(aten.slice.Tensor, [gq, 3, 0, R]), H, B, S)
         gqa, wk = _common_dtype(em, gqa, ab.w_k)
-        d_qp = _from_heads(em, em.call(aten.bmm.default, [gqa, em.call(aten.transpose.int, [wk, 1, 2])]), H, B, S)
+        d_qp = _from_heads(em, em.call(aten.bmm.default, [gqa, em.call(aten.permute.default, [wk, [0, 2, 1]])]), H, B, S)
         qh, gqa2 = _common_dtype(em, ab.q_heads, gqa)
-        d_wk = em.call(aten.bmm.default, [em.call(aten.transpose.int, [qh, 1, 2]), gqa2])  # [H, Dn, R]
+        d_wk = em.call(aten.bmm.default, [em.call(aten.permute.default, [qh, [0, 2, 1]]), gqa2])  # [H, Dn, R]
         parts = sorted([(lt.nope[0], cast(d_qp, ab.q_canon)),
                         (lt.rot[0], cast(em.call(aten.slice.Tensor, [gq, 3, R, R + lt.Dr]), ab.q_canon))],
                        key=lambda p: p[0])

@@ -375,3 +375,20 @@ def test_training_absorbed_under_checkpointing(how):
         assert t not in bw, t
     for x, o in zip([out, *grads], [orig, *ograds]):
         torch.testing.assert_close(x, o, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_inductor_end_to_end(train):
+    """backend="hyscale" (Inductor codegen around the op and the absorbed bmms)."""
+    args = make_inputs(fresh_seed(f"mla_inductor[{train}]"))
+    g = torch.randn(2, 16, 4, 16)
+    torch._dynamo.reset()
+    diagnostics.clear()
+    fn = torch.compile(mla_model, backend="hyscale")
+    with torch.set_grad_enabled(train):
+        got = grads_of(fn, args, g) if train else (fn(*args), [])
+        want = grads_of(mla_model, args, g) if train else (mla_model(*args), [])
+    for x, o in zip([got[0], *got[1]], [want[0], *want[1]]):
+        torch.testing.assert_close(x, o, rtol=1e-5, atol=1e-5)
+    recs = diagnostics.attention_records()
+    assert [(r.rewritten, r.form) for r in recs] == [(True, mla.FORM)], [r.line() for r in recs]
