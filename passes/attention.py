@@ -134,7 +134,7 @@ class MaskWalk:
                         out.append(u)
         return out
 
-    def start(self, sc: fx.Node, idx: fx.Node) -> Masked:
+    def start(self, sc: fx.Node) -> Masked:
         base, dim, index, value = sc.args[:4]
         while base.target in (aten.alias.default, aten.clone.default, aten.detach.default):
             base = base.args[0]  # (checkpointed regions alias every tensor)
@@ -364,8 +364,7 @@ class Region:
     pv: fx.Node  # the value contraction
 
 
-def find_region(facts: GraphFacts, walk: MaskWalk, sel_idx: fx.Node, app: fx.Node, app_arg: int,
-                masked: Masked) -> Region:
+def find_region(facts: GraphFacts, sel_idx: fx.Node, app: fx.Node, app_arg: int, masked: Masked) -> Region:
     # from the application forward to the softmax: single-use pointwise ops of the scores
     cur = app
     for _ in range(32):
@@ -731,7 +730,7 @@ def rewrite_attention(graph: fx.Graph, facts_sources, graph_kind: str, replay: b
         scs = walk.scatters(sel)
         for sc in scs:
             try:
-                walk.start(sc, sel)
+                walk.start(sc)
                 apps = _applications(walk, sc)
             except _Reject as e:
                 records.append(AttentionRecord(sel.name, sc.name, False, str(e)))
@@ -759,7 +758,7 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
                               "with -inf")
         elif app.target is not aten.add.Tensor:
             raise _Reject(f"the index mask is applied by {app.target}, which the rewrite does not handle")
-        r = find_region(facts, None, sel, app, i, masked)
+        r = find_region(facts, sel, app, i, masked)
         rec.consumer = r.pv.name
         m = analyse(facts, em, r)
         rec.form, rec.spec, rec.sizes = m.form, m.spec.describe(), dict(m.sizes)
