@@ -55,6 +55,7 @@ from ..lowerings.attention_reference import check_attention_operands
 from ..lowerings.attention_spec import AttentionSpec, form_of
 from ..lowerings.spec import SpecError, dtype_name
 from . import layout as L
+from . import mla
 from .diagnostics import AttentionRecord
 from .canonicalize import (CONTRACTIONS, _AND, _CASTS, _NOT, _OR, _VIEWS, GraphFacts, OperandPlan, SiteAnalysis,
                            Unsupported, analyse_operand, dtype_of_node, is_backward_node, propagate_view, shape_of,
@@ -640,11 +641,20 @@ class AppliedAttention:
     out: fx.Node  # canonical [B, S, H, Dv]
     lse: fx.Node
     replaced: fx.Node  # the value contraction's replacement
+    absorbed: Any = None  # the MLA form (passes/mla.py), when it runs
 
 
-def apply(em: Emitter, m: AttentionMatch, replay: bool = True) -> AppliedAttention:
+def apply(em: Emitter, m: AttentionMatch, replay: bool = True, absorb: bool = True) -> AppliedAttention:
     r = m.region
     q, k, v = em.operand(m.q), em.operand(m.k), em.operand(m.v)
+    try:  # MLA: MQA over the shared latent, the up-projections absorbed (passes/mla.py)
+        absorbed = mla.absorb(em, q, k, v) if m.form == "per_head" and absorb else None
+    except Unsupported as e:
+        absorbed = None
+        m.sizes["latent"] = str(e)
+    if absorbed is not None:
+        q, k, v, m.form = absorbed.q, absorbed.k, absorbed.v, mla.FORM
+        m.sizes.update(absorbed.record())
     masks = [em.operand(op) if isinstance(op, OperandPlan) else em.bound(op[1], op[2]) for op in m.mask_operands]
     idx = r.selection
     if len(shape_of(idx)) != 3:
@@ -662,10 +672,12 @@ def apply(em: Emitter, m: AttentionMatch, replay: bool = True) -> AppliedAttenti
     if replay:
         tag_attention(call)
     roles = m.roles
+    if absorbed is not None:
+        out = absorbed.output(em, out)
     new = _to_layout(em, out, [roles["B"], roles["S"], roles["H"], roles["Dv"]], m.out_layout, r.pv)
     if val(new).dtype != val(r.pv).dtype:
         new = em.call(prims.convert_element_type.default, [new, val(r.pv).dtype])
-    return AppliedAttention(call, q, k, v, idx, masks, out, lse, new)
+    return AppliedAttention(call, q, k, v, idx, masks, out, lse, new, absorbed)
 
 
 # ------------------------------------------------------------------------------------------
@@ -756,9 +768,19 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
             return rec
         em2 = Emitter(graph, r.pv)
         try:
+            sizes0 = dict(m.sizes)
             applied = apply(em2, m, replay=replay)
             backward = ""
-            if graph_kind == "joint":
+            if graph_kind == "joint" and applied.absorbed is not None:
+                try:
+                    backward = mla.rewrite_backward(graph, m, applied)
+                except Unsupported as e:  # the absorbed backward does not fit: the attention runs per head
+                    em2.rollback()
+                    em2 = Emitter(graph, r.pv)
+                    m.form, m.sizes = "per_head", {**sizes0, "latent": f"training graph: {e}"}
+                    applied = apply(em2, m, replay=replay, absorb=False)
+            rec.form, rec.sizes = m.form, dict(m.sizes)
+            if graph_kind == "joint" and applied.absorbed is None:
                 backward = rewrite_attention_backward(graph, m, applied)
         except BaseException:
             em2.rollback()
