@@ -268,18 +268,15 @@ def assert_consumer_close(out: torch.Tensor, orig: torch.Tensor, ref: torch.Tens
 
 
 def _seq_degree(shape, seq_sizes) -> int:
-    """How many sequence-length factors the tensor's element count has: concrete dims equal
-    to a sequence size count one each; the product of the symbolic dims counts by how it
-    grows when every symbol whose value is a sequence size is scaled by 16 (16: linear,
-    256: two factors), so a flattened [B*S, T] counts two as [B, S, T] does."""
+    """How many sequence-length factors the tensor's element count has. All dims concrete:
+    each equal to a sequence size counts one. Some symbolic: the concrete ones are not the
+    sequence (dynamic shapes made it a symbol), and the product of the symbolic dims counts
+    by how it grows when every symbol whose value is a sequence size is scaled by 16 (16:
+    one factor, 256: two), so a flattened [B*S, T] counts two as [B, S, T] does."""
     import sympy
 
-    degree, syms = 0, []
-    for d in shape:
-        if isinstance(d, torch.SymInt):
-            syms.append(d.node)
-        elif int(d) in seq_sizes:
-            degree += 1
+    syms = [d.node for d in shape if isinstance(d, torch.SymInt)]
+    degree = 0 if syms else sum(1 for d in shape if int(d) in seq_sizes)
     if syms:
         env = syms[0].shape_env
         expr = sympy.Integer(1)
