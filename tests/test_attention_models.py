@@ -107,15 +107,15 @@ def _step(model, kwargs, train, weights_seed):
 _RUNS = {}
 
 
-def run_hf(name, attn, train, dtype=torch.float32):
+def run_hf(name, attn, train, dtype=torch.float32, **build):
     """Compile the tiny model once per case (cached for the count and numerics tests): its
     captured graphs, outputs and gradients, and the recorded selections."""
-    key = (name, attn, train, dtype)
+    key = (name, attn, train, dtype, tuple(sorted(build.items())))
     if key in _RUNS:
         return _RUNS[key]
     seed = fresh_seed(f"{name} {attn} train={train}") % 8  # hf_models: seeds 0-7 have no boundary tie
     extra = {} if name == "deepseek_v4" else {"attn_implementation": attn}
-    model, kwargs = hf_models.BUILDERS[name](seed, dtype=dtype, **extra)
+    model, kwargs = hf_models.BUILDERS[name](seed, dtype=dtype, **extra, **build)
     model.train(train)
     cap = []
     torch._dynamo.reset()
@@ -170,8 +170,9 @@ def test_hf_numerics_at_the_ops_indices(name, attn, train):
 
 
 def test_hf_numerics_bf16_training():
-    """The same in bf16 (the dtype the models train in): V3.2, eager attention, a training step."""
-    check_numerics(run_hf("deepseek_v32", "eager", True, torch.bfloat16))
+    """The same in bf16 (the dtype the models train in): V3.2, eager attention, a training step.
+    Both MLPs dense: with a router, bf16 and float64 route near-equal experts differently."""
+    check_numerics(run_hf("deepseek_v32", "eager", True, torch.bfloat16, first_k_dense_replace=2))
 
 
 @pytest.mark.xfail(strict=True, reason=NOT_YET)
