@@ -7,7 +7,7 @@ from typing import Any, Callable, List
 import torch
 
 from .passes import diagnostics
-from .passes.diagnostics import SiteRecord
+from .passes.diagnostics import AttentionRecord, SiteRecord
 
 
 @dataclasses.dataclass
@@ -17,6 +17,9 @@ class ExplainReport:
     # frames Dynamo gave up on and ran eagerly (e.g. a graph break inside a per-query
     # Python loop): top-k calls in them never reach the backend, so no site lists them
     skipped_frames: List[str] = dataclasses.field(default_factory=list)
+    # each consumer of a selection's index mask (passes/attention.py): sparse, with its form,
+    # or dense, with the reason
+    attention: List[AttentionRecord] = dataclasses.field(default_factory=list)
 
     @property
     def rewritten(self) -> List[SiteRecord]:
@@ -43,6 +46,7 @@ class ExplainReport:
             f"the table, {len(self.left_alone)} left alone; {self.graph_breaks} graph break(s)"
         )
         lines = [head] + ["  " + s.line() for s in self.sites]
+        lines += ["  " + a.line() for a in self.attention]
         lines += [f"  [not compiled] {f}: Dynamo ran this frame eagerly, so the backend never saw its top-k "
                   "calls (a graph break inside a loop, e.g. a per-query loop)" for f in self.skipped_frames]
         return "\n".join(lines)
@@ -73,6 +77,7 @@ def explain(model: Callable, *args: Any, dynamic: Any = None, **kwargs: Any) -> 
     for msg, n in counters["unimplemented"].items():
         if n > unimpl_before.get(msg, 0) and "frame skipped:" in msg:
             skipped.append(msg.split("frame skipped:", 1)[1].splitlines()[0].strip())
-    report = ExplainReport(sites=diagnostics.records(), graph_breaks=breaks, skipped_frames=sorted(set(skipped)))
+    report = ExplainReport(sites=diagnostics.records(), graph_breaks=breaks, skipped_frames=sorted(set(skipped)),
+                           attention=diagnostics.attention_records())
     torch._dynamo.reset()
     return report

@@ -16,6 +16,9 @@ HYSCALE_OPTIONS = {
                      "checkpoint policy's tag, so benchmarks can measure what replay saves"),
     "elide_sort": (bool, "call the op with sorted=False where nothing reads the top-k's order (default "
                          "True; the outputs are the same bits either way)"),
+    "sparse_attention": (bool, "rewrite the attention that applies a selection's index mask into "
+                               "hyscale.sparse_attention over the k selected keys (default True; False keeps it "
+                               "dense, and explain says so for each consumer)"),
 }
 _MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 

@@ -85,6 +85,47 @@ class SiteRecord:
                           reason=f"hyscale.enable=False; enabled, the pass would give: {tag} {body}")
 
 
+@dataclasses.dataclass
+class AttentionRecord:
+    """One consumer of a selection's index mask (``passes/attention.py``): rewritten into
+    ``hyscale.sparse_attention`` (with its form) or left dense (with the reason)."""
+
+    selection: str  # the selection's index node
+    consumer: str  # the value contraction, or the node that applies the index mask
+    rewritten: bool
+    reason: str = ""
+    form: str = ""  # "per_head" or "mqa" (attention_spec.form_of)
+    spec: str = ""  # AttentionSpec.describe()
+    sizes: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    backward: str = ""  # joint graphs: "sparse" or ""
+    graph: str = ""
+    # the order the op reads the indices in (passes/order.py)
+    order: str = "any deterministic order (the selection may stay unsorted)"
+
+    def line(self) -> str:
+        if self.rewritten:
+            sz = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
+            bw = "; backward: sparse_attention_backward" if self.backward == "sparse" else ""
+            return (f"[attention: sparse] {self.consumer} (indices of {self.selection}): form {self.form} {sz} | "
+                    f"{self.spec}{bw}; index order: {self.order}")
+        return f"[attention: dense] {self.consumer} (indices of {self.selection}): {self.reason}"
+
+
+_attention: List[AttentionRecord] = []
+
+
+def record_attention(rec: AttentionRecord) -> None:
+    with _lock:
+        _attention.append(rec)
+    counters["hyscale"]["attention_sparse" if rec.rewritten else "attention_dense"] += 1
+    log.info("hyscale: %s", rec.line())
+
+
+def attention_records() -> List[AttentionRecord]:
+    with _lock:
+        return list(_attention)
+
+
 def record(rec: SiteRecord) -> None:
     with _lock:
         _records.append(rec)
@@ -108,6 +149,7 @@ def records() -> List[SiteRecord]:
 def clear() -> None:
     with _lock:
         _records.clear()
+        _attention.clear()
 
 
 def user_line(node) -> str:

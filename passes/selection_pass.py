@@ -93,7 +93,8 @@ def _input_kinds(inputs: InputKinds) -> Dict[int, Tuple[str, str]]:
 
 
 def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_kind: str = "", replay: bool = True,
-                       elide_sort: bool = True, cudagraphs: bool = False, dry_run: bool = False) -> int:
+                       elide_sort: bool = True, cudagraphs: bool = False, dry_run: bool = False,
+                       sparse_attention: bool = True) -> int:
     """Rewrite every selection top-k in ``graph``; returns how many were rewritten.
     ``param_indices``: what the graph's inputs are, by position (``backend._input_kinds``:
     position -> (kind, Dynamo source name)), or the positions of parameters and buffers.
@@ -195,6 +196,8 @@ def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_ki
             )
         )
     score_mods.restore(graph, stand_ins)
+    if count or topks:
+        count += _rewrite_attention(graph, facts.sources, graph_kind, replay, sparse_attention and not dry_run)
     if dry_run:
         return 0
     if count:
@@ -204,6 +207,22 @@ def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_ki
         stable_topological_sort(graph)
         graph.lint()
     return count
+
+
+def _rewrite_attention(graph: fx.Graph, sources, graph_kind: str, replay: bool, enabled: bool) -> int:
+    """The attention pass over the selections now in ``graph``; returns how many it rewrote."""
+    from .attention import rewrite_attention
+
+    try:
+        recs = rewrite_attention(graph, sources, graph_kind, replay=replay, enabled=enabled)
+    except Exception as e:  # a bug of ours must not break the user's compile: the attention stays dense
+        diagnostics.log.warning("hyscale: internal error in the attention pass; attention left dense", exc_info=True)
+        recs = [diagnostics.AttentionRecord("?", "?", False, f"internal error ({type(e).__name__}: {e}); please "
+                                            "report")]
+    for rec in recs:
+        rec.graph = graph_kind
+        diagnostics.record_attention(rec)
+    return sum(r.rewritten for r in recs)
 
 
 class HyScaleJointPass(CustomGraphPass):
@@ -221,7 +240,7 @@ class HyScaleJointPass(CustomGraphPass):
         try:
             rewrite_selections(graph, dict(self.param_indices), kind, replay=self.options.get("replay", True),
                                elide_sort=self.options.get("elide_sort", True), cudagraphs=_cudagraphs(),
-                               dry_run=not enable)
+                               dry_run=not enable, sparse_attention=self.options.get("sparse_attention", True))
         except Exception:
             if enable:
                 raise

@@ -1,0 +1,726 @@
+"""The attention pass: the dense attention that applies a selection's index mask becomes
+one ``hyscale.sparse_attention`` call over the k selected keys of each row.
+
+Runs after the selection pass, in the same joint/forward graph. For every selection (a
+``hyscale.hytopk`` / ``hytopk_values`` / ``topk_table`` node, or an ``aten.topk`` left in
+the graph: a top-k's indices are distinct within a row) it follows the indices forward:
+
+1. **The index mask.** A ``scatter`` of a constant into a constant-filled tensor
+   (``full``/``ones``/``zeros``/``new_ones`` decompose to ``aten.full``) at the indices,
+   along the last dim, is a tensor that holds one constant at the selected keys and
+   another at every other key. The pass evaluates each op downstream of it (views, casts,
+   ``~``, ``&``, ``|``, ``masked_fill``, ``where``, ``+``) *twice, symbolically*: at the
+   selected keys, where the index mask is a constant and the op reduces to a tensor the
+   graph already has (``attention_mask & ~index_mask`` is ``attention_mask`` there,
+   ``full(-inf).scatter_(idx, 0) + mask`` is ``mask``), and at the other keys, where it
+   must be a constant that hides the key (``-inf`` added, ``False`` kept, a fill of
+   ``-inf``). An op that would expose an unselected key stops the walk.
+2. **The application.** The op where that tensor meets the scores (an ``add``, a
+   ``masked_fill``/``where`` of the scores) must lie on the chain from a score contraction
+   (``bmm``/``mm``: einsum and matmul decompose to it) to a softmax (decomposed:
+   ``amax``, ``sub``, ``exp``, ``sum``, ``div``), whose output reaches, through views and
+   casts only, the contraction with the values. The chain is analysed by the selection's
+   own canonicalizer (``canonicalize.SiteAnalysis``: logical axes through views, scale
+   steps, mask terms; position masks become ranges) with the index mask replaced by its
+   value at the selected keys.
+3. **The rewrite.** q [B,S,H,Dqk], k [B,T,Hk,Dqk], v [B,T,Hk,Dv] are views of the graph's
+   tensors; the op's output is laid out as the value contraction's was and replaces it.
+   In a joint graph the region's backward (the nodes sharing ``seq_nr`` with its forward
+   nodes) becomes one ``sparse_attention_backward`` call; where it is not of the expected
+   shape the whole site stays dense.
+
+Why the result is the original's: at an unselected key the original's logit is ``-inf``
+(or hidden by a ``False`` keep mask, which sdpa and the graphs spell as ``-inf``), so its
+softmax weight is exactly 0 and its value is never read; at a selected key the logit is
+the score with the remaining masks, which is what the op computes. A row whose selected
+keys are all hidden is NaN in both. Masks that hide with a finite value (``finfo.min``)
+are not rewritten: a row with no visible selected key would average over every key in
+the original, and the pass does not prove that no such row occurs. Left dense too, each
+with its reason: dropout with p > 0 (a random op after the softmax), attention weights
+read elsewhere (``output_attentions``), anything else the walk does not recognize.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..lowerings import attention_ops  # noqa: F401  (registers torch.ops.hyscale.sparse_attention)
+from ..lowerings.attention_reference import check_attention_operands
+from ..lowerings.attention_spec import AttentionSpec, form_of
+from ..lowerings.spec import SpecError, dtype_name
+from . import layout as L
+from .diagnostics import AttentionRecord
+from .canonicalize import (CONTRACTIONS, _AND, _CASTS, _NOT, _OR, _VIEWS, GraphFacts, OperandPlan, SiteAnalysis,
+                           Unsupported, analyse_operand, dtype_of_node, is_backward_node, propagate_view, shape_of,
+                           unify_dims, val)
+from .partition import tag_saved
+from .rewrite import Emitter
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_RANDOM = {aten.bernoulli.default, aten.bernoulli.p, aten.rand.default, aten.rand_like.default,
+           aten.native_dropout.default, aten.randn.default}
+_SDPA = ()  # sdpa calls decompose to the math above under the backends' decomposition tables
+
+
+def selection_indices(graph: fx.Graph) -> List[fx.Node]:
+    """The index outputs of every selection in ``graph`` ([..., k], distinct per row)."""
+    hy = torch.ops.hyscale
+    out = []
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target in (hy.hytopk.default, hy.topk_table.default):
+            out.append(n)
+        elif n.target in (hy.hytopk_values.default, aten.topk.default):
+            out.extend(u for u in n.users if u.target is operator.getitem and u.args[1] == 1)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# The index mask, evaluated at the selected keys ("sel") and at the others ("uns")
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Masked:
+    """A tensor downstream of an index mask. ``sel``: its value at the selected keys, a
+    Python constant or a node that does not depend on the index mask. ``uns``: its value at
+    the other keys, a constant (``-inf``, ``False``, ...)."""
+
+    sel: Any
+    uns: Any
+    scatter: fx.Node
+
+
+def _is_const(x) -> bool:
+    return not isinstance(x, fx.Node)
+
+
+class _Reject(Exception):
+    """The site stays dense; the message is the reason."""
+
+
+class MaskWalk:
+    """Follows the index masks built from one selection's indices to their applications."""
+
+    def __init__(self, facts: GraphFacts, em: Emitter):
+        self.facts = facts
+        self.em = em
+        self.values: Dict[fx.Node, Masked] = {}
+
+    def scatters(self, idx: fx.Node) -> List[fx.Node]:
+        """The scatter nodes that write a constant at ``idx`` (through integer casts)."""
+        out, stack = [], [idx]
+        while stack:
+            n = stack.pop()
+            for u in n.users:
+                if u.target in _CASTS and not dtype_of_node(u).is_floating_point and dtype_of_node(u) != torch.bool:
+                    stack.append(u)
+                elif u.target in (aten.clone.default, aten.alias.default):
+                    stack.append(u)
+                elif u.target in (aten.scatter.value, aten.scatter.src) and len(u.args) > 2 and u.args[2] is n:
+                    out.append(u)
+        return out
+
+    def start(self, sc: fx.Node, idx: fx.Node) -> Masked:
+        base, dim, index, value = sc.args[:4]
+        fill = self.facts.constant(base) if base.target is aten.full.default else None
+        if base.target is aten.full.default and base.kwargs.get("dtype") is torch.bool:
+            fill = bool(base.args[1])
+        if fill is None:
+            raise _Reject(f"the index mask {sc.name} scatters into a tensor that is not constant-filled")
+        v = value if sc.target is aten.scatter.value else (
+            self.facts.constant(value) if value.target is aten.full.default else None)
+        if v is None:
+            raise _Reject(f"the index mask {sc.name} scatters a value that is not a constant")
+        if base.kwargs.get("dtype") is torch.bool:
+            v = bool(v)
+        bs, xs = shape_of(base), shape_of(index)
+        if dim % len(bs) != len(bs) - 1 or len(bs) != len(xs) or len(bs) != 3:
+            raise _Reject(f"the index mask {sc.name} is not [B, S, T] scattered along its last dim")
+        if not all(statically_known_true(a == b) for a, b in zip(bs[:-1], xs[:-1])):
+            raise _Reject(f"the index mask {sc.name} does not have one row per row of the indices")
+        if kwargs_reduce(sc):
+            raise _Reject(f"the index mask {sc.name} scatters with a reduction")
+        m = Masked(sel=v, uns=fill, scatter=sc)
+        self.values[sc] = m
+        return m
+
+    def emit_like(self, n: fx.Node, replace: Dict[int, Any]) -> Any:
+        """``n`` with some args replaced, inserted just before ``n`` (its other args exist there)."""
+        args = list(n.args)
+        for i, a in replace.items():
+            args[i] = a
+        return self.at(n, n.target, args, dict(n.kwargs))
+
+    def at(self, anchor: fx.Node, target, args, kwargs=None) -> fx.Node:
+        self.em.anchor = anchor
+        return self.em.call(target, args, kwargs)
+
+    def full(self, sel: Any, like: fx.Node, anchor: fx.Node) -> Any:
+        """``sel`` (a node broadcastable to ``like``) expanded to ``like``'s shape (a view), so
+        that the views that follow apply to it as they did to the index mask."""
+        if _is_const(sel):
+            return sel
+        ss, ls = shape_of(sel), shape_of(like)
+        if len(ss) == len(ls) and all(statically_known_true(a == b) for a, b in zip(ss, ls)):
+            return sel
+        for _ in range(len(ls) - len(ss)):
+            sel = self.at(anchor, aten.unsqueeze.default, [sel, 0])
+        sizes = [int(s) if isinstance(s, int) or s.node.is_constant() else self.at(anchor, aten.sym_size.int, [like, d])
+                 for d, s in enumerate(ls)]
+        return self.at(anchor, aten.expand.default, [sel, sizes])
+
+    def step(self, n: fx.Node) -> Optional[Masked]:
+        """The value of ``n`` (an op with a masked input) at both kinds of key, or None when
+        ``n`` applies the mask to something that is not mask-building (the caller checks)."""
+        t = n.target
+        ins = [i for i, a in enumerate(n.args) if isinstance(a, fx.Node) and a in self.values]
+        if len(ins) != 1:
+            raise _Reject(f"{n.name} combines two index masks")
+        i = ins[0]
+        x = self.values[n.args[i]]
+        x = Masked(self.full(x.sel, n.args[i], n), x.uns, x.scatter)
+        f = self.facts
+        if t in _VIEWS or t in _CASTS:
+            dt = dtype_of_node(n)
+            if (dt == torch.bool) != isinstance(x.uns, bool):
+                raise _Reject(f"the index mask is cast between bool and a number ({n.name})")
+            sel = x.sel if _is_const(x.sel) else self.emit_like(n, {0: x.sel})
+            return Masked(sel, x.uns, x.scatter)
+        if t in _NOT:
+            sel = (not x.sel) if _is_const(x.sel) else self.em.call(aten.logical_not.default, [x.sel])
+            return Masked(sel, not x.uns, x.scatter)
+        if t in _AND or t in _OR:
+            o = n.args[1 - i]
+            is_and = t in _AND
+            if x.uns is not (not is_and):  # x & True, x | False: the other operand decides
+                raise _Reject(f"{n.name} lets the other operand decide at the unselected keys")
+            if _is_const(x.sel):
+                sel = self.full(o, n, n) if x.sel is is_and else x.sel
+            else:
+                sel = self.emit_like(n, {i: x.sel})
+            return Masked(sel, x.uns, x.scatter)
+        if t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+            c = f.constant(n.args[2])
+            if c is None:
+                raise _Reject(f"{n.name} fills with a value that is not a constant")
+            if i == 1:  # masked_fill(o, index_mask, c)
+                if x.uns is not True:
+                    raise _Reject(f"{n.name} keeps its input at the unselected keys")
+                sel = (c if x.sel else self.full(n.args[0], n, n)) if _is_const(x.sel) else self.emit_like(n, {1: x.sel})
+                return Masked(sel, float(c), x.scatter)
+            if x.uns != -math.inf or c != -math.inf:
+                raise _Reject(f"{n.name} fills a finite value into the index mask")
+            sel = self.emit_like(n, {0: x.sel}) if not _is_const(x.sel) else None
+            if sel is None:
+                raise _Reject(f"{n.name} fills a constant index mask")
+            return Masked(sel, x.uns, x.scatter)
+        if t is aten.where.self and i == 0:
+            a, b = n.args[1], n.args[2]
+            ca, cb = f.constant(a), f.constant(b)
+            uns = ca if x.uns else cb
+            if uns is None:
+                raise _Reject(f"{n.name} selects a non-constant at the unselected keys")
+            if _is_const(x.sel):
+                sel = (ca if ca is not None else self.full(a, n, n)) if x.sel else (
+                    cb if cb is not None else self.full(b, n, n))
+            else:
+                sel = self.emit_like(n, {0: x.sel})
+            return Masked(sel, float(uns), x.scatter)
+        if t in (aten.add.Tensor,) and n.kwargs.get("alpha", 1) == 1:
+            o = n.args[1 - i]
+            if isinstance(x.uns, bool):
+                raise _Reject(f"{n.name} adds a bool index mask")
+            if x.uns != -math.inf:
+                return None  # a finite hiding value: only the application may use it (it is rejected there)
+            if _is_const(x.sel):
+                if x.sel != 0:
+                    raise _Reject(f"the index mask holds {x.sel} at the selected keys")
+                sel = self.full(o, n, n) if isinstance(o, fx.Node) else float(o)
+            else:
+                sel = self.emit_like(n, {i: x.sel})
+            return Masked(sel, x.uns, x.scatter)
+        return None
+
+
+def kwargs_reduce(sc: fx.Node) -> bool:
+    return sc.kwargs.get("reduce") is not None or len(sc.args) > 4
+
+
+# ------------------------------------------------------------------------------------------
+# The region: score contraction -> steps -> softmax -> value contraction
+# ------------------------------------------------------------------------------------------
+
+
+def _softmax_of(x: fx.Node) -> Optional[Tuple[int, fx.Node, List[fx.Node]]]:
+    """(dim, output, nodes) of the softmax that ``x`` feeds (decomposed: amax, sub, exp,
+    sum, div), else None."""
+    am = [u for u in x.users if u.target is aten.amax.default]
+    if len(am) != 1 or len(x.users) != 2:
+        return None
+    am = am[0]
+    dims = am.args[1]
+    if len(dims) != 1 or not (am.args[2] if len(am.args) > 2 else am.kwargs.get("keepdim", False)):
+        return None
+    d = dims[0] % len(shape_of(x))
+    sub = [u for u in x.users if u.target is aten.sub.Tensor]
+    if len(sub) != 1 or tuple(sub[0].args) != (x, am) or list(am.users) != [sub[0]] or len(sub[0].users) != 1:
+        return None
+    ex = next(iter(sub[0].users))
+    if ex.target is not aten.exp.default or len(ex.users) != 2:
+        return None
+    sm = [u for u in ex.users if u.target is aten.sum.dim_IntList]
+    dv = [u for u in ex.users if u.target is aten.div.Tensor]
+    if len(sm) != 1 or len(dv) != 1 or [s % len(shape_of(x)) for s in sm[0].args[1]] != [d]:
+        return None
+    if tuple(dv[0].args) != (ex, sm[0]) or list(sm[0].users) != [dv[0]]:
+        return None
+    return d, dv[0], [am, sub[0], ex, sm[0], dv[0]]
+
+
+def _chain_back(facts: GraphFacts, x: fx.Node, app: fx.Node, app_arg: int) -> List[Tuple[fx.Node, Optional[int]]]:
+    """[(contraction, None), (op, index of the chain's arg), ..., (x, i)]: the single path from
+    a score contraction to ``x`` (at ``app`` the chain is the argument other than the mask)."""
+    out: List[Tuple[fx.Node, Optional[int]]] = []
+    cur = x
+    for _ in range(64):
+        if cur.target in CONTRACTIONS:
+            out.append((cur, None))
+            out.reverse()
+            return out
+        if cur.op != "call_function":
+            raise _Reject(f"the scores do not come from a contraction (reached {cur.name})")
+        if cur is app:
+            ci = 1 - app_arg if app.target is aten.add.Tensor else 0
+        elif cur.target in _VIEWS or cur.target in _CASTS:
+            ci = 0
+        else:
+            cands = [i for i, a in enumerate(cur.args) if isinstance(a, fx.Node) and a in facts.dep]
+            if len(cands) != 1:
+                raise _Reject(f"the scores pass through {cur.name} ({cur.target}), which the rewrite does not "
+                              "follow")
+            ci = cands[0]
+        out.append((cur, ci))
+        cur = cur.args[ci]
+    raise _Reject("the score chain is too long")
+
+
+@dataclasses.dataclass
+class Region:
+    selection: fx.Node  # the selection's index node
+    masked: Masked
+    app: fx.Node  # where the index mask meets the scores
+    app_arg: int
+    chain: List[Tuple[fx.Node, Optional[int]]]
+    softmax: Tuple[int, fx.Node, List[fx.Node]]
+    post: List[fx.Node]  # softmax output -> the value contraction's operand (views, casts)
+    pv: fx.Node  # the value contraction
+
+
+def find_region(facts: GraphFacts, walk: MaskWalk, sel_idx: fx.Node, app: fx.Node, app_arg: int,
+                masked: Masked) -> Region:
+    # from the application forward to the softmax: single-use pointwise ops of the scores
+    cur = app
+    for _ in range(32):
+        sm = _softmax_of(cur)
+        if sm is not None:
+            break
+        if any(u.target is aten._softmax.default for u in cur.users):
+            raise _Reject("an undecomposed softmax (the pass expects the decomposed form)")
+        if len(cur.users) != 1:
+            raise _Reject(f"the masked scores ({cur.name}) are read by more than the softmax "
+                          f"({', '.join(u.name for u in cur.users)})")
+        cur = next(iter(cur.users))
+    else:
+        raise _Reject("no softmax after the index mask is applied")
+    dim, p, _ = sm
+    chain = _chain_back(facts, cur, app, app_arg)
+    if app not in [n for n, _ in chain]:
+        raise _Reject("the index mask is not applied on the chain from the score contraction to the softmax")
+    for n, _ in chain[1:]:
+        if n is not cur and len(n.users) != 1:
+            raise _Reject(f"the scores ({n.name}) are read by more than the attention "
+                          f"(attention weights used elsewhere: {', '.join(u.name for u in n.users)})")
+    # softmax output -> value contraction
+    post, cur2 = [], p
+    while True:
+        us = list(cur2.users)
+        if any(u.target in _RANDOM for u in us) or any(
+                u.target in (aten.mul.Tensor, aten.div.Tensor) and any(
+                    isinstance(a, fx.Node) and a.target in _RANDOM for a in u.args) for u in us):
+            raise _Reject("dropout with p > 0 on the attention weights (a random op after the softmax)")
+        if len(us) != 1:
+            raise _Reject(f"the attention weights are used elsewhere ({', '.join(u.name for u in us)}): "
+                          "output_attentions or another reader of the probabilities")
+        u = us[0]
+        if u.target in CONTRACTIONS:
+            if u.args[0] is not cur2:
+                raise _Reject("the attention weights are the right operand of the value contraction")
+            return Region(sel_idx, masked, app, app_arg, chain, sm, post, u)
+        if u.target in _VIEWS or u.target in _CASTS:
+            if u.target in _CASTS and not dtype_of_node(u).is_floating_point:
+                raise _Reject(f"the attention weights are cast to {dtype_of_node(u)}")
+            post.append(u)
+            cur2 = u
+            continue
+        if u.target in (aten.mul.Tensor, aten.div.Tensor) and facts.constant(u.args[1]) == 1:
+            post.append(u)  # dropout(p=0) in training mode decomposes to x * 1.0
+            cur2 = u
+            continue
+        raise _Reject(f"the attention weights pass through {u.name} ({u.target}) before the value contraction")
+
+
+# ------------------------------------------------------------------------------------------
+# Analysis (the selection's canonicalizer on the score chain) and the rewrite
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class AttentionMatch:
+    region: Region
+    spec: AttentionSpec
+    q: OperandPlan
+    k: OperandPlan
+    v: OperandPlan
+    mask_operands: List[Any]
+    out_layout: L.Layout  # the value contraction's output
+    roles: Dict[str, List[str]]
+    sizes: Dict[str, Any]
+    form: str
+
+
+def analyse(facts: GraphFacts, em: Emitter, r: Region) -> AttentionMatch:
+    an = SiteAnalysis(facts, None, r.chain)
+    m = r.masked
+    # the chain with the index mask replaced by its value at the selected keys
+    chain = []
+    before_app = None
+    for n, ci in r.chain:
+        if n is r.app:
+            before_app = len(chain) - 1
+            if _is_const(m.sel):
+                neutral = (m.sel == 0) if n.target is aten.add.Tensor else (m.sel is False)
+                if not neutral:
+                    raise _Reject(f"the index mask holds {m.sel} at the selected keys")
+                continue
+            args = list(n.args)
+            args[r.app_arg] = m.sel
+            n = em.call(n.target, args, dict(n.kwargs))
+        chain.append((n, ci))
+    qk = chain[0][0]
+    if qk.target is not aten.bmm.default:
+        raise _Reject("the score contraction is not batched (mm)")
+    sa, sb = analyse_operand(qk.args[0], "a"), analyse_operand(qk.args[1], "b")
+    lays = [an.contraction_layout(qk, sa, sb)]
+    for n, ci in chain[1:]:
+        lays.append(an.propagate(n, ci, lays[-1]))
+    u = an.u
+    y_lay = u.apply(lays[-1])
+    dim = r.softmax[0]
+    key_atoms = [a for a in y_lay[dim] if not a.bcast]
+    key_labels = {a.label for a in key_atoms}
+    la, lb = set(L.labels(u.apply(sa.layout))), set(L.labels(u.apply(sb.layout)))
+    if not key_atoms or not key_labels <= lb - la:
+        raise _Reject("the softmax does not run over the key axis of the score contraction "
+                      "(keys as the right operand)")
+    qs, ks = sa, sb
+    steps, _w, reduced, mask_plans = an.collect_steps(chain, lays, key_labels)
+    if reduced is not None or any(s[0] == "__reduce__" for s in steps):
+        raise _Reject("the scores are reduced over an axis before the softmax")
+
+    # the value contraction: P [n, s, t] @ V [n, t, dv]
+    lay_p = y_lay
+    for n in r.post:
+        lay_p = propagate_view(lay_p, n)
+    vs = analyse_operand(r.pv.args[1], "v")
+    if len(lay_p) != 3 or len(vs.layout) != 3:
+        raise _Reject("the value contraction's operands are not 3-d")
+    nb = unify_dims(u, lay_p[0], vs.layout[0], "batch")
+    unify_dims(u, lay_p[2], vs.layout[1], "key")
+    out_layout = [nb, lay_p[1], vs.layout[2]]
+    lay_p = u.apply(lay_p)
+    if {a.label for a in lay_p[2] if not a.bcast} != {u.find(x) for x in key_labels}:
+        raise _Reject("the value contraction does not run over the softmax's key axis")
+
+    q_lab = L.labels(u.apply(qs.layout))
+    k_lab = L.labels(u.apply(ks.layout))
+    v_lab = L.labels(u.apply(vs.layout))
+    contracted = {u.find(a.label) for a in an.contracted}
+    T = [u.find(a.label) for a in key_atoms]
+    # the index mask's axes: batch, query and key (it is broadcast over the heads)
+    mlab = _mask_labels(r, u.apply(lays[before_app]))
+    shared = [x for x in q_lab if x in k_lab and x not in contracted]
+    q_only = [x for x in q_lab if x not in k_lab and x not in contracted]
+    y_labels = L.labels(y_lay)
+    order = {x: i for i, x in enumerate(y_labels)}
+    B = sorted([x for x in shared if x in mlab], key=lambda x: order.get(x, 1 << 30))
+    Hk = [x for x in shared if x not in mlab]
+    S = [x for x in q_only if x in mlab]
+    G = [x for x in q_only if x not in mlab]
+    D = sorted(contracted, key=lambda x: q_lab.index(x) if x in q_lab else 1 << 30)
+    Dv = [x for x in v_lab if x not in T and x not in B and x not in Hk]
+    if len(S) != 1 or len(B) > 1 or not Dv:
+        raise _Reject(f"the attention's axes are not batch, query, heads and keys (batch {B}, query {S})")
+    if set(y_labels) - set(B) - set(S) - set(Hk) - set(G) - set(T):
+        raise _Reject("the scores have an axis that is neither batch, query, head nor key")
+    if set(v_lab) - set(B) - set(Hk) - set(T) - set(Dv):
+        raise _Reject("the values have an axis that is neither batch, key head, key nor value dim")
+
+    spec_post = list(steps)
+    mask_terms, mask_operands = [], []
+    for mp in mask_plans:
+        remap = {}
+        for j, op in enumerate(mp.operands):
+            remap[j] = len(mask_operands)
+            mask_operands.append(op)
+        t = mp.term
+        mask_terms.append(dataclasses.replace(
+            t, operand=None if t.operand is None else remap[t.operand], lo=None if t.lo is None else remap[t.lo],
+            hi=None if t.hi is None else remap[t.hi]))
+    base = len(mask_operands)
+    mask_operands.extend(an.scalar_operands)
+    spec_post = [(s[0], s[1] + base) if s[0].endswith("_operand") else s for s in spec_post]
+    for op in mask_operands:
+        if isinstance(op, OperandPlan) and op.groups == []:
+            continue
+        if isinstance(op, OperandPlan):
+            op.layout = u.apply(op.layout)
+            op.groups = [B, S, T]
+            if set(L.labels(op.layout)) - set(B) - set(S) - set(T):
+                raise _Reject("a mask of the scores varies along a head axis")
+        else:
+            for bound in op[1]:
+                for _, p in bound.terms:
+                    p.layout = u.apply(p.layout)
+                    p.groups = [B, S]
+    precision = "ieee"
+    if qs.upcast_from is None and dtype_of_node(qs.src) == torch.float32 and \
+            torch.get_float32_matmul_precision() != "highest":
+        precision = "tf32"
+    out_dtype = dtype_of_node(r.pv)
+    spec = AttentionSpec(name="attention", post=tuple(spec_post), masks=tuple(mask_terms),
+                         out_dtype=dtype_name(out_dtype), fp32_precision=precision)
+    try:
+        spec.validate(num_mask_operands=len(mask_operands))
+    except SpecError as e:
+        raise _Reject(f"the attention's score steps do not form a valid spec: {e}") from None
+
+    def atoms_size(labels, lay):
+        out = 1
+        for x in labels:
+            for d in lay:
+                for a in d:
+                    if a.label == x:
+                        out = out * a.size
+        return out
+
+    ql = u.apply(qs.src_layout)
+    kl = u.apply(ks.src_layout)
+    sizes = {"B": atoms_size(B, ql), "S": atoms_size(S, ql), "H": atoms_size(Hk + G, ql),
+             "Hk": atoms_size(Hk, kl), "T": atoms_size(T, kl), "Dqk": atoms_size(D, ql),
+             "Dv": atoms_size(Dv, u.apply(vs.src_layout))}
+    return AttentionMatch(
+        region=r, spec=spec,
+        q=OperandPlan(qs.src, ql, [B, S, Hk + G, D]),
+        k=OperandPlan(ks.src, kl, [B, T, Hk, D]),
+        v=OperandPlan(vs.src, u.apply(vs.src_layout), [B, T, Hk, Dv]),
+        mask_operands=mask_operands, out_layout=u.apply(out_layout),
+        roles={"B": B, "S": S, "H": Hk + G, "Hk": Hk, "D": D, "T": T, "Dv": Dv}, sizes=sizes,
+        form=_form(sizes))
+
+
+def _form(sizes) -> str:
+    H, Hk = sizes["H"], sizes["Hk"]
+    try:
+        return form_of(int(H), int(Hk)) if isinstance(H, int) and isinstance(Hk, int) else "per_head"
+    except SpecError:
+        return "per_head"
+
+
+def _mask_labels(r: Region, lay_in: L.Layout) -> set:
+    """The logical axes the index mask varies along where it meets the scores (laid out as
+    ``lay_in``): batch, query and key; the heads are the axes it is broadcast over."""
+    x = r.app.args[r.app_arg]
+    while isinstance(x, fx.Node) and x.target is aten.expand.default:
+        x = x.args[0]
+    ml = L.broadcast_align(shape_of(x), lay_in)
+    return {a.label for d in ml for a in d if not a.bcast}
+
+
+def _to_layout(em: Emitter, x: fx.Node, groups: List[List[str]], lay: L.Layout, like: fx.Node) -> fx.Node:
+    """The canonical ``x`` (one dim per group of labels) laid out as ``lay`` (``like``'s)."""
+    atoms = {a.label: a for d in lay for a in d}
+    flat = [l for g in groups for l in g]
+    if any(l not in atoms for l in flat):
+        raise _Reject("internal: the output layout lacks an axis of the canonical output")
+    sizes = [em.size_arg([atoms[l]]) for l in flat]
+    if len(flat) != len(groups) or any(len(g) != 1 for g in groups):
+        x = em.call(aten.reshape.default, [x, sizes])
+    want = [a.label for d in lay for a in d]
+    perm = [flat.index(l) for l in want]
+    if perm != list(range(len(perm))):
+        x = em.call(aten.permute.default, [x, perm])
+    target = [1 if not d else em.size_arg(list(d)) for d in lay]
+    cur = shape_of(x)
+    if len(cur) == len(target) and all(statically_known_true(a == b) for a, b in zip(cur, val(like).shape)):
+        return x
+    return em.call(aten.reshape.default, [x, target])
+
+
+@dataclasses.dataclass
+class AppliedAttention:
+    call: fx.Node
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    idx: fx.Node
+    masks: List[fx.Node]
+    out: fx.Node  # canonical [B, S, H, Dv]
+    lse: fx.Node
+    replaced: fx.Node  # the value contraction's replacement
+
+
+def apply(em: Emitter, m: AttentionMatch, replay: bool = True) -> AppliedAttention:
+    r = m.region
+    q, k, v = em.operand(m.q), em.operand(m.k), em.operand(m.v)
+    masks = [em.operand(op) if isinstance(op, OperandPlan) else em.bound(op[1], op[2]) for op in m.mask_operands]
+    idx = r.selection
+    if len(shape_of(idx)) != 3:
+        raise _Reject("the indices are not [B, S, k]")
+    bq = shape_of(q)
+    if not all(statically_known_true(a == b) for a, b in zip(shape_of(idx)[:2], bq[:2])):
+        raise _Reject("the indices' rows are not the attention's (batch, query) rows")
+    try:
+        check_attention_operands(val(q), val(k), val(v), val(idx), [val(x) for x in masks], m.spec)
+    except SpecError as e:
+        raise _Reject(f"the op would reject the operands the rewrite builds: {e}") from None
+    call = em.call(torch.ops.hyscale.sparse_attention.default, [q, k, v, idx, masks, m.spec.to_json()])
+    out = em.call(operator.getitem, [call, 0])
+    lse = em.call(operator.getitem, [call, 1])
+    if replay:
+        tag_saved(call)
+        out.meta.pop("recompute", None)  # the output follows the user's policy
+    roles = m.roles
+    new = _to_layout(em, out, [roles["B"], roles["S"], roles["H"], roles["Dv"]], m.out_layout, r.pv)
+    if val(new).dtype != val(r.pv).dtype:
+        new = em.call(prims.convert_element_type.default, [new, val(r.pv).dtype])
+    return AppliedAttention(call, q, k, v, idx, masks, out, lse, new)
+
+
+# ------------------------------------------------------------------------------------------
+# Driver
+# ------------------------------------------------------------------------------------------
+
+
+def _applications(walk: MaskWalk, sc: fx.Node) -> List[Tuple[fx.Node, int, Masked]]:
+    """Walk forward from the scatter; returns (application node, masked arg, value)."""
+    out = []
+    stack = [sc]
+    seen = set()
+    while stack:
+        n = stack.pop()
+        for u in list(n.users):
+            if u in seen:
+                continue
+            seen.add(u)
+            if is_backward_node(u):
+                continue
+            i = next(j for j, a in enumerate(u.args) if a is n)
+            m = None if _scores_side(walk.facts, u, i) else walk.step(u)
+            if m is None:
+                out.append((u, i, walk.values[n]))
+                continue
+            walk.values[u] = m
+            stack.append(u)
+    return out
+
+
+def _scores_side(facts: GraphFacts, n: fx.Node, i: int) -> bool:
+    """Whether ``n`` combines the index mask (arg ``i``) with scores (an operand downstream of a
+    contraction): then it applies the mask rather than building it."""
+    if n.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self):
+        others = [a for j, a in enumerate(n.args) if j != i and isinstance(a, fx.Node)]
+    elif n.target is aten.add.Tensor:
+        others = [n.args[1 - i]]
+    else:
+        return False
+    return any(isinstance(a, fx.Node) and a in facts.dep for a in others)
+
+
+def rewrite_attention(graph: fx.Graph, facts_sources, graph_kind: str, replay: bool = True,
+                      enabled: bool = True) -> List[AttentionRecord]:
+    """Rewrite every attention that applies a selection's index mask; one record per consumer."""
+    records: List[AttentionRecord] = []
+    facts = GraphFacts(graph, sources=facts_sources)
+    for sel in selection_indices(graph):
+        walk = MaskWalk(facts, Emitter(graph, sel))
+        scs = walk.scatters(sel)
+        for sc in scs:
+            try:
+                walk.start(sc, sel)
+                apps = _applications(walk, sc)
+            except _Reject as e:
+                records.append(AttentionRecord(sel.name, sc.name, False, str(e)))
+                continue
+            if not apps:
+                records.append(AttentionRecord(sel.name, sc.name, False, "the index mask reaches no attention"))
+            for app, i, masked in apps:
+                records.append(_rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled))
+        walk.em.rollback()  # the walk's nodes that no rewrite reads
+    return records
+
+
+def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled) -> AttentionRecord:
+    em = Emitter(graph, app)
+    rec = AttentionRecord(sel.name, app.name, False)
+    try:
+        if app.target is aten.add.Tensor and masked.uns != -math.inf:
+            raise _Reject(f"the index mask hides the unselected keys with a finite value ({masked.uns}): a row "
+                          "with no visible selected key would average every key in the original, and no such "
+                          "row is proven not to occur")
+        if app.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+            if i != 1 or masked.uns is not True or facts.constant(app.args[2]) != -math.inf:
+                raise _Reject("the index mask is applied by a masked_fill that does not hide the unselected keys "
+                              "with -inf")
+        elif app.target is not aten.add.Tensor:
+            raise _Reject(f"the index mask is applied by {app.target}, which the rewrite does not handle")
+        r = find_region(facts, None, sel, app, i, masked)
+        rec.consumer = r.pv.name
+        m = analyse(facts, em, r)
+        rec.form, rec.spec, rec.sizes = m.form, m.spec.describe(), dict(m.sizes)
+        if not enabled:
+            em.rollback()
+            rec.reason = "hyscale.sparse_attention=False"
+            return rec
+        em2 = Emitter(graph, r.pv)
+        try:
+            applied = apply(em2, m, replay=replay)
+            backward = ""
+            if graph_kind == "joint":
+                backward = rewrite_attention_backward(graph, m, applied)
+        except BaseException:
+            em2.rollback()
+            raise
+        r.pv.replace_all_uses_with(applied.replaced)
+        em.rollback()
+        rec.rewritten, rec.backward = True, backward
+        return rec
+    except (_Reject, Unsupported) as e:
+        em.rollback()
+        rec.reason = str(e)
+        return rec
+
+
+def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: AppliedAttention) -> str:
+    """The region's backward as one ``sparse_attention_backward`` call ("sparse"), or "" when
+    no gradient reaches it; raises ``_Reject`` (the whole site stays dense) otherwise."""
+    raise _Reject("training graphs: the sparse attention's backward is not rewritten yet")
