@@ -292,7 +292,8 @@ def megatron_cpu():
     pytest.importorskip("megatron.core")
     from tests.models import megatron_dsa as M
 
-    with M.parallel_state_1x1(), M.cpu_current_device(), M.use_rotation("matmul"):
+    # traceable_rope: one graph from the indexer to the attention (megatron_dsa.traceable_rope)
+    with M.parallel_state_1x1(), M.cpu_current_device(), M.use_rotation("matmul"), M.traceable_rope():
         yield M
 
 

@@ -125,6 +125,32 @@ def cpu_current_device():
 
 
 @contextlib.contextmanager
+def traceable_rope():
+    """Inside: ``RotaryEmbedding.get_emb`` without its move of ``inv_freq`` to
+    ``torch.cuda.current_device()``, which it makes on every call while ``inv_freq`` is on the
+    CPU (a no-op here). Under Dynamo the stand-in's answer ``"cpu"`` is a torch.* call that
+    returns a non-tensor, a graph break that puts the indexer's selection and the attention
+    that applies it in different graphs (the attention then gets the indices as an input)."""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rpe
+
+    old = rpe.RotaryEmbedding.get_emb
+
+    def get_emb(self, max_seq_len: int, offset: int = 0):
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]
+
+    rpe.RotaryEmbedding.get_emb = get_emb
+    try:
+        yield
+    finally:
+        rpe.RotaryEmbedding.get_emb = old
+
+
+@contextlib.contextmanager
 def parallel_state_1x1():
     """A gloo process group of world size 1 and Megatron's model-parallel state (1, 1)."""
     import torch.distributed as dist
