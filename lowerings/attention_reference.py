@@ -64,7 +64,7 @@ def _post_forward(y, spec: AttentionSpec, masks, b, s0, s1, keys, shape):
 def score_slots(q, k, idx, masks, spec: AttentionSpec, b, s0, s1, dtype):
     """The per-head logits x and masked scores y, both [H, n, K], of rows (b, s0:s1) at
     their selected keys, every post step's input (for the backward), the gathered keys
-    [n, K, Hk, D] and their int64 indices broadcast to [H, n, K]."""
+    [n, K, Hk, D] and their int64 indices as [1, n, K] (the mask terms broadcast over heads)."""
     B, S, H, D = q.shape
     T, Hk = k.shape[1], k.shape[2]
     G = H // Hk
@@ -73,7 +73,7 @@ def score_slots(q, k, idx, masks, spec: AttentionSpec, b, s0, s1, dtype):
     qb = q[b, s0:s1].to(dtype).view(n, Hk, G, D)
     kb = k[b].to(dtype)[keys]  # [n, K, Hk, D]
     x = torch.einsum("nhgd,nkhd->hgnk", qb, kb).reshape(H, n, K)
-    hkeys = keys.unsqueeze(0).expand(H, n, K)
+    hkeys = keys.unsqueeze(0)  # [1, n, K]: the mask terms broadcast over the heads
     outs = _post_forward(x, spec, masks, b, s0, s1, hkeys, (B, S, T))
     return outs, kb, hkeys
 

@@ -58,8 +58,8 @@ from . import layout as L
 from .diagnostics import AttentionRecord
 from .canonicalize import (CONTRACTIONS, _AND, _CASTS, _NOT, _OR, _VIEWS, GraphFacts, OperandPlan, SiteAnalysis,
                            Unsupported, analyse_operand, dtype_of_node, is_backward_node, propagate_view, shape_of,
-                           unify_dims, val)
-from .partition import tag_saved
+                           unify_dims, val, _feeds_only_backward)
+from .partition import tag_attention
 from .rewrite import Emitter
 
 aten = torch.ops.aten
@@ -132,6 +132,8 @@ class MaskWalk:
 
     def start(self, sc: fx.Node, idx: fx.Node) -> Masked:
         base, dim, index, value = sc.args[:4]
+        while base.target in (aten.alias.default, aten.clone.default, aten.detach.default):
+            base = base.args[0]  # (checkpointed regions alias every tensor)
         fill = self.facts.constant(base) if base.target is aten.full.default else None
         if base.target is aten.full.default and base.kwargs.get("dtype") is torch.bool:
             fill = bool(base.args[1])
@@ -236,6 +238,14 @@ class MaskWalk:
             else:
                 sel = self.emit_like(n, {0: x.sel})
             return Masked(sel, float(uns), x.scatter)
+        if t is aten.where.self and i in (1, 2):  # masked_fill(index_mask, cond, c) decomposes so
+            c = f.constant(n.args[3 - i])
+            if x.uns != -math.inf or c != -math.inf or n.args[0] in self.values:
+                raise _Reject(f"{n.name} selects a finite value into the index mask")
+            sel = x.sel
+            if _is_const(sel):  # where(cond, -inf, 0): a tensor the selection's range analysis reads
+                sel = self.at(n, aten.scalar_tensor.default, [sel], {"dtype": dtype_of_node(n)})
+            return Masked(self.emit_like(n, {i: sel}), x.uns, x.scatter)
         if t in (aten.add.Tensor,) and n.kwargs.get("alpha", 1) == 1:
             o = n.args[1 - i]
             if isinstance(x.uns, bool):
@@ -261,28 +271,45 @@ def kwargs_reduce(sc: fx.Node) -> bool:
 # ------------------------------------------------------------------------------------------
 
 
+def _seeded(n: fx.Node) -> bool:
+    t = n.target
+    return t in _RANDOM or (isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags)
+
+
+def _random_input(n: fx.Node, depth: int = 6) -> bool:
+    """Whether ``n`` is computed from a random op within a few steps (a dropout mask)."""
+    if _seeded(n):
+        return True
+    return depth > 0 and any(_random_input(a, depth - 1) for a in n.all_input_nodes)
+
+
+def _forward_users(n: fx.Node) -> List[fx.Node]:
+    """``n``'s readers in the forward (a joint graph's saved aliases and backward nodes aside)."""
+    return [u for u in n.users if not _feeds_only_backward(u)]
+
+
 def _softmax_of(x: fx.Node) -> Optional[Tuple[int, fx.Node, List[fx.Node]]]:
     """(dim, output, nodes) of the softmax that ``x`` feeds (decomposed: amax, sub, exp,
     sum, div), else None."""
-    am = [u for u in x.users if u.target is aten.amax.default]
-    if len(am) != 1 or len(x.users) != 2:
+    am = [u for u in _forward_users(x) if u.target is aten.amax.default]
+    if len(am) != 1 or len(_forward_users(x)) != 2:
         return None
     am = am[0]
     dims = am.args[1]
     if len(dims) != 1 or not (am.args[2] if len(am.args) > 2 else am.kwargs.get("keepdim", False)):
         return None
     d = dims[0] % len(shape_of(x))
-    sub = [u for u in x.users if u.target is aten.sub.Tensor]
-    if len(sub) != 1 or tuple(sub[0].args) != (x, am) or list(am.users) != [sub[0]] or len(sub[0].users) != 1:
+    sub = [u for u in _forward_users(x) if u.target is aten.sub.Tensor]
+    if len(sub) != 1 or tuple(sub[0].args) != (x, am) or _forward_users(am) != [sub[0]] or len(_forward_users(sub[0])) != 1:
         return None
-    ex = next(iter(sub[0].users))
-    if ex.target is not aten.exp.default or len(ex.users) != 2:
+    ex = _forward_users(sub[0])[0]
+    if ex.target is not aten.exp.default or len(_forward_users(ex)) != 2:
         return None
-    sm = [u for u in ex.users if u.target is aten.sum.dim_IntList]
-    dv = [u for u in ex.users if u.target is aten.div.Tensor]
+    sm = [u for u in _forward_users(ex) if u.target is aten.sum.dim_IntList]
+    dv = [u for u in _forward_users(ex) if u.target is aten.div.Tensor]
     if len(sm) != 1 or len(dv) != 1 or [s % len(shape_of(x)) for s in sm[0].args[1]] != [d]:
         return None
-    if tuple(dv[0].args) != (ex, sm[0]) or list(sm[0].users) != [dv[0]]:
+    if tuple(dv[0].args) != (ex, sm[0]) or _forward_users(sm[0]) != [dv[0]]:
         return None
     return d, dv[0], [am, sub[0], ex, sm[0], dv[0]]
 
@@ -336,10 +363,14 @@ def find_region(facts: GraphFacts, walk: MaskWalk, sel_idx: fx.Node, app: fx.Nod
             break
         if any(u.target is aten._softmax.default for u in cur.users):
             raise _Reject("an undecomposed softmax (the pass expects the decomposed form)")
-        if len(cur.users) != 1:
+        readers = _forward_users(cur)
+        if any(u.target is aten.eq.Scalar and u.args[1] == -math.inf for u in readers):
+            raise _Reject("a safe softmax (sdpa's math path: a row whose every key is hidden gives 0 there, NaN "
+                          "in the op), and no such row is proven not to occur")
+        if len(readers) != 1:
             raise _Reject(f"the masked scores ({cur.name}) are read by more than the softmax "
-                          f"({', '.join(u.name for u in cur.users)})")
-        cur = next(iter(cur.users))
+                          f"({', '.join(u.name for u in readers)})")
+        cur = readers[0]
     else:
         raise _Reject("no softmax after the index mask is applied")
     dim, p, _ = sm
@@ -347,16 +378,15 @@ def find_region(facts: GraphFacts, walk: MaskWalk, sel_idx: fx.Node, app: fx.Nod
     if app not in [n for n, _ in chain]:
         raise _Reject("the index mask is not applied on the chain from the score contraction to the softmax")
     for n, _ in chain[1:]:
-        if n is not cur and len(n.users) != 1:
+        readers = _forward_users(n)
+        if n is not cur and len(readers) != 1:
             raise _Reject(f"the scores ({n.name}) are read by more than the attention "
-                          f"(attention weights used elsewhere: {', '.join(u.name for u in n.users)})")
+                          f"(attention weights used elsewhere: {', '.join(u.name for u in readers)})")
     # softmax output -> value contraction
     post, cur2 = [], p
     while True:
-        us = list(cur2.users)
-        if any(u.target in _RANDOM for u in us) or any(
-                u.target in (aten.mul.Tensor, aten.div.Tensor) and any(
-                    isinstance(a, fx.Node) and a.target in _RANDOM for a in u.args) for u in us):
+        us = _forward_users(cur2)
+        if any(_seeded(u) or any(_random_input(a) for a in u.all_input_nodes if a is not cur2) for u in us):
             raise _Reject("dropout with p > 0 on the attention weights (a random op after the softmax)")
         if len(us) != 1:
             raise _Reject(f"the attention weights are used elsewhere ({', '.join(u.name for u in us)}): "
@@ -607,8 +637,7 @@ def apply(em: Emitter, m: AttentionMatch, replay: bool = True) -> AppliedAttenti
     out = em.call(operator.getitem, [call, 0])
     lse = em.call(operator.getitem, [call, 1])
     if replay:
-        tag_saved(call)
-        out.meta.pop("recompute", None)  # the output follows the user's policy
+        tag_attention(call)
     roles = m.roles
     new = _to_layout(em, out, [roles["B"], roles["S"], roles["H"], roles["Dv"]], m.out_layout, r.pv)
     if val(new).dtype != val(r.pv).dtype:
@@ -722,5 +751,75 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled)
 
 def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: AppliedAttention) -> str:
     """The region's backward as one ``sparse_attention_backward`` call ("sparse"), or "" when
-    no gradient reaches it; raises ``_Reject`` (the whole site stays dense) otherwise."""
-    raise _Reject("training graphs: the sparse attention's backward is not rewritten yet")
+    no gradient reaches it; raises ``_Reject`` (the whole site stays dense) otherwise.
+
+    As in ``sparse_backward.py``: the region R is the backward nodes whose ``seq_nr`` is that
+    of a forward node on a path from q, k or v to the value contraction. R must take exactly
+    one gradient from outside (the output's, shaped like the value contraction) and hand
+    out at most one gradient per operand, each matched to its operand through the forward
+    op that shares its ``seq_nr``. Anything else (a gradient into a mask, a second reader of
+    the scores' gradient, q and k one tensor) keeps the whole site dense."""
+    from .sparse_backward import KeepDense, _invert_views, _same_shape, _site_nodes
+
+    r = m.region
+    sources = {"q": m.q.node, "k": m.k.node, "v": m.v.node}
+    site = _site_nodes(r.pv, set(sources.values())) - {u for u in r.pv.users if u.target is operator.getitem}
+    seqs: Dict[int, List[fx.Node]] = {}
+    for n in site:
+        sn = n.meta.get("seq_nr")
+        if sn is not None:
+            seqs.setdefault(sn, []).append(n)
+    region = [n for n in graph.nodes if is_backward_node(n) and n.meta.get("seq_nr") in seqs]
+    if not region:
+        return ""
+    rset = set(region)
+    grads_in = {a for x in region for a in x.all_input_nodes if a not in rset and is_backward_node(a)}
+    if len(grads_in) != 1:
+        raise _Reject(f"training graph: the attention's backward takes gradients from more than its output "
+                      f"({', '.join(sorted(a.name for a in grads_in))}); the attention stays dense")
+    g_in = grads_in.pop()
+    if not _same_shape(g_in, r.pv):
+        raise _Reject(f"training graph: the gradient entering the attention's backward ({g_in.name}) is not "
+                      "shaped like its output; the attention stays dense")
+    by_source: Dict[str, fx.Node] = {}
+    for e in region:
+        if all(u in rset for u in e.users):
+            continue
+        owners = {role for f in seqs.get(e.meta.get("seq_nr"), ()) for role, x in sources.items()
+                  if x in f.all_input_nodes and _same_shape(e, x)}
+        if len(owners) != 1:
+            raise _Reject(f"training graph: cannot tell which operand the gradient {e.name} of the attention "
+                          "belongs to (a gradient into a mask or an operand used twice); the attention stays dense")
+        role = owners.pop()
+        if role in by_source:
+            raise _Reject(f"training graph: operand {role} of the attention gets its gradient from two places; "
+                          "the attention stays dense")
+        by_source[role] = e
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = max((g_in, applied.replaced, applied.out, applied.lse), key=lambda n: order[n])
+    em = Emitter(graph, last.next)
+    try:
+        g = _invert_views(em, g_in, applied.replaced, applied.out)
+        if val(g).dtype != val(applied.out).dtype:
+            g = em.call(prims.convert_element_type.default, [g, val(applied.out).dtype])
+        needs = [role in by_source for role in ("q", "k", "v")]
+        call = em.call(BACKWARD, [g, applied.q, applied.k, applied.v, applied.idx, applied.masks, applied.out,
+                                  applied.lse, m.spec.to_json(), *needs])
+        replace = {}
+        canonical = {"q": applied.q, "k": applied.k, "v": applied.v}
+        for i, role in enumerate(("q", "k", "v")):
+            if role in by_source:
+                gi = em.call(operator.getitem, [call, i])
+                replace[by_source[role]] = _invert_views(em, gi, canonical[role], sources[role])
+    except KeepDense as e:
+        em.rollback()
+        raise _Reject(f"training graph: {e}") from None
+    except Exception:
+        em.rollback()
+        raise
+    for e, new in replace.items():
+        e.replace_all_uses_with(new, delete_user_cb=lambda u: u not in rset)
+    return "sparse"
+
+
+BACKWARD = torch.ops.hyscale.sparse_attention_backward.default

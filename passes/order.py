@@ -19,7 +19,9 @@ itself), casts, views that keep the k axis whole, unsqueeze / expand / permute /
 slice / squeeze, a gather at the indices, reductions over axes the order does not vary
 along. The question ends at uses whose result cannot depend on the order: a scatter of a
 constant (or of values paired with indices that cannot repeat), integer max / min / sum /
-any / all over k, the values of a sort of the indices. Anything else (a graph output, a
+any / all over k, the values of a sort of the indices, the indices operand of
+``hyscale.sparse_attention`` (which reads each row as a set of keys, in any deterministic
+order: passes/attention.py keeps the selection unsorted behind it). Anything else (a graph output, a
 float reduction over k, a seeded random op, the backward) reads the order, and the sort
 stays. tests/test_order.py checks the outputs' bits against shuffled unsorted rows.
 """
@@ -61,6 +63,12 @@ _SUMS = {aten.sum.dim_IntList, aten.sum.default, aten.any.dim, aten.any.dims, at
 _SORTS = {aten.sort.default, aten.sort.stable}
 # index dtypes a cast keeps distinct (the top-k's indices fit int32: T < 2**31 for the op)
 _WIDE_INTS = (torch.int32, torch.int64)
+
+def _sparse_attention():
+    from ..lowerings import attention_ops  # noqa: F401  (registers the op)
+
+    return torch.ops.hyscale.sparse_attention.default
+
 
 K_AXIS = "k"
 FREE = None  # an axis the order does not vary along
@@ -267,6 +275,8 @@ class _Walk:
             return self.add(u, r.with_axes([K_AXIS if i == d else FREE for i in range(len(us))]))
         if t in (aten.scatter.value, aten.scatter.src):
             return self._scatter(x, u)
+        if t is _sparse_attention():
+            return self._attention_indices(x, u)
         if t in _MAXMIN or t in _SUMS:
             dim = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
             if t in (aten.sum.default, aten.any.default, aten.all.default):
@@ -391,6 +401,18 @@ class _Walk:
         if val(x).dtype.is_floating_point or any(d.is_floating_point for d in out_dtypes) or \
                 u.kwargs.get("dtype") is not None and u.kwargs["dtype"].is_floating_point:
             raise _OrderRead(f"{_name(u)} (of floats over k: the result's bits can depend on the order)")
+        self.sinks.append(_name(u))
+
+    def _attention_indices(self, x: fx.Node, u: fx.Node) -> None:
+        # hyscale.sparse_attention(q, k, v, idx, ...) reads each row of idx as a set of keys
+        # (attention_spec.py: "in any order"): any deterministic order gives its result
+        # within the contract's numerics, as the dense attention's key order does. Only as
+        # the indices operand, with k the last axis and each row one row of the top-k's.
+        r = self.rows[x]
+        if u.args[3] is not x or any(a is x for a in u.args[:3]) or x not in self.distinct:
+            raise _OrderRead(f"{_name(u)} (not as its distinct indices operand)")
+        if r.k != len(r.axes) - 1 or r.fixed or r.axes[:-1] != tuple((d, 0, 1) for d in range(len(r.axes) - 1)):
+            raise _OrderRead(f"{_name(u)} (indices whose rows are not the top-k's rows)")
         self.sinks.append(_name(u))
 
     def _scatter(self, x: fx.Node, u: fx.Node) -> None:

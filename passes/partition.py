@@ -29,9 +29,10 @@ REPLAY_BUDGET = 1e-6
 
 
 def selection_ops():
+    from ..lowerings.attention_ops import ATTENTION_OPS
     from ..lowerings.ops import SELECTION_OPS
 
-    return SELECTION_OPS
+    return SELECTION_OPS + ATTENTION_OPS[:1]  # the attention op reads saved indices too
 
 
 def tag_saved(node: fx.Node) -> None:
@@ -41,6 +42,16 @@ def tag_saved(node: fx.Node) -> None:
     for user in node.users:
         if user.target is operator.getitem:
             user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def tag_attention(call: fx.Node) -> None:
+    """The sparse attention's tags: the op and its outputs ``MUST_SAVE`` (its indices are the
+    selection's, saved by ``tag_saved``), so that under any checkpoint policy the backward
+    reads the saved indices and log-sum-exp and never selects again or rebuilds an index
+    mask. The output is saved with them rather than following the policy: the partitioner
+    cannot save a tuple, so a recomputed output would need the whole op again, which its
+    MUST_SAVE forbids (the partition then fails)."""
+    tag_saved(call)
 
 
 def has_selection(gm: fx.GraphModule) -> bool:

@@ -53,12 +53,20 @@ def official_v32_attention(idx, q, kk, v):
     return torch.einsum("bsht,bthd->bshd", scores.type_as(q), v)
 
 
+def _indexer_inputs(g, B, S, Hi, Di):
+    """Indexer queries and keys whose ReLU'd scores are positive (almost surely distinct): no
+    exact-zero ties at the k-th key, so the selection is unique and eager's top-k picks the
+    op's keys (the tests compare with eager)."""
+    qi = torch.randn(B, S, Hi, Di, generator=g) + 1.5
+    ki = torch.rand(B, S, Di, generator=g) + 0.1
+    return qi, ki
+
+
 def make_inputs(seed: int = 0, B: int = 2, S: int = 16, H: int = 4, D: int = 16, Dv: int = 8, Hi: int = 4,
                 Di: int = 16, dtype=torch.float32, requires_grad: bool = False):
     """(qi, ki, w, q, k, v): indexer queries/keys/weights and per-head attention q, k, v."""
     g = torch.Generator().manual_seed(seed)
-    qi = torch.randn(B, S, Hi, Di, generator=g)
-    ki = torch.randn(B, S, Di, generator=g)
+    qi, ki = _indexer_inputs(g, B, S, Hi, Di)
     w = torch.randn(B, S, Hi, generator=g).abs() * Hi ** -0.5
     q = torch.randn(B, S, H, D, generator=g).to(dtype)
     kk = torch.randn(B, S, H, D, generator=g).to(dtype)
@@ -66,3 +74,128 @@ def make_inputs(seed: int = 0, B: int = 2, S: int = 16, H: int = 4, D: int = 16,
     for t in (q, kk, v):
         t.requires_grad_(requires_grad)
     return qi, ki, w, q, kk, v
+
+
+def hf_causal_mask(B: int, S: int, dtype=torch.float32) -> torch.Tensor:
+    """HF's eager 4-d causal mask: 0 where visible, ``finfo(dtype).min`` above the diagonal."""
+    m = torch.full((S, S), torch.finfo(dtype).min, dtype=dtype).triu(1)
+    return m[None, None].expand(B, 1, S, S)
+
+
+def hf_bool_causal_mask(B: int, S: int) -> torch.Tensor:
+    """HF's sdpa 4-d bool mask: True where visible."""
+    return torch.ones(S, S, dtype=torch.bool).tril()[None, None].expand(B, 1, S, S)
+
+
+def _hf_eager_attention(q, k, v, attention_mask, scaling, dropout=0.0, training=False):
+    """transformers' ``eager_attention_forward`` (no GQA repeat: K/V have every head)."""
+    attn_weights = torch.matmul(q, k.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask[:, :, :, : k.shape[-2]]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # (the tests' float64 reference)
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=acc).to(q.dtype)
+    attn_weights = F.dropout(attn_weights, p=dropout, training=training)
+    attn_output = torch.matmul(attn_weights, v)
+    return attn_output.transpose(1, 2).contiguous(), attn_weights
+
+
+def glm5_eager(qi, ki, w, q, kk, v, mask, k: int = 4):
+    """HF ``GlmMoeDsaAttention`` (eager): ``index_mask = full((B,S,T), -inf, dtype=q.dtype)
+    .scatter_(-1, topk_indices, 0.0)``, ``.unsqueeze(1) + causal_mask`` (HF's finfo.min
+    float mask), then ``eager_attention_forward``. q, k, v: [B, S, H, D] (transposed here as
+    the model does)."""
+    return glm5_eager_attention(indexer(qi, ki, w, k), q, kk, v, mask)
+
+
+def glm5_eager_attention(idx, q, kk, v, mask):
+    B, S = q.shape[0], q.shape[1]
+    q, kk, v = q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2)
+    index_mask = torch.full((B, S, kk.shape[2]), NEG_INF, dtype=q.dtype, device=q.device)
+    index_mask.scatter_(-1, idx, 0.0)
+    combined = index_mask.unsqueeze(1) + mask.to(q.dtype)
+    return _hf_eager_attention(q, kk, v, combined, q.shape[-1] ** -0.5)[0]
+
+
+def glm5_index_cache(qi, ki, w, q, kk, v, mask, k: int = 4):
+    """GLM-5's IndexCache: one selection's indices feed two layers' attention."""
+    idx = indexer(qi, ki, w, k)
+    h = glm5_eager_attention(idx, q, kk, v, mask)
+    return glm5_eager_attention(idx, q * 0.5, kk, h.reshape(v.shape[:3] + (-1,))[..., : v.shape[-1]] + v, mask)
+
+
+def hf_v32_eager(qi, ki, w, q, kk, v, mask, k: int = 4, dropout: float = 0.0, training: bool = False,
+                 output_attentions: bool = False):
+    """HF ``DeepseekV32Attention`` (eager): ``index_mask = idx.new_ones((B,S,T), bool)
+    .scatter(-1, idx.long(), False).unsqueeze(1)``, ``attention_mask.masked_fill(index_mask,
+    finfo.min)``, then ``eager_attention_forward``."""
+    idx = indexer(qi, ki, w, k)
+    B, S = q.shape[0], q.shape[1]
+    q, kk, v = q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2)
+    index_mask = idx.new_ones((B, S, kk.shape[2]), dtype=torch.bool).scatter(-1, idx.long(), False).unsqueeze(1)
+    attention_mask = mask.masked_fill(index_mask, torch.finfo(q.dtype).min)
+    out, weights = _hf_eager_attention(q, kk, v, attention_mask, q.shape[-1] ** -0.5, dropout, training)
+    return (out, weights) if output_attentions else out
+
+
+def hf_v32_eager_inf(qi, ki, w, q, kk, v, mask, k: int = 4, dropout: float = 0.0, training: bool = False,
+                     output_attentions: bool = False):
+    """``hf_v32_eager`` with the index mask filled with -inf (the spelling the rewrite proves)."""
+    idx = indexer(qi, ki, w, k)
+    B, S = q.shape[0], q.shape[1]
+    q, kk, v = q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2)
+    index_mask = idx.new_ones((B, S, kk.shape[2]), dtype=torch.bool).scatter(-1, idx.long(), False).unsqueeze(1)
+    attention_mask = mask.masked_fill(index_mask, NEG_INF)
+    out, weights = _hf_eager_attention(q, kk, v, attention_mask, q.shape[-1] ** -0.5, dropout, training)
+    return (out, weights) if output_attentions else out
+
+
+def hf_v32_sdpa(qi, ki, w, q, kk, v, bool_mask, k: int = 4):
+    """HF ``DeepseekV32Attention`` (sdpa): ``attention_mask & ~index_mask`` (bool, True =
+    visible) into ``F.scaled_dot_product_attention``."""
+    idx = indexer(qi, ki, w, k)
+    B, S = q.shape[0], q.shape[1]
+    q, kk, v = q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2)
+    index_mask = idx.new_ones((B, S, kk.shape[2]), dtype=torch.bool).scatter(-1, idx.long(), False).unsqueeze(1)
+    attention_mask = bool_mask & ~index_mask
+    out = F.scaled_dot_product_attention(q, kk, v, attn_mask=attention_mask, scale=q.shape[-1] ** -0.5)
+    return out.transpose(1, 2)
+
+
+def megatron_absorbed(qi, ki, w, q, latent, k: int = 4, v_channels: int = 8):
+    """Megatron-Core ``_unfused_absorbed_dsa_fn``: absorbed MQA over one latent head
+    (sequence-first [s, b, 1, Dqk]; value = latent[..., :v_channels]), ``matmul(q.float(),
+    k.float()) * scale`` [b, np, sq, skv], ``index_mask = full((b, sq, skv), -inf)``
+    ``.scatter_(-1, topk, 0)``, the causal mask filled in, softmax in fp32, ``matmul`` with
+    the value."""
+    return megatron_absorbed_attention(indexer(qi, ki, w, k), q, latent, v_channels)
+
+
+def megatron_absorbed_attention(idx, q, latent, v_channels: int = 8):
+    sq, b, np_, hn = q.shape
+    skv = latent.shape[0]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    query = q.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+    key = latent.permute(1, 2, 3, 0)  # [b, 1, hn, skv]
+    scores = torch.matmul(query.to(acc), key.to(acc)) * hn ** -0.5
+    index_mask = torch.full((b, sq, skv), NEG_INF, dtype=acc, device=q.device)
+    index_mask.scatter_(-1, idx, 0)
+    causal_mask = torch.triu(torch.ones(sq, skv, dtype=torch.bool, device=q.device), diagonal=1)
+    index_mask = index_mask.masked_fill(causal_mask, NEG_INF)
+    scores = scores + index_mask.unsqueeze(1)
+    probs = torch.softmax(scores, dim=-1, dtype=acc)
+    value = latent[..., :v_channels].permute(1, 2, 0, 3).to(acc)  # [b, 1, skv, v]
+    out = torch.matmul(probs, value)  # [b, np, sq, v]
+    return out.permute(2, 0, 1, 3)  # [sq, b, np, v]
+
+
+def make_mqa_inputs(seed: int = 0, B: int = 2, S: int = 16, H: int = 4, D: int = 24, Hi: int = 4, Di: int = 16,
+                    requires_grad: bool = False):
+    """(qi, ki, w, q [S, B, H, D], latent [S, B, 1, D]) for ``megatron_absorbed``."""
+    g = torch.Generator().manual_seed(seed)
+    qi, ki = _indexer_inputs(g, B, S, Hi, Di)
+    w = torch.randn(B, S, Hi, generator=g).abs() * Hi ** -0.5
+    q = torch.randn(S, B, H, D, generator=g)
+    lat = torch.randn(S, B, 1, D, generator=g)
+    for t in (q, lat):
+        t.requires_grad_(requires_grad)
+    return qi, ki, w, q, lat
