@@ -67,7 +67,7 @@ prims = torch.ops.prims
 
 _RANDOM = {aten.bernoulli.default, aten.bernoulli.p, aten.rand.default, aten.rand_like.default,
            aten.native_dropout.default, aten.randn.default}
-_SDPA = ()  # sdpa calls decompose to the math above under the backends' decomposition tables
+_SHAPE_QUERIES = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
 
 
 def selection_indices(graph: fx.Graph) -> List[fx.Node]:
@@ -124,10 +124,13 @@ class MaskWalk:
             for u in n.users:
                 if u.target in _CASTS and not dtype_of_node(u).is_floating_point and dtype_of_node(u) != torch.bool:
                     stack.append(u)
-                elif u.target in (aten.clone.default, aten.alias.default):
-                    stack.append(u)
+                elif u.target in (aten.clone.default, aten.alias.default, aten.view.default, aten.reshape.default,
+                                  aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim):
+                    stack.append(u)  # (views keep the row-major order: the same shape is the same tensor)
                 elif u.target in (aten.scatter.value, aten.scatter.src) and len(u.args) > 2 and u.args[2] is n:
-                    out.append(u)
+                    ns, xs = shape_of(n), shape_of(idx)
+                    if len(ns) == len(xs) and all(statically_known_true(a == b) for a, b in zip(ns, xs)):
+                        out.append(u)
         return out
 
     def start(self, sc: fx.Node, idx: fx.Node) -> Masked:
@@ -498,6 +501,9 @@ def analyse(facts: GraphFacts, em: Emitter, r: Region) -> AttentionMatch:
     G = [x for x in q_only if x not in mlab]
     D = sorted(contracted, key=lambda x: q_lab.index(x) if x in q_lab else 1 << 30)
     Dv = [x for x in v_lab if x not in T and x not in B and x not in Hk]
+    if not S:
+        raise _Reject("one query row per sequence (decode over a KV cache): not rewritten, the attention stays "
+                      "dense")
     if len(S) != 1 or len(B) > 1 or not Dv:
         raise _Reject(f"the attention's axes are not batch, query, heads and keys (batch {B}, query {S})")
     if set(y_labels) - set(B) - set(S) - set(Hk) - set(G) - set(T):
@@ -569,9 +575,15 @@ def analyse(facts: GraphFacts, em: Emitter, r: Region) -> AttentionMatch:
 
 
 def _form(sizes) -> str:
+    """The kernel form, by ``form_of`` on the static head counts; with a dynamic H, "mqa"
+    where one key head serves every head (Hk == 1)."""
     H, Hk = sizes["H"], sizes["Hk"]
+    if not isinstance(Hk, int):
+        return "per_head"
+    if not isinstance(H, int):
+        return "mqa" if Hk == 1 else "per_head"
     try:
-        return form_of(int(H), int(Hk)) if isinstance(H, int) and isinstance(Hk, int) else "per_head"
+        return form_of(H, Hk)
     except SpecError:
         return "per_head"
 
@@ -661,7 +673,7 @@ def _applications(walk: MaskWalk, sc: fx.Node) -> List[Tuple[fx.Node, int, Maske
             if u in seen:
                 continue
             seen.add(u)
-            if is_backward_node(u):
+            if is_backward_node(u) or u.target in _SHAPE_QUERIES:
                 continue
             i = next(j for j, a in enumerate(u.args) if a is n)
             m = None if _scores_side(walk.facts, u, i) else walk.step(u)
@@ -773,6 +785,13 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     if not region:
         return ""
     rset = set(region)
+    # nodes a pass wrote into the backward without a seq_nr (a dynamic scale's product), fed
+    # by the region and read only by it, are the region's too
+    for n in reversed(list(graph.nodes)):
+        if n.op == "call_function" and n not in rset and n.meta.get("seq_nr") is None and n.users and \
+                all(u in rset for u in n.users) and any(a in rset for a in n.all_input_nodes):
+            rset.add(n)
+            region.append(n)
     grads_in = {a for x in region for a in x.all_input_nodes if a not in rset and is_backward_node(a)}
     if len(grads_in) != 1:
         raise _Reject(f"training graph: the attention's backward takes gradients from more than its output "

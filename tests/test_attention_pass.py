@@ -367,3 +367,66 @@ def test_dense_indices_not_from_a_top_k():
     with torch.no_grad():
         torch.testing.assert_close(c(idx, *args[3:]), fn(idx, *args[3:]), equal_nan=True)
     assert OP not in targets(cap, "inference") and not attention_records()
+
+
+@pytest.mark.parametrize("name", ["official_v32", "megatron_absorbed"])
+def test_dynamic_no_tensor_has_two_sequence_dims(name):
+    """Under dynamic=True (training), no node value of the forward or backward graph (so no
+    saved tensor, buffer or intermediate) has two dims of the sequence length. (The HF forms
+    take their [B, 1, S, T] mask as an input, so the graphs hold that one by the API.)"""
+    fn, _, make, pos, _, _ = FORMS[name]
+    S = 20  # unlike every other size, so that the sequence symbol is the only one with this hint
+    if make is _mqa_args:
+        args = af.make_mqa_inputs(0, S=S, requires_grad=True)
+    else:
+        args = af.make_inputs(0, S=S, requires_grad=True) + ((af.hf_causal_mask(2, S),) if make is _hf_args else ())
+    c, cap = compiled(fn, dynamic=True)
+    out = c(*args)
+    out.backward(torch.ones_like(out))
+    graphs = {k: g for k, g in cap if k in ("forward", "backward")}
+    assert set(graphs) == {"forward", "backward"}
+    seq = None
+    for g in graphs.values():
+        for n in g.graph.nodes:
+            v = n.meta.get("val")
+            if isinstance(v, torch.SymInt) and v.node.hint == S and v.node.expr.is_Symbol:
+                seq = v.node.expr
+    assert seq is not None, "the sequence length is not a symbol"
+    assert OP in targets(cap, "forward") and BWD in targets(cap, "backward")
+    for kind, g in graphs.items():
+        for n in g.graph.nodes:
+            v = n.meta.get("val")
+            vals = v if isinstance(v, (tuple, list)) else [v]
+            for t in vals:
+                if isinstance(t, torch.Tensor):
+                    # (a dim of Min(k, S) is the selection's k, at most k)
+                    dims = [d for d in t.shape if isinstance(d, torch.SymInt) and seq in d.node.expr.free_symbols
+                            and d.node.expr.func.__name__ != "Min"]
+                    assert len(dims) < 2, f"{kind} graph: {n.name} {n.target} has shape {tuple(t.shape)}"
+
+
+def _chunk_args(seed, S):
+    qi, ki, w, q, k, v = af.make_inputs(seed, S=16)
+    return qi[:, -S:], ki, w[:, -S:], q[:, -S:], k, v
+
+
+def test_chunked_prefill_is_rewritten():
+    """S = 5 queries at positions 11..15 over T = 16 keys: the offset causal mask becomes a
+    range with the offset; the output is within the numerics rule."""
+    seed = fresh_seed("chunked_prefill")
+    args = _chunk_args(seed, 5)
+    c, cap = compiled(af.official_v32_chunk)
+    with torch.no_grad():
+        out, orig = c(*args), af.official_v32_chunk(*args)
+        qi, ki, w, q, k, v = args
+        s = (torch.einsum("bshd,btd->bsht", qi, ki).relu() * w.unsqueeze(-1)).sum(2) + af.offset_causal(5, 16)
+        ref = af.official_v32_chunk_attention(s.topk(4, dim=-1)[1], q.double(), k.double(), v.double())
+    assert OP in targets(cap, "inference")
+    recs = attention_records()
+    assert len(recs) == 1 and recs[0].rewritten and recs[0].sizes["S"] == 5 and recs[0].sizes["T"] == 16
+    assert_numerics(out, orig, ref, torch.float32, "out")
+
+
+def test_dense_decode():
+    """One query row over the cache (decode): left dense, with the reason."""
+    _dense_case(af.official_v32_chunk, _chunk_args(0, 1), "decode")

@@ -199,3 +199,29 @@ def make_mqa_inputs(seed: int = 0, B: int = 2, S: int = 16, H: int = 4, D: int =
     for t in (q, lat):
         t.requires_grad_(requires_grad)
     return qi, ki, w, q, lat
+
+
+def offset_causal(S: int, T: int, device=None) -> torch.Tensor:
+    """The official code's mask for a chunk of S queries at positions T - S .. T - 1 over T
+    cached keys (chunked prefill; S = 1 is decode): ``full((S, T), -inf).triu_(T - S + 1)``."""
+    return torch.full((S, T), NEG_INF, device=device).triu_(T - S + 1)
+
+
+def official_v32_chunk(qi, ki, w, q, kk, v, k: int = 4):
+    """``official_v32`` for the last S of T positions (a prefill chunk over a KV cache): the
+    selection and the attention both under the offset causal mask."""
+    S, T = q.shape[1], kk.shape[1]
+    s = torch.einsum("bshd,btd->bsht", qi, ki).relu()
+    s = (s * w.unsqueeze(-1)).sum(dim=2) + offset_causal(S, T, q.device)
+    idx = s.topk(min(k, T), dim=-1)[1]
+    return official_v32_chunk_attention(idx, q, kk, v)
+
+
+def official_v32_chunk_attention(idx, q, kk, v):
+    bsz, S, T = q.shape[0], q.shape[1], kk.shape[1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = torch.einsum("bshd,bthd->bsht", q.to(acc), kk.to(acc)) * q.shape[-1] ** -0.5
+    index_mask = torch.full((bsz, S, T), NEG_INF, device=q.device, dtype=acc).scatter_(-1, idx, 0)
+    index_mask += offset_causal(S, T, q.device).to(acc)
+    scores += index_mask.unsqueeze(2)
+    return torch.einsum("bsht,bthd->bshd", scores.softmax(dim=-1, dtype=acc).type_as(q), v)
