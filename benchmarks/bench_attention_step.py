@@ -30,34 +30,37 @@ import sys
 import tempfile
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's hyscale_compile, not an older installed copy
+
 COLUMNS = ("S", "mode", "sparse", "backend", "step ms", "peak GiB", "first s", "attn op calls", "attention ms",
            "selection ms", "gemm ms", "scatter/gather ms", "other ms", "note")
 
 
-def config_kwargs(seq: int, heads: int, tiny: bool) -> dict:
+def config_kwargs(seq: int, heads: int, tiny: bool, attn: str = "sdpa") -> dict:
     if tiny:
         return dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
                     n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
                     q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                     index_n_heads=16, index_head_dim=16, index_topk=8, max_position_embeddings=seq + 16,
-                    attn_implementation="sdpa", initializer_range=0.1)
+                    attn_implementation=attn, initializer_range=0.1)
     return dict(vocab_size=4096, hidden_size=2048, intermediate_size=4096, moe_intermediate_size=512,
                 num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=heads, n_routed_experts=8,
                 n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
                 q_lora_rank=768, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
                 index_n_heads=64, index_head_dim=128, index_topk=2048, max_position_embeddings=seq + 16,
-                attn_implementation="sdpa", initializer_range=0.02)
+                attn_implementation=attn, initializer_range=0.02)
 
 
-def build(seq: int, heads: int, tiny: bool, device: str):
+def build(seq: int, heads: int, tiny: bool, device: str, attn: str = "sdpa"):
     import torch
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = DeepseekV32Config(**config_kwargs(seq, heads, tiny))
+    cfg = DeepseekV32Config(**config_kwargs(seq, heads, tiny, attn))
     dtype = torch.float32 if tiny and device == "cpu" else torch.bfloat16
     return DeepseekV32ForCausalLM(cfg).to(device, dtype).train(), cfg.vocab_size
 
@@ -112,7 +115,7 @@ def run_row(args) -> dict:
     device = "cuda" if torch.cuda.is_available() and not (args.tiny and args.cpu) else "cpu"
     backend = args.backend or ("hyscale" if device == "cuda" else "hyscale_debug")
     sparse = args.sparse == "on"
-    row = {"S": args.seq, "mode": args.mode, "sparse": args.sparse, "backend": backend}
+    row = {"S": args.seq, "mode": args.mode, "sparse": args.sparse, "backend": f"{backend}/{args.attn}"}
     options, note = _options(sparse)
     row["note"] = note
 
@@ -122,7 +125,7 @@ def run_row(args) -> dict:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     torch._dynamo.reset()
     t0 = time.time()
-    model, vocab = build(args.seq, args.heads, args.tiny, device)
+    model, vocab = build(args.seq, args.heads, args.tiny, device, args.attn)
     if args.mode == "prefill":
         model.eval()
     ids = torch.randint(0, vocab, (1, args.seq), device=device, generator=None)
@@ -194,7 +197,7 @@ def sweep(args) -> int:
         for mode in args.modes.split(","):
             for sparse in ("on", "off"):
                 cmd = [sys.executable, os.path.abspath(__file__), "--seq", str(seq), "--mode", mode, "--sparse", sparse,
-                       "--heads", str(args.heads), "--iters", str(args.iters), "--append", path, "--quiet-table"]
+                       "--heads", str(args.heads), "--attn", args.attn, "--iters", str(args.iters), "--append", path, "--quiet-table"]
                 cmd += ["--tiny"] * args.tiny + ["--cpu"] * args.cpu + (["--backend", args.backend] if args.backend else [])
                 print("$", " ".join(cmd), flush=True)
                 try:
@@ -217,6 +220,8 @@ def main(argv=None) -> int:
                     help="prefill: a no_grad forward; train: one forward + backward")
     ap.add_argument("--sparse", choices=("on", "off"), default="on", help="hyscale.sparse_attention")
     ap.add_argument("--heads", type=int, default=16, help="MLA attention heads (DeepSeek-V3.2 has 128)")
+    ap.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
+                    help="the model's attn_implementation (the issue's table: sdpa)")
     ap.add_argument("--iters", type=int, default=3, help="timed calls (the median is reported)")
     ap.add_argument("--backend", default=None, help="default: hyscale on CUDA, hyscale_debug on the CPU")
     ap.add_argument("--tiny", action="store_true", help="a CPU-sized model (hidden 64, k 8)")
