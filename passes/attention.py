@@ -133,7 +133,7 @@ class MaskWalk:
                         out.append(u)
         return out
 
-    def start(self, sc: fx.Node, idx: fx.Node) -> Masked:
+    def start(self, sc: fx.Node) -> Masked:
         base, dim, index, value = sc.args[:4]
         while base.target in (aten.alias.default, aten.clone.default, aten.detach.default):
             base = base.args[0]  # (checkpointed regions alias every tensor)
@@ -195,6 +195,13 @@ class MaskWalk:
         x = self.values[n.args[i]]
         x = Masked(self.full(x.sel, n.args[i], n), x.uns, x.scatter)
         f = self.facts
+        if t in (aten.permute.default, aten.transpose.int, aten.t.default):
+            raise _Reject(f"the index mask is permuted ({n.name}): its rows would not be the indices' rows")
+        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            real_in = [d for d in shape_of(n.args[0]) if not statically_known_true(d == 1)]
+            real_out = [d for d in shape_of(n) if not statically_known_true(d == 1)]
+            if len(real_in) != len(real_out) or not all(statically_known_true(a == b) for a, b in zip(real_in, real_out)):
+                raise _Reject(f"the index mask is regrouped by a view ({n.name})")
         if t in _VIEWS or t in _CASTS:
             dt = dtype_of_node(n)
             if (dt == torch.bool) != isinstance(x.uns, bool):
@@ -356,8 +363,7 @@ class Region:
     pv: fx.Node  # the value contraction
 
 
-def find_region(facts: GraphFacts, walk: MaskWalk, sel_idx: fx.Node, app: fx.Node, app_arg: int,
-                masked: Masked) -> Region:
+def find_region(facts: GraphFacts, sel_idx: fx.Node, app: fx.Node, app_arg: int, masked: Masked) -> Region:
     # from the application forward to the softmax: single-use pointwise ops of the scores
     cur = app
     for _ in range(32):
@@ -490,7 +496,7 @@ def analyse(facts: GraphFacts, em: Emitter, r: Region) -> AttentionMatch:
     contracted = {u.find(a.label) for a in an.contracted}
     T = [u.find(a.label) for a in key_atoms]
     # the index mask's axes: batch, query and key (it is broadcast over the heads)
-    mlab = _mask_labels(r, u.apply(lays[before_app]))
+    mlab, morder = _mask_labels(r, u.apply(lays[before_app]))
     shared = [x for x in q_lab if x in k_lab and x not in contracted]
     q_only = [x for x in q_lab if x not in k_lab and x not in contracted]
     y_labels = L.labels(y_lay)
@@ -506,6 +512,9 @@ def analyse(facts: GraphFacts, em: Emitter, r: Region) -> AttentionMatch:
                       "dense")
     if len(S) != 1 or len(B) > 1 or not Dv:
         raise _Reject(f"the attention's axes are not batch, query, heads and keys (batch {B}, query {S})")
+    want = [x for x in B + S + T if x in morder]
+    if [u.find(x) for x in morder] != want:
+        raise _Reject(f"the index mask's axes are not (batch, query, key) in the indices' order")
     if set(y_labels) - set(B) - set(S) - set(Hk) - set(G) - set(T):
         raise _Reject("the scores have an axis that is neither batch, query, head nor key")
     if set(v_lab) - set(B) - set(Hk) - set(T) - set(Dv):
@@ -588,14 +597,16 @@ def _form(sizes) -> str:
         return "per_head"
 
 
-def _mask_labels(r: Region, lay_in: L.Layout) -> set:
+def _mask_labels(r: Region, lay_in: L.Layout):
     """The logical axes the index mask varies along where it meets the scores (laid out as
-    ``lay_in``): batch, query and key; the heads are the axes it is broadcast over."""
+    ``lay_in``): batch, query and key (as a set and in its dims' order); the heads are the
+    axes it is broadcast over."""
     x = r.app.args[r.app_arg]
     while isinstance(x, fx.Node) and x.target is aten.expand.default:
         x = x.args[0]
     ml = L.broadcast_align(shape_of(x), lay_in)
-    return {a.label for d in ml for a in d if not a.bcast}
+    order = [a.label for d in ml for a in d if not a.bcast]
+    return set(order), order
 
 
 def _to_layout(em: Emitter, x: fx.Node, groups: List[List[str]], lay: L.Layout, like: fx.Node) -> fx.Node:
@@ -698,7 +709,7 @@ def _scores_side(facts: GraphFacts, n: fx.Node, i: int) -> bool:
 
 
 def rewrite_attention(graph: fx.Graph, facts_sources, graph_kind: str, replay: bool = True,
-                      enabled: bool = True) -> List[AttentionRecord]:
+                      enabled: bool = True, off_reason: str = "hyscale.sparse_attention=False") -> List[AttentionRecord]:
     """Rewrite every attention that applies a selection's index mask; one record per consumer."""
     records: List[AttentionRecord] = []
     facts = GraphFacts(graph, sources=facts_sources)
@@ -707,7 +718,7 @@ def rewrite_attention(graph: fx.Graph, facts_sources, graph_kind: str, replay: b
         scs = walk.scatters(sel)
         for sc in scs:
             try:
-                walk.start(sc, sel)
+                walk.start(sc)
                 apps = _applications(walk, sc)
             except _Reject as e:
                 records.append(AttentionRecord(sel.name, sc.name, False, str(e)))
@@ -715,12 +726,13 @@ def rewrite_attention(graph: fx.Graph, facts_sources, graph_kind: str, replay: b
             if not apps:
                 records.append(AttentionRecord(sel.name, sc.name, False, "the index mask reaches no attention"))
             for app, i, masked in apps:
-                records.append(_rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled))
+                records.append(_rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
+                                            off_reason))
         walk.em.rollback()  # the walk's nodes that no rewrite reads
     return records
 
 
-def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled) -> AttentionRecord:
+def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled, off_reason) -> AttentionRecord:
     em = Emitter(graph, app)
     rec = AttentionRecord(sel.name, app.name, False)
     try:
@@ -734,13 +746,13 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled)
                               "with -inf")
         elif app.target is not aten.add.Tensor:
             raise _Reject(f"the index mask is applied by {app.target}, which the rewrite does not handle")
-        r = find_region(facts, None, sel, app, i, masked)
+        r = find_region(facts, sel, app, i, masked)
         rec.consumer = r.pv.name
         m = analyse(facts, em, r)
         rec.form, rec.spec, rec.sizes = m.form, m.spec.describe(), dict(m.sizes)
         if not enabled:
             em.rollback()
-            rec.reason = "hyscale.sparse_attention=False"
+            rec.reason = f"{off_reason}; enabled, the pass would rewrite it (form {m.form})"
             return rec
         em2 = Emitter(graph, r.pv)
         try:

@@ -197,7 +197,8 @@ def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_ki
         )
     score_mods.restore(graph, stand_ins)
     if count or topks:
-        count += _rewrite_attention(graph, facts.sources, graph_kind, replay, sparse_attention and not dry_run)
+        count += _rewrite_attention(graph, facts.sources, graph_kind, replay, sparse_attention and not dry_run,
+                                    "hyscale.enable=False" if dry_run else "hyscale.sparse_attention=False")
     if dry_run:
         return 0
     if count:
@@ -209,12 +210,12 @@ def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_ki
     return count
 
 
-def _rewrite_attention(graph: fx.Graph, sources, graph_kind: str, replay: bool, enabled: bool) -> int:
+def _rewrite_attention(graph: fx.Graph, sources, graph_kind: str, replay: bool, enabled: bool, off_reason: str) -> int:
     """The attention pass over the selections now in ``graph``; returns how many it rewrote."""
     from .attention import rewrite_attention
 
     try:
-        recs = rewrite_attention(graph, sources, graph_kind, replay=replay, enabled=enabled)
+        recs = rewrite_attention(graph, sources, graph_kind, replay=replay, enabled=enabled, off_reason=off_reason)
     except Exception as e:  # a bug of ours must not break the user's compile: the attention stays dense
         diagnostics.log.warning("hyscale: internal error in the attention pass; attention left dense", exc_info=True)
         recs = [diagnostics.AttentionRecord("?", "?", False, f"internal error ({type(e).__name__}: {e}); please "
