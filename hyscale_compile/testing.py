@@ -1,13 +1,15 @@
 """Helpers for tests: ``assert_selection_equal`` (is a top-k selection the one the op's
 contract gives? the check to use instead of ``torch.equal`` against eager), ``stable_topk``
 (the reference it compares against), a normalized, version-stable graph text
-(``graph_text``), and a seeded shuffle of the op's unsorted results (``shuffled_unsorted``)."""
+(``graph_text``), a seeded shuffle of the op's unsorted results (``shuffled_unsorted``), and
+for the sparse attention: the numerics rule (``assert_consumer_close``) and a search for
+[S, T]-sized tensors in compiled graphs (``square_tensors``)."""
 from __future__ import annotations
 
 import contextlib
 import math
 import operator
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -222,3 +224,112 @@ def assert_selection_equal(indices: torch.Tensor, scores: torch.Tensor, *, value
 
 def _describe(x) -> str:
     return f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def consumer_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| / max |ref| over ``ref``'s finite entries, in float64 (0 where both are
+    all zero, inf where ``x`` is not finite where ``ref`` is, or differs from an all-zero
+    ``ref``). Entries where ``ref`` is NaN or infinite must hold the same in ``x``."""
+    if not isinstance(x, torch.Tensor) or not isinstance(ref, torch.Tensor):
+        raise TypeError(f"consumer_error: expected tensors, got {_describe(x)} and {_describe(ref)}")
+    if tuple(x.shape) != tuple(ref.shape):
+        raise ValueError(f"consumer_error: shapes differ: {tuple(x.shape)} against the reference's {tuple(ref.shape)}")
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    fin = torch.isfinite(ref)
+    special_ok = ((x == ref) | (torch.isnan(x) & torch.isnan(ref)))[~fin]
+    if not bool(special_ok.all()) or not bool(torch.isfinite(x[fin]).all()):
+        return math.inf
+    if not bool(fin.any()):
+        return 0.0
+    diff = float((x[fin] - ref[fin]).abs().max())
+    scale = float(ref[fin].abs().max())
+    if scale == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / scale
+
+
+def assert_consumer_close(out: torch.Tensor, orig: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
+                          what: str = "output") -> Tuple[float, float]:
+    """The numerics rule for a rewrite (DESIGN.md): ``err(out) <= 2 err(orig) + 2 eps(dtype)``,
+    where ``err(x) = max |x - ref| / max |ref|`` (``consumer_error``).
+
+    ``out``: what the rewritten graph gave; ``orig``: what the original graph gives at the
+    same device and dtype (the default backend, or eager); ``ref``: the same computation in
+    float64 at the same selection; ``dtype``: the computation's dtype (its ``eps`` is the
+    floor). Returns ``(err(out), err(orig))``; raises AssertionError naming ``what``."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"assert_consumer_close: dtype must be a floating-point torch.dtype, got {dtype!r}")
+    e_out, e_orig = consumer_error(out, ref), consumer_error(orig, ref)
+    bound = 2 * e_orig + 2 * torch.finfo(dtype).eps
+    if not e_out <= bound:
+        raise AssertionError(f"assert_consumer_close: {what}: err {e_out:.3g} > 2 * err(orig) {e_orig:.3g} "
+                             f"+ 2 * eps({_SHORT.get(dtype, dtype)}) = {bound:.3g}")
+    return e_out, e_orig
+
+
+def _seq_degree(shape, seq_sizes) -> int:
+    """How many sequence-length factors the tensor's element count has. All dims concrete:
+    each equal to a sequence size counts one. Some symbolic: the concrete ones are not the
+    sequence (dynamic shapes made it a symbol), and the product of the symbolic dims counts
+    by how it grows when every symbol whose value is a sequence size is scaled by 16 (16:
+    one factor, 256: two), so a flattened [B*S, T] counts two as [B, S, T] does."""
+    import sympy
+
+    syms = [d.node for d in shape if isinstance(d, torch.SymInt)]
+    degree = 0 if syms else sum(1 for d in shape if int(d) in seq_sizes)
+    if syms:
+        env = syms[0].shape_env
+        expr = sympy.Integer(1)
+        for nd in syms:
+            expr = expr * nd.expr
+        hints = getattr(env, "backed_var_to_val", None)  # var_to_val before torch 2.13
+        hints = env.var_to_val if hints is None else hints
+        values = {s: int(hints[s]) for s in expr.free_symbols if s in hints}
+        seq = {s for s, v in values.items() if v in seq_sizes}
+        if seq:
+            base = float(expr.xreplace({s: sympy.Integer(v) for s, v in values.items()}))
+            grown = float(expr.xreplace({s: sympy.Integer(v * 16 if s in seq else v) for s, v in values.items()}))
+            if base > 0:
+                degree += int(round(math.log(grown / base, 16)))
+    return degree
+
+
+def square_tensors(graphs, seq_sizes) -> List[str]:
+    """Every tensor in ``graphs`` with two or more sequence-length dimensions (an [S, T] mask,
+    a score table), as ``"<graph>: <node> <dtype>[shape] = <op>"`` lines; empty when none.
+
+    ``graphs``: a GraphModule, an ``fx.Graph``, or a list of them or of ``(label, graph)``
+    pairs (what ``options={"hyscale.capture": [...]}`` collects; its text entries are
+    skipped). Node values (``meta["val"]``, each element of a tuple), which include the
+    forward's saved tensors (its extra outputs, the backward's inputs), and a GraphModule's
+    buffers and constant attributes are searched. ``seq_sizes``: the sequence lengths the
+    model ran with (ints); under ``dynamic=True`` a symbolic dim counts where its symbol's
+    value is one of them, so pick lengths no other dim of the model has."""
+    seq_sizes = {int(s) for s in (seq_sizes if isinstance(seq_sizes, (list, tuple, set)) else [seq_sizes])}
+    if isinstance(graphs, (fx.GraphModule, fx.Graph)):
+        graphs = [graphs]
+    found: List[str] = []
+    for i, item in enumerate(graphs):
+        label, g = item if isinstance(item, tuple) else (f"graph{i}", item)
+        if isinstance(g, str):
+            continue
+        if not isinstance(g, (fx.GraphModule, fx.Graph)):
+            raise TypeError(f"square_tensors: expected GraphModules or fx.Graphs, got {type(g).__name__}")
+        graph = g.graph if isinstance(g, fx.GraphModule) else g
+        for n in graph.nodes:
+            v = n.meta.get("val")
+            for t in (v if isinstance(v, (tuple, list)) else [v]):
+                if isinstance(t, torch.Tensor) and _seq_degree(t.shape, seq_sizes) >= 2:
+                    tgt = _target_name(n.target) if n.op == "call_function" else n.op
+                    found.append(f"{label}: {n.name} {_meta_of(t)} = {tgt}")
+        if isinstance(g, fx.GraphModule):
+            named = dict(g.named_buffers())
+            named.update({k: t for k, t in vars(g).items() if isinstance(t, torch.Tensor)})
+            for name, t in named.items():
+                if _seq_degree(t.shape, seq_sizes) >= 2:
+                    found.append(f"{label}: {name} {_meta_of(t)} = buffer")
+    return found
+
+
+def _meta_of(t: torch.Tensor) -> str:
+    return f"{_SHORT.get(t.dtype, str(t.dtype))}{list(t.shape)}"

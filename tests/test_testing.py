@@ -9,7 +9,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import hyscale_compile  # noqa: F401
-from hyscale_compile.testing import assert_selection_equal, stable_topk
+from hyscale_compile.testing import (assert_consumer_close, assert_selection_equal, consumer_error,
+                                     square_tensors, stable_topk)
 from tests.contract import fresh_seed
 
 K = 6
@@ -172,3 +173,95 @@ def test_readme_quick_start_check_runs():
     before = counters["hyscale"]["rewritten"]
     exec(compile(block.replace('backend="hyscale"', 'backend="hyscale_debug"'), "README.md", "exec"), {})
     assert counters["hyscale"]["rewritten"] == before + 1
+
+
+def test_consumer_rule_bounds_by_the_original_error():
+    """err(out) <= 2 err(orig) + 2 eps(dtype), err = max|x - ref| / max|ref|: an output as far
+    from float64 as the original passes, one 3x as far fails, and eps is the floor."""
+    g = torch.Generator().manual_seed(fresh_seed("consumer rule"))
+    ref = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    scale = float(ref.abs().max())
+    orig = ref + 1e-3 * scale
+    assert abs(consumer_error(orig, ref) - 1e-3) < 1e-9
+    assert assert_consumer_close(ref + 2e-3 * scale, orig, ref, torch.float32)[0] == pytest.approx(2e-3)
+    with pytest.raises(AssertionError, match=r"grad q: err 0.003 > 2 \* err\(orig\) 0.001"):
+        assert_consumer_close(ref + 3e-3 * scale, orig, ref, torch.float32, what="grad q")
+    # an exact original: the floor is 2 eps of the dtype
+    eps = torch.finfo(torch.bfloat16).eps
+    assert_consumer_close(ref + 1.5 * eps * scale, ref, ref, torch.bfloat16)
+    with pytest.raises(AssertionError):
+        assert_consumer_close(ref + 3 * eps * scale, ref, ref, torch.bfloat16)
+
+
+def test_consumer_error_special_values_and_bad_arguments():
+    ref = torch.tensor([[1.0, -2.0], [float("nan"), float("nan")]], dtype=torch.float64)  # a row with no key: NaN
+    assert consumer_error(ref.float(), ref) == 0.0
+    assert consumer_error(torch.tensor([[1.0, -2.0], [0.0, float("nan")]]), ref) == math.inf
+    assert consumer_error(torch.tensor([[float("inf"), -2.0], [float("nan")] * 2]), ref) == math.inf
+    zero = torch.zeros(3, dtype=torch.float64)
+    assert consumer_error(torch.zeros(3), zero) == 0.0 and consumer_error(torch.ones(3), zero) == math.inf
+    with pytest.raises(ValueError, match="shapes differ"):
+        consumer_error(torch.zeros(2), zero)
+    with pytest.raises(TypeError, match="floating-point torch.dtype"):
+        assert_consumer_close(zero, zero, zero, torch.int32)
+
+
+def _dense_attention(q, k, v):
+    """softmax(q k^T) v over [B, S, D]: its scores are [B, S, T]."""
+    return torch.softmax(q @ k.transpose(1, 2) * 0.5, dim=-1) @ v
+
+
+def _linear_only(q, k, v):
+    return (q * k).sum(-1, keepdim=True) * v
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_square_tensors_finds_the_score_table(dynamic):
+    """The [B, S, T] scores of a dense attention are found in the forward graph (saved for the
+    backward) and in the backward graph, static or under dynamic=True; a function of O(S)
+    values has none. S = 24 is no other dim here."""
+    B, S, D = 2, 24, 8
+    q, k, v = (torch.randn(B, S, D, requires_grad=True) for _ in range(3))
+    for fn, square in ((_dense_attention, True), (_linear_only, False)):
+        cap = []
+        torch._dynamo.reset()
+        torch.compile(fn, backend="hyscale_debug", dynamic=dynamic, options={"hyscale.capture": cap})(q, k, v).sum().backward()
+        kinds = {k for k, g in cap if not isinstance(g, str)}
+        assert {"forward", "backward"} <= kinds
+        found = square_tensors(cap, [S])
+        if not square:
+            assert found == [], found
+            continue
+        assert any(line.startswith("forward:") for line in found), found
+        assert any(line.startswith("backward:") for line in found), found
+        if not dynamic:
+            assert any(f"f32[{B}, {S}, {S}]" in line for line in found), found
+
+
+def test_square_tensors_counts_flattened_dims_and_buffers():
+    """A [B*S, T] view counts as two sequence dims under dynamic shapes; a GraphModule's
+    [S, S] buffer is found; bad arguments raise."""
+    S = 24
+
+    def flat(q, k):
+        return (q.reshape(-1, q.shape[-1]) @ k[0].t()).relu().sum(-1)
+
+    cap = []
+    torch._dynamo.reset()
+    torch.compile(flat, backend="hyscale_debug", dynamic=True, options={"hyscale.capture": cap})(
+        torch.randn(2, S, 8), torch.randn(2, S, 8))
+    assert any("mm" in line for line in square_tensors(cap, S)), square_tensors(cap, S)
+
+    class WithMask(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mask", torch.ones(S, S).tril())
+
+        def forward(self, x):
+            return x @ self.mask
+
+    gm = torch.fx.symbolic_trace(WithMask())
+    assert square_tensors(gm, [S]) == [f"graph0: mask f32[{S}, {S}] = buffer"]
+    assert square_tensors(gm, [S + 1]) == []
+    with pytest.raises(TypeError, match="expected GraphModules"):
+        square_tensors([1], [S])

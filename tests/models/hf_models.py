@@ -145,7 +145,7 @@ def _quiet() -> None:
     logging.set_verbosity_error()
 
 
-def _dsa_common(index_topk: int) -> dict[str, Any]:
+def _dsa_common(index_topk: int, first_k_dense_replace: int = 1) -> dict[str, Any]:
     return dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -165,7 +165,7 @@ def _dsa_common(index_topk: int) -> dict[str, Any]:
         index_topk=index_topk,
         index_head_dim=16,
         index_n_heads=16,
-        first_k_dense_replace=1,  # layer 0 dense MLP, layer 1 MoE (router topk)
+        first_k_dense_replace=first_k_dense_replace,  # 1: layer 0 dense MLP, layer 1 MoE (router topk)
         max_position_embeddings=128,
         initializer_range=0.1,
     )
@@ -190,14 +190,18 @@ def build_deepseek_v32(
     experts_implementation: str = "grouped_mm",
     seq: int = SEQ,
     index_topk: int = 8,
+    first_k_dense_replace: int = 1,
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """DeepseekV32ForCausalLM: 2 DSA layers (dense MLP, then MoE with n_group=2)."""
+    """DeepseekV32ForCausalLM: 2 DSA layers (dense MLP, then MoE with n_group=2).
+
+    ``first_k_dense_replace=2``: both MLPs dense, no router (a bf16 model whose float64 copy
+    routes as it does: bf16 router scores tie or swap near-equal experts)."""
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
     _quiet()
     torch.manual_seed(seed)
     cfg = DeepseekV32Config(
-        **_dsa_common(index_topk),
+        **_dsa_common(index_topk, first_k_dense_replace),
         n_group=2,
         topk_group=1,
         attn_implementation=attn_implementation,

@@ -25,6 +25,17 @@ the +-1 Sylvester matrix built in the graph), ``"matmul_global"`` (by a module-l
 Dynamo makes it a graph input), ``"custom_op"`` (an opaque ``torch.library`` op) and
 ``"graph_break"`` (the matmul behind ``torch._dynamo.graph_break()``). Patch it in with
 ``use_rotation(name)`` (a context manager) and call ``build``.
+
+The attention (``unfused_dsa_fn``, the per-head form ``DSAttention`` runs in 0.16.1; this version
+has no absorbed variant)::
+
+    scores = bmm(q.float(), k.float()) * softmax_scale             # [b, np, sq, skv]
+    index_mask = full((b, sq, skv), -inf).scatter_(-1, topk, 0) + triu(full(-inf), 1)
+    p = softmax(scores + index_mask.unsqueeze(1), dim=-1, dtype=float32)
+    out = bmm(p.to(v.dtype), v) -> [sq, b, np * hnv]
+
+``forced_indices(att, idx)`` makes the indexer return given indices (a reference at another
+run's selection); ``attention_reference`` is that attention in float64.
 """
 from __future__ import annotations
 
@@ -111,6 +122,32 @@ def cpu_current_device():
         yield
     finally:
         torch.cuda.current_device = old
+
+
+@contextlib.contextmanager
+def traceable_rope():
+    """Inside: ``RotaryEmbedding.get_emb`` without its move of ``inv_freq`` to
+    ``torch.cuda.current_device()``, which it makes on every call while ``inv_freq`` is on the
+    CPU (a no-op here). Under Dynamo the stand-in's answer ``"cpu"`` is a torch.* call that
+    returns a non-tensor, a graph break that puts the indexer's selection and the attention
+    that applies it in different graphs (the attention then gets the indices as an input)."""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rpe
+
+    old = rpe.RotaryEmbedding.get_emb
+
+    def get_emb(self, max_seq_len: int, offset: int = 0):
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]
+
+    rpe.RotaryEmbedding.get_emb = get_emb
+    try:
+        yield
+    finally:
+        rpe.RotaryEmbedding.get_emb = old
 
 
 @contextlib.contextmanager
@@ -208,3 +245,27 @@ def index_inputs(indexer, x, qr, mask):
         del indexer._compute_index_scores
     (q, w, k), = seen
     return scores, topk, q, w, k
+
+
+@contextlib.contextmanager
+def forced_indices(att, idx: torch.Tensor):
+    """Inside: ``att.indexer.forward_with_scores`` returns ``(None, idx)`` (``DSAttention``
+    reads the scores only for its training loss)."""
+    att.indexer.forward_with_scores = lambda *a, **k: (None, idx.long())
+    try:
+        yield
+    finally:
+        del att.indexer.forward_with_scores
+
+
+def attention_reference(query, key, value, idx, softmax_scale):
+    """``unfused_dsa_fn`` in float64 (it casts to fp32 itself): the causal attention of each
+    query over its selected keys ``idx`` [b, sq, k]; returns [sq, b, np * hnv]."""
+    sq, b, nh, _ = query.shape
+    skv = key.shape[0]
+    q, k, v = (t.double().permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, d]
+    scores = q @ k.transpose(-1, -2) * softmax_scale
+    keep = torch.zeros(b, sq, skv, dtype=torch.bool).scatter(-1, idx.long(), True)
+    keep &= torch.ones(sq, skv, dtype=torch.bool).tril()
+    p = scores.masked_fill(~keep.unsqueeze(1), float("-inf")).softmax(-1)
+    return (p @ v).permute(2, 0, 1, 3).reshape(sq, b, -1)
