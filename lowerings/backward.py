@@ -20,8 +20,14 @@ mask does (docs/contract.md, "Values and gradients").
 This runs inside a custom op's implementation, below autograd, so the chain rule is
 written out here rather than taken from ``torch.autograd``. Precision: fp32 arithmetic
 (bf16/fp16 operands upcast exactly), gradients cast to the operand dtypes, as the
-original graph's upcast backward does. On CUDA the key gradient's ``index_add_``
-accumulates with atomics, so its low bits may vary between runs.
+original graph's upcast backward does.
+
+Determinism: the key gradient sums each key's contributions in (row, slot) order onto its
+running value, chunk after chunk in row order, so the sum's order (and its bits) depends on
+neither the run nor the chunk size. On CUDA that is ``attention_backward.segment_sum_`` (a
+stable sort of the chunk's keys and a Triton segment sum, one program per key, no atomics:
+``index_add_`` there adds with atomics in a varying order); on the CPU ``index_add_``, whose
+loop follows the same order.
 """
 from __future__ import annotations
 
@@ -150,6 +156,23 @@ def rows_backward(g, q, ksel, w, masks, spec: ScoreSpec, keys, b0, b1, s0, s1, s
     return gq, gks.permute(0, 1, 3, 2, 4), gw
 
 
+def _add_key_grads(gk: torch.Tensor, keys: torch.Tensor, g_ks: torch.Tensor, use_kernel: Optional[bool] = None):
+    """gk[keys[i]] += g_ks[i] in i = (row, slot) order: fp32 gk [T, Hk, D] (contiguous),
+    keys [N], per-slot contributions g_ks [nb, ns, n, Hk, D] (N = nb * ns * n).
+    ``use_kernel``: the Triton segment sum (default: on CUDA)."""
+    if use_kernel is None:
+        use_kernel = gk.device.type == "cuda"
+    Hk, D = gk.shape[1], gk.shape[2]
+    if not use_kernel:  # the CPU loop adds in index order
+        gk.index_add_(0, keys, g_ks.reshape(-1, Hk, D))
+        return gk
+    from .attention_backward import segment_sum_  # (it imports this module)
+
+    # head-major [Hk, N, D], the segment sum's layout: one copy, as the reshape above makes
+    src = g_ks.permute(3, 0, 1, 2, 4).reshape(Hk, -1, D)
+    return segment_sum_(gk, keys, src, use_kernel=True)
+
+
 def values_backward(
     grad: torch.Tensor,
     q: torch.Tensor,
@@ -191,7 +214,7 @@ def values_backward(
                 if need_q:
                     gq[b : b + 1, s0:s1] = g_q
                 if need_k:
-                    gk[b if k.shape[0] == B else 0].index_add_(0, keys.flatten(), g_ks.reshape(-1, Hk, D))
+                    _add_key_grads(gk[b if k.shape[0] == B else 0], keys.flatten(), g_ks)
                 if need_w:
                     gw[b : b + 1, s0:s1] = g_w
     empty = q.new_empty(0)

@@ -356,3 +356,86 @@ def test_op_backward_with_sorted_flag():
     for g in grads[1:]:
         for a, b in zip(grads[0], g):
             assert torch.equal(a, b)  # (the CPU reference returns the sorted order either way)
+
+
+# ---------------------------------------------------------------------------------------
+# Determinism: the key gradients sum in (row, slot) order, whatever the run or the chunking
+#
+# The inputs are small integers and each row's gradient is a small integer times one power of
+# two (2^-20..2^20, per row): every per-slot product and per-row sum is then exact in fp32,
+# whatever order a matmul adds in, and the only rounding is where one key sums the
+# contributions of rows of very different magnitudes. So bitwise comparisons see exactly
+# the key accumulation's order, across runs, chunk sizes and devices.
+
+def _shared_key_case(device, S_=48, T_=6, K_=4, H_=4, Hk_=1, D_=16, reduce="weighted_sum", B_=1, seed="shared-keys"):
+    """Heavy key sharing: every row picks K_ of T_ keys."""
+    gen = torch.Generator().manual_seed(fresh_seed(seed))
+    spec = ScoreSpec(reduce=reduce, epilogue=(("relu",), ("mul", 0.125)), post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0, mode="fill"),))
+    q = torch.randint(-2, 3, (B_, S_, H_, D_), generator=gen).float()
+    k = torch.randint(-2, 3, (1, T_, Hk_, D_), generator=gen).float()
+    w = torch.randint(1, 4, (B_, S_, H_), generator=gen).float() if reduce == "weighted_sum" else None
+    idx = torch.stack([torch.stack([torch.randperm(T_, generator=gen)[:K_] for _ in range(S_)]) for _ in range(B_)])
+    hi = torch.full((1, S_), T_, dtype=torch.int64)
+    scale = torch.exp2(torch.randint(-20, 21, (B_, S_, 1), generator=gen).float())
+    g = torch.randint(-8, 9, (B_, S_, K_), generator=gen).float() * scale
+    return [t.to(device) if t is not None else None for t in (g, q, k, w, idx.int(), hi)], spec
+
+
+def _values_bwd(case, chunk_bytes=None):
+    from hyscale_compile.lowerings import backward as bwd
+
+    (g, q, k, w, idx, hi), spec = case
+    return bwd.values_backward(g, q, k, w, [hi], idx, spec, chunk_bytes=chunk_bytes)
+
+
+def _row_bytes(case):  # values_backward's chunk budget for one row
+    (g, q, k, _, _, _), _ = case
+    return 4 * g.shape[-1] * (2 * k.shape[2] * k.shape[3] + 4 * q.shape[2])
+
+
+@pytest.mark.parametrize("layout", ["mqa", "gqa_batch2_shared_keys"])
+def test_key_gradient_kernel_path_equals_index_add_order(monkeypatch, layout):
+    """The CUDA path's key accumulation (the Triton segment sum, here under
+    TRITON_INTERPRET=1) gives the CPU index_add_'s bits, with one chunk, one row per chunk
+    and 3 rows per chunk; those bits are the sequential (row, slot) sum, which the data can
+    tell from another order."""
+    import functools
+
+    from hyscale_compile.lowerings import backward as bwd
+
+    kw = {} if layout == "mqa" else dict(H_=4, Hk_=2, reduce="sum", B_=2)
+    case = _shared_key_case("cpu", seed=f"shared-keys-{layout}", **kw)
+    want = _values_bwd(case)
+    (g, q, k, w, idx, hi), spec = case
+    # the order matters for these inputs: summing the rows in reverse changes gk's bits
+    rev = bwd.values_backward(g.flip(1), q.flip(1), k, None if w is None else w.flip(1), [hi], idx.flip(1), spec)
+    assert torch.equal(rev[0], want[0].flip(1)) and not torch.equal(rev[1], want[1])
+    chunks = (None, 1, 3 * _row_bytes(case))
+    for chunk_bytes in chunks[1:]:  # CPU: the chunk size changes no bit
+        assert all(torch.equal(a, b) for a, b in zip(_values_bwd(case, chunk_bytes), want)), chunk_bytes
+    monkeypatch.setattr(bwd, "_add_key_grads", functools.partial(bwd._add_key_grads, use_kernel=True))
+    for chunk_bytes in chunks:
+        got = _values_bwd(case, chunk_bytes)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), chunk_bytes
+
+
+@pytest.mark.gpu
+def test_gpu_values_backward_bitwise_reproducible():
+    """CUDA, heavy key sharing (4096 rows over 64 keys, 32 slots each, 16 heads, D = 64):
+    repeated calls give the same bits (index_add_'s atomics need not:
+    tests/test_attention_op.py shows they do not), so do other chunk sizes (the key sums run
+    in (row, slot) order across chunks), and they are the CPU's sequential sum's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    case = _shared_key_case("cuda", S_=4096, T_=64, K_=32, H_=16, Hk_=1, D_=64, seed="gpu-shared-keys")
+    runs = [_values_bwd(case) for _ in range(3)]
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+    for rows in (1, 64, 777):  # 777 does not divide S
+        got = _values_bwd(case, chunk_bytes=rows * _row_bytes(case))
+        for a, b, what in zip(got, runs[0], "qkw"):
+            assert torch.equal(a, b), f"d/d{what} changed with {rows} rows per chunk"
+    spec = case[1]
+    cpu = _values_bwd(([t.cpu() if t is not None else None for t in case[0]], spec))
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(runs[0], cpu))
