@@ -439,3 +439,22 @@ def test_gpu_values_backward_bitwise_reproducible():
     spec = case[1]
     cpu = _values_bwd(([t.cpu() if t is not None else None for t in case[0]], spec))
     assert all(torch.equal(a.cpu(), b) for a, b in zip(runs[0], cpu))
+
+
+def test_segment_sum_run_tail_adds_nothing():
+    """The segment sum loads a key's run in blocks; past the run's end it must add nothing,
+    not +0.0 (which turns a -0.0 key gradient into +0.0, unlike index_add_'s loop). Run
+    lengths 1..9 straddle the block size."""
+    from hyscale_compile.lowerings import attention_backward as ab
+
+    keys = torch.cat([torch.full((n,), t) for t, n in enumerate(range(1, 10))])
+    src = torch.full((len(keys), 3), -0.0)
+    base = torch.full((9, 3), -0.0)
+    want = ab.segment_sum_(base.clone(), keys, src, use_kernel=False)
+    assert torch.equal(torch.signbit(want), torch.ones(9, 3, dtype=torch.bool))
+    got = ab.segment_sum_(base.clone(), keys, src, use_kernel=True)
+    assert torch.equal(torch.signbit(got), torch.signbit(want)) and torch.equal(got, want)
+    gen = torch.Generator().manual_seed(fresh_seed("segment-tail"))
+    src = torch.randn(len(keys), 3, generator=gen) * torch.exp2(torch.randint(-20, 20, (len(keys), 1), generator=gen).float())
+    assert torch.equal(ab.segment_sum_(base.clone(), keys, src, use_kernel=True),
+                       ab.segment_sum_(base.clone(), keys, src, use_kernel=False))
