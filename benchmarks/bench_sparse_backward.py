@@ -15,7 +15,8 @@ out of memory says so.
 A second table times ``values_backward`` alone at the same shapes (bf16 q/k, fp32 w, the
 causal fill, the forward's own indices) with the key gradient accumulated two ways:
 ``index_add`` (CUDA atomics, the former path) and ``segment_sum`` (a stable sort and
-attention_backward's segment sum, the current one). "bitwise repeat" says whether
+attention_backward's segment sum, the current one), and the fused per-row Triton kernel
+(``triton_values_backward``, ``HYSCALE_BWD_FUSED=1``) before the segment sum. "bitwise repeat" says whether
 ``--repeats`` calls gave identical gk; "max |diff|" is the largest gk difference between the
 two ways, relative to max |gk|.
 
@@ -84,7 +85,8 @@ def measure(fn, reps=3):
 
 
 def op_rows(S, H, D, topk, repeats):
-    """values_backward alone, index_add_ against the segment sum: [(way, ms, bitwise repeat, rel diff)]."""
+    """values_backward alone, index_add_ against the segment sum and the fused kernel: [(way, ms, bitwise repeat,
+    rel diff to index_add)]."""
     import functools
 
     from hyscale_compile.lowerings import backward as bwd
@@ -103,9 +105,10 @@ def op_rows(S, H, D, topk, repeats):
     out, ref = [], None
     orig = bwd._add_key_grads
     try:
-        for way, use_kernel in (("index_add", False), ("segment_sum", True)):
+        for way, use_kernel, fused in (("index_add", False, False), ("segment_sum", True, False),
+                                       ("fused kernel + segment_sum", True, True)):
             bwd._add_key_grads = functools.partial(orig, use_kernel=use_kernel)
-            run = lambda: bwd.values_backward(g, q, k, w, [hi], idx, spec)[1]  # noqa: E731
+            run = lambda: bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=fused)[1]  # noqa: E731
             ms, _ = measure(run, reps=repeats)
             gks = [run().float() for _ in range(repeats)]
             same = all(torch.equal(gks[0], x) for x in gks[1:])

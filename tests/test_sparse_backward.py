@@ -458,3 +458,122 @@ def test_segment_sum_run_tail_adds_nothing():
     src = torch.randn(len(keys), 3, generator=gen) * torch.exp2(torch.randint(-20, 20, (len(keys), 1), generator=gen).float())
     assert torch.equal(ab.segment_sum_(base.clone(), keys, src, use_kernel=True),
                        ab.segment_sum_(base.clone(), keys, src, use_kernel=False))
+
+
+# ---------------------------------------------------------------------------------------
+# The fused per-row kernel (lowerings/triton_values_backward.py), here under TRITON_INTERPRET=1
+
+@pytest.mark.parametrize("name", sorted(_spec_cases()))
+def test_fused_rows_kernel_gradients_equal_dense_reference(name):
+    """The fused kernel's (gq, gk, gw) against float64 autograd of the dense scores read at
+    the same indices, for every spec form the op tests cover (fills, additive masks, GQA,
+    bf16 logits, sum and weighted sum), and against the PyTorch path."""
+    from hyscale_compile.lowerings import backward as bwd
+    from hyscale_compile.lowerings import triton_values_backward as tvb
+
+    spec, H, Hk, has_w, mask_makers = _spec_cases()[name]
+    assert tvb.supported(spec)
+    torch.manual_seed(fresh_seed("fused-" + name))
+    masks = [m() for m in mask_makers]
+    q, k = torch.randn(B, S, H, D), torch.randn(B, T, Hk, D)
+    w = torch.rand(B, S, H) + 0.1 if has_w else None
+    _, idx = torch.ops.hyscale.hytopk_values(q, k, w, masks, K, spec.to_json())
+    g = torch.randn(B, S, K)
+    got = bwd.values_backward(g, q, k, w, masks, idx, spec, fused=True)
+    torch_path = bwd.values_backward(g, q, k, w, masks, idx, spec, fused=False)
+    leaves = [t.double().requires_grad_(True) for t in (q, k) + ((w,) if has_w else ())]
+    dense = ref.dense_scores(leaves[0], leaves[1], leaves[2] if has_w else None, masks, spec, dtype=torch.float64)
+    picked = dense.gather(-1, idx.long())
+    (picked * g.double()).sum().backward()  # (-inf slots: the sum is not finite, its gradient is)
+    tol = 2e-2 if spec.logit_dtype != "float32" else 1e-5
+    for a, b, c, what in zip(got, [t.grad for t in leaves] + [None], torch_path, "qkw"):
+        if b is None:
+            assert a.numel() == 0
+            continue
+        torch.testing.assert_close(a, b.float(), atol=tol, rtol=tol, msg=f"d/d{what}")
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5, msg=f"d/d{what} against the PyTorch path")
+
+
+@pytest.mark.parametrize("spelling", ["relu", "clamp_min", "maximum"])
+def test_fused_rows_kernel_relu_spellings_at_zero(spelling):
+    """A logit of exactly 0 (zero keys): relu passes no gradient, clamp_min all of it,
+    maximum half, as autograd gives each spelling (and as the PyTorch path does)."""
+    from hyscale_compile.lowerings import backward as bwd
+
+    spec = ScoreSpec(epilogue=(("relu",) if spelling == "relu" else ("relu", spelling), ("mul", 0.5)))
+    torch.manual_seed(fresh_seed("fused-relu-" + spelling))
+    q, k, w = torch.randn(1, 6, 4, 8), torch.randn(1, 10, 1, 8), torch.rand(1, 6, 4) + 0.5
+    k[:, 7:] = 0.0
+    idx = torch.stack([torch.cat([torch.tensor([7, 8, 9]), torch.randperm(7)[:2]]) for _ in range(6)]).unsqueeze(0)
+    g = torch.randn(1, 6, 5)
+    got = bwd.values_backward(g, q, k, w, [], idx, spec, fused=True)
+    want = bwd.values_backward(g, q, k, w, [], idx, spec, fused=False)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    zero_keys = got[1][0, 7:].abs().sum()
+    assert (zero_keys == 0) if spelling == "relu" else (zero_keys > 0)
+
+
+def test_fused_rows_kernel_bits_do_not_depend_on_the_chunking():
+    """Exact-product inputs with heavy key sharing (see _shared_key_case): the fused path
+    gives the PyTorch path's bits, at one row per chunk, 3 rows and one chunk; several key
+    heads, a batch of 2 sharing [1, T] keys."""
+    from hyscale_compile.lowerings import backward as bwd
+
+    for kw in ({}, dict(H_=4, Hk_=2, reduce="sum", B_=2)):
+        case = _shared_key_case("cpu", seed="fused-chunks", **kw)
+        (g, q, k, w, idx, hi), spec = case
+        want = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=False)
+        for chunk_bytes in (None, 1, 3 * _row_bytes(case)):
+            got = bwd.values_backward(g, q, k, w, [hi], idx, spec, chunk_bytes=chunk_bytes, fused=True)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (kw, chunk_bytes)
+
+
+def test_fused_rows_kernel_needs_and_uncovered_specs():
+    """needs=(q only): no key or weight gradient is computed; a spec the kernel does not
+    cover (a relu after the head reduction reads the score in its derivative) keeps the
+    PyTorch path, with the same gradients."""
+    from hyscale_compile.lowerings import backward as bwd
+    from hyscale_compile.lowerings import triton_values_backward as tvb
+
+    torch.manual_seed(fresh_seed("fused-needs"))
+    spec = ScoreSpec(epilogue=(("relu",),))
+    q, k, w = torch.randn(1, 5, 2, 16).bfloat16(), torch.randn(1, 7, 1, 16).bfloat16(), torch.rand(1, 5, 2)
+    idx = torch.stack([torch.randperm(7)[:3] for _ in range(5)]).unsqueeze(0)
+    g = torch.randn(1, 5, 3)
+    gq, gk, gw = bwd.values_backward(g, q, k, w, [], idx, spec, needs=(True, False, False), fused=True)
+    assert gq.dtype == torch.bfloat16 and gk.numel() == 0 and gw.numel() == 0
+    torch.testing.assert_close(gq, bwd.values_backward(g, q, k, w, [], idx, spec, fused=False)[0], atol=1e-2, rtol=1e-2)
+    post_relu = ScoreSpec(epilogue=(("relu",),), post=(("relu",),))
+    assert not tvb.supported(post_relu)
+    a = bwd.values_backward(g, q.float(), k.float(), w, [], idx, post_relu, fused=True)
+    b = bwd.values_backward(g, q.float(), k.float(), w, [], idx, post_relu, fused=False)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.gpu
+def test_gpu_fused_rows_kernel_dsa_like_shape():
+    """CUDA: the fused kernel at S=T=2048, H=16, D=64, k=256 (bf16 q/k, causal fill) against
+    the PyTorch path, and bitwise repeatable (two calls, and another chunk size)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from hyscale_compile.lowerings import backward as bwd
+
+    torch.manual_seed(fresh_seed("gpu_fused"))
+    Sg, Hg, Dg, Kg = 2048, 16, 64, 256
+    spec = ScoreSpec(epilogue=(("mul", Dg**-0.5), ("relu",)), post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0, mode="fill"),))
+    hi = (torch.arange(Sg, device="cuda") + 1).view(1, Sg)
+    q = torch.randn(1, Sg, Hg, Dg, device="cuda").bfloat16()
+    k = torch.randn(1, Sg, 1, Dg, device="cuda").bfloat16()
+    w = torch.rand(1, Sg, Hg, device="cuda") / Hg
+    vals, idx = torch.ops.hyscale.hytopk_values(q, k, w, [hi], Kg, spec.to_json())
+    g = torch.randn(1, Sg, Kg, device="cuda").masked_fill(vals == -math.inf, 0)
+    got = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=True)
+    want = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=False)
+    for a, b, what in zip(got, want, "qkw"):
+        tol = 2e-2 if a.dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(a.float(), b.float(), atol=tol * b.abs().max().item(), rtol=tol, msg=f"d/d{what}")
+    again = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=True)
+    other = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=True, chunk_bytes=8 << 20)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(got, again, other))
