@@ -16,19 +16,20 @@ reduces across rows inside the kernel, so the results do not depend on the chunk
 Covered specs (``supported``): epilogue steps mul / add / div / relu (all spellings) / neg /
 sigmoid / round, any logit dtype, and post steps whose derivative does not read the score
 (masks, mul, add, div, neg). Others (registered mods, a relu after the head reduction) keep
-the PyTorch path. The matmuls run in fp32 (``input_precision="ieee"``, not TF32).
+the PyTorch path. The matmuls have fp32 accuracy: IEEE fp32 dots (not TF32), or with bf16 q
+and k, a bf16 logit dot (exact products) and gradient dots over an exact three-part bf16
+split of the fp32 gradient (the forward kernel's scheme), on the tensor cores.
 """
 from __future__ import annotations
 
 import importlib.util
 import threading
-from typing import List
 
 import torch
 import triton
 
 from .spec import ScoreSpec
-from .triton_codegen import _lit, _round_expr, write_source
+from .triton_codegen import _interpreting, _lit, _round_expr, write_source
 
 _EPILOGUE_OPS = ("mul", "add", "div", "relu", "neg", "sigmoid", "round")
 _POST_OPS = ("mask", "mul", "add", "div", "neg")  # derivatives that do not read the score
@@ -101,9 +102,32 @@ def _round_bf16(x):
 
 
 @triton.jit
+def _dot_split(a, b16, b, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    # a [M, K] fp32 @ b [K, N]. SPLIT (b holds bf16 values, b16 in bf16): a = hi + mid + lo
+    # exactly, three bf16 parts, so three tensor-core dots of exact products give an fp32
+    # dot's accuracy (the forward kernel's split); the interpreter, which has no bf16 dot,
+    # runs the same parts in fp32 dots. Otherwise one IEEE fp32 dot.
+    if SPLIT:
+        hi = _round_bf16(a)
+        r = a - hi
+        mid = _round_bf16(r)
+        lo = _round_bf16(r - mid)
+        if INTERP:
+            out = tl.dot(hi, b, input_precision="ieee") + (tl.dot(mid, b, input_precision="ieee")
+                                                          + tl.dot(lo, b, input_precision="ieee"))
+        else:
+            out = tl.dot(hi.to(tl.bfloat16), b16) + (tl.dot(mid.to(tl.bfloat16), b16)
+                                                     + tl.dot(lo.to(tl.bfloat16), b16))
+    else:
+        out = tl.dot(a, b, input_precision="ieee")
+    return out
+
+
+@triton.jit
 def values_backward_kernel(Q, K, W, GY, IDX, GQ, GW, C, NS, N, G, D, HK,
                            sq_s, sq_h, sk_t, sk_h, sw_s, sg_s, si_s,
                            HAS_W: tl.constexpr, NEED_Q: tl.constexpr, NEED_K: tl.constexpr, NEED_W: tl.constexpr,
+                           SPLIT: tl.constexpr, INTERP: tl.constexpr,
                            BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
@@ -112,8 +136,8 @@ def values_backward_kernel(Q, K, W, GY, IDX, GQ, GW, C, NS, N, G, D, HK,
     mg = offs_g < G
     md = offs_d < D
     heads = hk * G + offs_g
-    qd = tl.load(Q + r * sq_s + heads[:, None] * sq_h + offs_d[None, :], mask=mg[:, None] & md[None, :], other=0.0)
-    qd = qd.to(tl.float32)
+    q16 = tl.load(Q + r * sq_s + heads[:, None] * sq_h + offs_d[None, :], mask=mg[:, None] & md[None, :], other=0.0)
+    qd = q16.to(tl.float32)
     if HAS_W:
         w = tl.load(W + r * sw_s + heads, mask=mg, other=0.0).to(tl.float32)
     gq = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -122,10 +146,14 @@ def values_backward_kernel(Q, K, W, GY, IDX, GQ, GW, C, NS, N, G, D, HK,
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mn = offs_n < N
         key = tl.load(IDX + r * si_s + offs_n, mask=mn, other=0).to(tl.int64)
-        kt = tl.load(K + key[:, None] * sk_t + hk * sk_h + offs_d[None, :], mask=mn[:, None] & md[None, :], other=0.0)
-        kt = kt.to(tl.float32)  # [BLOCK_N, BLOCK_D]
+        k16 = tl.load(K + key[:, None] * sk_t + hk * sk_h + offs_d[None, :], mask=mn[:, None] & md[None, :],
+                      other=0.0)
+        kt = k16.to(tl.float32)  # [BLOCK_N, BLOCK_D]
         gy = tl.load(GY + r * sg_s + offs_n, mask=mn, other=0.0)
-        x0 = tl.dot(qd, tl.trans(kt), input_precision="ieee")  # [BLOCK_G, BLOCK_N] logits
+        if SPLIT and not INTERP:  # bf16 operands: exact products on the tensor cores, fp32 sums
+            x0 = tl.dot(q16, tl.trans(k16))
+        else:
+            x0 = tl.dot(qd, tl.trans(kt), input_precision="ieee")  # [BLOCK_G, BLOCK_N] logits
 {FORWARD}
         live = mg[:, None] & mn[None, :]
         if HAS_W:
@@ -136,9 +164,9 @@ def values_backward_kernel(Q, K, W, GY, IDX, GQ, GW, C, NS, N, G, D, HK,
 {BACKWARD}
         gx = tl.where(live, gx, 0.0)
         if NEED_Q:
-            gq += tl.dot(gx, kt, input_precision="ieee")
+            gq += _dot_split(gx, k16, kt, SPLIT, INTERP)
         if NEED_K:
-            c = tl.dot(tl.trans(gx), qd, input_precision="ieee")  # [BLOCK_N, BLOCK_D]
+            c = _dot_split(tl.trans(gx), q16, qd, SPLIT, INTERP)  # [BLOCK_N, BLOCK_D]
             dst = C + ((hk * NS + r) * N + offs_n)[:, None] * D + offs_d[None, :]
             tl.store(dst, c, mask=mn[:, None] & md[None, :])
     if NEED_Q:
@@ -203,6 +231,7 @@ def rows_backward_fused(gy, q, kb, w, keys, spec: ScoreSpec, needs):
         q.stride(0), q.stride(1), kb.stride(0), kb.stride(1), w.stride(0) if w is not None else 0,
         gy.stride(0), keys.stride(0),
         HAS_W=spec.reduce == "weighted_sum", NEED_Q=need_q, NEED_K=need_k, NEED_W=need_w,
+        SPLIT=q.dtype == torch.bfloat16 and kb.dtype == torch.bfloat16, INTERP=_interpreting(),
         BLOCK_G=bg, BLOCK_D=bd, BLOCK_N=bn, num_warps=8 if big else 4)
     return (gq if need_q else None, contrib if need_k else None, gw if need_w else None)
 

@@ -455,7 +455,8 @@ def test_segment_sum_run_tail_adds_nothing():
     got = ab.segment_sum_(base.clone(), keys, src, use_kernel=True)
     assert torch.equal(torch.signbit(got), torch.signbit(want)) and torch.equal(got, want)
     gen = torch.Generator().manual_seed(fresh_seed("segment-tail"))
-    src = torch.randn(len(keys), 3, generator=gen) * torch.exp2(torch.randint(-20, 20, (len(keys), 1), generator=gen).float())
+    scale = torch.exp2(torch.randint(-20, 20, (len(keys), 1), generator=gen).float())
+    src = torch.randn(len(keys), 3, generator=gen) * scale
     assert torch.equal(ab.segment_sum_(base.clone(), keys, src, use_kernel=True),
                        ab.segment_sum_(base.clone(), keys, src, use_kernel=False))
 
@@ -491,7 +492,9 @@ def test_fused_rows_kernel_gradients_equal_dense_reference(name):
             assert a.numel() == 0
             continue
         torch.testing.assert_close(a, b.float(), atol=tol, rtol=tol, msg=f"d/d{what}")
-        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5, msg=f"d/d{what} against the PyTorch path")
+        # (bf16 logits: a logit whose fp32 sum lands at another bf16 neighbour changes gw by
+        # ~2^-8 relative, for either path against the other as against float64)
+        torch.testing.assert_close(a, c, atol=tol, rtol=tol, msg=f"d/d{what} against the PyTorch path")
 
 
 @pytest.mark.parametrize("spelling", ["relu", "clamp_min", "maximum"])
@@ -577,3 +580,35 @@ def test_gpu_fused_rows_kernel_dsa_like_shape():
     again = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=True)
     other = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=True, chunk_bytes=8 << 20)
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(got, again, other))
+
+
+def test_fused_rows_kernel_bf16_operands_split_dots():
+    """bf16 q and k: the kernel's gradient dots split the fp32 gradient into three bf16 parts
+    (run as fp32 dots under the interpreter): the parts sum to it exactly, so the result
+    keeps an fp32 dot's accuracy against the PyTorch path (fp32 matmuls of the upcast
+    operands)."""
+    from hyscale_compile.lowerings import backward as bwd
+
+    torch.manual_seed(fresh_seed("fused-split"))
+    spec = ScoreSpec(epilogue=(("mul", 0.125), ("relu",)), post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0, mode="fill"),))
+    q, k = torch.randn(1, 12, 4, 32).bfloat16(), torch.randn(1, 20, 1, 32).bfloat16()
+    w = torch.rand(1, 12, 4)
+    idx = torch.stack([torch.randperm(20)[:6] for _ in range(12)]).unsqueeze(0)
+    hi = torch.full((1, 12), 20)
+    g = torch.randn(1, 12, 6) * 1e3
+    f32 = bwd.values_backward(g, q.float(), k.float(), w, [hi], idx, spec, fused=False)
+    got = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=True)
+    f32_fused = bwd.values_backward(g, q.float(), k.float(), w, [hi], idx, spec, fused=True)
+    for a, b, c in zip(got, f32_fused, f32):
+        torch.testing.assert_close(b, c, atol=1e-5 * c.abs().max().item(), rtol=1e-5)
+        torch.testing.assert_close(a, c.to(a.dtype), atol=0, rtol=2**-7)  # one bf16 rounding
+    # before the cast: the split dots' fp32 gq and key contributions equal the fp32 dots' up
+    # to summation order (dropping the low part would be ~2^-17 relative per term, 8x this)
+    from hyscale_compile.lowerings import triton_values_backward as tvb
+
+    gy = tvb.post_backward(g, [hi], spec, idx, 0, 1, 0, 12, 1, 12, 20)[0]
+    split = tvb.rows_backward_fused(gy, q[0], k[0], w[0], idx[0], spec, (True, True, True))
+    plain = tvb.rows_backward_fused(gy, q[0].float(), k[0].float(), w[0], idx[0], spec, (True, True, True))
+    for a, b in zip(split, plain):
+        torch.testing.assert_close(a, b, atol=1e-6 * b.abs().max().item(), rtol=0)
