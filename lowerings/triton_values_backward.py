@@ -127,7 +127,7 @@ def _dot_split(a, b16, b, SPLIT: tl.constexpr, INTERP: tl.constexpr):
 def values_backward_kernel(Q, K, W, GY, IDX, GQ, GW, C, NS, N, G, D, HK,
                            sq_s, sq_h, sk_t, sk_h, sw_s, sg_s, si_s,
                            HAS_W: tl.constexpr, NEED_Q: tl.constexpr, NEED_K: tl.constexpr, NEED_W: tl.constexpr,
-                           SPLIT: tl.constexpr, INTERP: tl.constexpr,
+                           SPLIT: tl.constexpr, INTERP: tl.constexpr, TC16: tl.constexpr,
                            BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
@@ -150,7 +150,7 @@ def values_backward_kernel(Q, K, W, GY, IDX, GQ, GW, C, NS, N, G, D, HK,
                       other=0.0)
         kt = k16.to(tl.float32)  # [BLOCK_N, BLOCK_D]
         gy = tl.load(GY + r * sg_s + offs_n, mask=mn, other=0.0)
-        if SPLIT and not INTERP:  # bf16 operands: exact products on the tensor cores, fp32 sums
+        if TC16:  # bf16 operands, compiled: exact products on the tensor cores, fp32 sums
             x0 = tl.dot(q16, tl.trans(k16))
         else:
             x0 = tl.dot(qd, tl.trans(kt), input_precision="ieee")  # [BLOCK_G, BLOCK_N] logits
@@ -225,13 +225,14 @@ def rows_backward_fused(gy, q, kb, w, keys, spec: ScoreSpec, needs):
     # q and gq [BLOCK_G, BLOCK_D], a [BLOCK_G, BLOCK_N] tile per step and a few [BLOCK_N,
     # BLOCK_D] ones: 8 warps and 32 slots a step once q's tile is large (64 x 128 heads)
     big = bg * bd >= 4096
+    split, interp = q.dtype == torch.bfloat16 and kb.dtype == torch.bfloat16, _interpreting()
     bn = 32 if big else 64
     load_kernel(spec)[(ns, Hk)](
         q, kb, w if w is not None else gy, gy, keys, gq, gw, contrib, ns, n, G, D, Hk,
         q.stride(0), q.stride(1), kb.stride(0), kb.stride(1), w.stride(0) if w is not None else 0,
         gy.stride(0), keys.stride(0),
         HAS_W=spec.reduce == "weighted_sum", NEED_Q=need_q, NEED_K=need_k, NEED_W=need_w,
-        SPLIT=q.dtype == torch.bfloat16 and kb.dtype == torch.bfloat16, INTERP=_interpreting(),
+        SPLIT=split, INTERP=interp, TC16=split and not interp,
         BLOCK_G=bg, BLOCK_D=bd, BLOCK_N=bn, num_warps=8 if big else 4)
     return (gq if need_q else None, contrib if need_k else None, gw if need_w else None)
 
