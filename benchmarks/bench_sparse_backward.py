@@ -11,6 +11,16 @@ With ``backend="hyscale"`` the forward is the fused selection and the backward i
 logits and their gradient. Columns: median step time (forward + backward, CUDA events),
 peak extra memory, whether the compiled backward held the sparse op. A variant that runs
 out of memory says so.
+
+A second table times ``values_backward`` alone at the same shapes (bf16 q/k, fp32 w, the
+causal fill, the forward's own indices) with the key gradient accumulated two ways:
+``index_add`` (CUDA atomics, the former path) and ``segment_sum`` (a stable sort and
+attention_backward's segment sum, the current one), and the fused per-row Triton kernel
+(``triton_values_backward``, ``HYSCALE_BWD_FUSED=1``) before the segment sum. "bitwise repeat" says whether
+``--repeats`` calls gave identical gk; "max |diff|" is the largest gk difference between the
+two ways, relative to max |gk|.
+
+    python benchmarks/bench_sparse_backward.py --seqs 32768 --variants none --op-heads 16,64 --op-dims 64,128
 """
 from __future__ import annotations
 
@@ -74,25 +84,68 @@ def measure(fn, reps=3):
     return statistics.median(times), peak
 
 
+def op_rows(S, H, D, topk, repeats):
+    """values_backward alone, index_add_ against the segment sum and the fused kernel: [(way, ms, bitwise repeat,
+    rel diff to index_add)]."""
+    import functools
+
+    from hyscale_compile.lowerings import backward as bwd
+    from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
+
+    torch.manual_seed(0)
+    spec = ScoreSpec(epilogue=(("relu",), ("mul", D**-0.5)), post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0, mode="fill"),))
+    q = torch.randn(1, S, H, D, device="cuda").bfloat16()
+    k = torch.randn(1, S, 1, D, device="cuda").bfloat16()
+    w = torch.rand(1, S, H, device="cuda") / H
+    hi = (torch.arange(S, device="cuda") + 1).view(1, S)
+    vals, idx = torch.ops.hyscale.hytopk_values(q, k, w, [hi], topk, spec.to_json())
+    g = torch.randn(1, S, topk, device="cuda").masked_fill(vals == float("-inf"), 0)
+    del vals
+    out, ref = [], None
+    orig = bwd._add_key_grads
+    try:
+        for way, use_kernel, fused in (("index_add", False, False), ("segment_sum", True, False),
+                                       ("fused kernel + segment_sum", True, True)):
+            bwd._add_key_grads = functools.partial(orig, use_kernel=use_kernel)
+            run = lambda: bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=fused)[1]  # noqa: E731
+            ms, _ = measure(run, reps=repeats)
+            gks = [run().float() for _ in range(repeats)]
+            same = all(torch.equal(gks[0], x) for x in gks[1:])
+            if ref is None:
+                ref = gks[0]
+            diff = ((gks[0] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+            out.append((way, ms, same, diff))
+            del gks
+            torch.cuda.empty_cache()
+    finally:
+        bwd._add_key_grads = orig
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="8192,16384,32768")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=64, help="indexer head dim")
     ap.add_argument("--topk", type=int, default=2048)
-    ap.add_argument("--variants", default="inductor,hyscale")
+    ap.add_argument("--variants", default="inductor,hyscale", help="step variants ('none': skip the step table)")
+    ap.add_argument("--op-heads", default="16", help="indexer heads for the values_backward table ('' skips it)")
+    ap.add_argument("--op-dims", default="64", help="indexer head dims for the values_backward table")
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     from hyscale_compile.lowerings import ops as hy_ops
 
     rows = []
-    for S in [int(s) for s in args.seqs.split(",")]:
+    variants = [v for v in args.variants.split(",") if v and v != "none"]
+    for S in [int(s) for s in args.seqs.split(",")] if variants else []:
         torch.manual_seed(0)
         model = KLIndexer(512, args.heads, args.dim, args.topk).cuda().bfloat16()
         x = torch.randn(1, S, 512, device="cuda", dtype=torch.bfloat16)
         target = torch.softmax(torch.randn(1, S, args.topk, device="cuda"), -1)
-        for variant in args.variants.split(","):
+        for variant in variants:
             torch._dynamo.reset()
             model.zero_grad(set_to_none=True)
             backend = "inductor" if variant == "inductor" else "hyscale"
@@ -107,6 +160,22 @@ def main(argv=None) -> int:
             calls = hy_ops.CALLS["hytopk"] - before["hytopk"]
             rows.append((S, variant, ms, peak, calls, note))
             print(S, variant, ms, peak, calls, note, file=sys.stderr, flush=True)
+    op = []
+    for S in [int(s) for s in args.seqs.split(",")]:
+        for H in [int(h) for h in args.op_heads.split(",") if h]:
+            for D in [int(d) for d in args.op_dims.split(",") if d]:
+                for way, ms, same, diff in op_rows(S, H, D, args.topk, args.repeats):
+                    op.append((S, H, D, way, ms, same, diff))
+                    print(S, H, D, way, ms, same, diff, file=sys.stderr, flush=True)
+    if op:
+        print(f"\nhytopk_values_backward alone (gk accumulation), k={args.topk}, bf16 q/k, causal; "
+              f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+        print("| S | H x D | gk accumulation | ms | bitwise repeat | max abs gk diff / max abs gk |")
+        print("|---|---|---|---|---|---|")
+        for S, H, D, way, ms, same, diff in op:
+            print(f"| {S:,} | {H} x {D} | {way} | {ms:.1f} | {'yes' if same else 'no'} | {diff:.1e} |")
+    if not rows:
+        return 0
     print(f"\nKL-trained indexer, H={args.heads}, D={args.dim}, k={args.topk}, bf16 weights, fp32 scores, causal; "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| S | variant | step ms (fwd+bwd) | peak extra GiB | selection calls | note |")

@@ -56,10 +56,14 @@ if "HYSCALE_ATTN_CHUNK_BYTES" in os.environ:
     DEFAULT_CHUNK_BYTES = {d: int(os.environ["HYSCALE_ATTN_CHUNK_BYTES"]) for d in DEFAULT_CHUNK_BYTES}
 
 _BLOCK_F = 1024  # at most this many features per program of the segment sum
+# Contributions a program loads at once: a key's run is a chain of dependent adds, so one
+# load per step would leave each step waiting a full memory latency; UNROLL independent
+# loads are issued together, then added one after another in order.
+_UNROLL = 8
 
 
 @triton.jit
-def _segment_sum_kernel(SRC, ORDER, SKEYS, END, OUT, N, F, HK, BLOCK_F: tl.constexpr):
+def _segment_sum_kernel(SRC, ORDER, SKEYS, END, OUT, N, F, HK, BLOCK_F: tl.constexpr, UNROLL: tl.constexpr):
     # Program (i, f, h): sorted position i, features [f * BLOCK_F, ...) of key head h. Only
     # the first position of each key's run works: it adds the run's rows of SRC[h], in
     # sorted order, onto OUT[key, h] and stores it. One program per key, head and feature
@@ -75,9 +79,13 @@ def _segment_sum_kernel(SRC, ORDER, SKEYS, END, OUT, N, F, HK, BLOCK_F: tl.const
         dst = OUT + (key.to(tl.int64) * HK + h) * F + offs
         src = SRC + h * N * F + offs
         acc = tl.load(dst, mask=ok, other=0.0)
-        for p in range(i.to(tl.int64), end):
-            r = tl.load(ORDER + p).to(tl.int64)
-            acc += tl.load(src + r * F, mask=ok, other=0.0)
+        for p0 in range(i.to(tl.int64), end, UNROLL):
+            for u in tl.static_range(UNROLL):
+                live = p0 + u < end
+                r = tl.load(ORDER + p0 + u, mask=live, other=0).to(tl.int64)
+                x = tl.load(src + r * F, mask=ok & live, other=0.0)
+                # past the run's end: no add at all (acc + 0.0 would turn a -0.0 into +0.0)
+                acc = tl.where(live, acc + x, acc)
         tl.store(dst, acc, mask=ok)
 
 
@@ -113,7 +121,8 @@ def segment_sum_(out: torch.Tensor, keys: torch.Tensor, src: torch.Tensor, use_k
     src = src.contiguous()
     skeys, order, end = key_order(keys)
     block = min(_BLOCK_F, triton.next_power_of_2(F))
-    _segment_sum_kernel[(N, triton.cdiv(F, block), Hk)](src, order, skeys, end, out3, N, F, Hk, BLOCK_F=block)
+    _segment_sum_kernel[(N, triton.cdiv(F, block), Hk)](src, order, skeys, end, out3, N, F, Hk, BLOCK_F=block,
+                                                         UNROLL=_UNROLL)
     return out
 
 

@@ -20,8 +20,18 @@ mask does (docs/contract.md, "Values and gradients").
 This runs inside a custom op's implementation, below autograd, so the chain rule is
 written out here rather than taken from ``torch.autograd``. Precision: fp32 arithmetic
 (bf16/fp16 operands upcast exactly), gradients cast to the operand dtypes, as the
-original graph's upcast backward does. On CUDA the key gradient's ``index_add_``
-accumulates with atomics, so its low bits may vary between runs.
+original graph's upcast backward does.
+
+Determinism: the key gradient sums each key's contributions in (row, slot) order onto its
+running value, chunk after chunk in row order, so the sum's order (and its bits) depends on
+neither the run nor the chunk size. On CUDA that is ``attention_backward.segment_sum_`` (a
+stable sort of the chunk's keys and a Triton segment sum, one program per key, no atomics:
+``index_add_`` there adds with atomics in a varying order); on the CPU ``index_add_``, whose
+loop follows the same order.
+
+``triton_values_backward`` fuses the per-row part (gather, rebuilt steps, derivatives, gq,
+gw and the per-slot key contributions) into one Triton kernel for the specs it covers; it is
+opt-in on CUDA (``HYSCALE_BWD_FUSED=1``) until measured there.
 """
 from __future__ import annotations
 
@@ -150,6 +160,23 @@ def rows_backward(g, q, ksel, w, masks, spec: ScoreSpec, keys, b0, b1, s0, s1, s
     return gq, gks.permute(0, 1, 3, 2, 4), gw
 
 
+def _add_key_grads(gk: torch.Tensor, keys: torch.Tensor, g_ks: torch.Tensor, use_kernel: Optional[bool] = None):
+    """gk[keys[i]] += g_ks[i] in i = (row, slot) order: fp32 gk [T, Hk, D] (contiguous),
+    keys [N], per-slot contributions g_ks [nb, ns, n, Hk, D] (N = nb * ns * n).
+    ``use_kernel``: the Triton segment sum (default: on CUDA)."""
+    if use_kernel is None:
+        use_kernel = gk.device.type == "cuda"
+    Hk, D = gk.shape[1], gk.shape[2]
+    if not use_kernel:  # the CPU loop adds in index order
+        gk.index_add_(0, keys, g_ks.reshape(-1, Hk, D))
+        return gk
+    from .attention_backward import segment_sum_  # (it imports this module)
+
+    # head-major [Hk, N, D], the segment sum's layout: one copy, as the reshape above makes
+    src = g_ks.permute(3, 0, 1, 2, 4).reshape(Hk, -1, D)
+    return segment_sum_(gk, keys, src, use_kernel=True)
+
+
 def values_backward(
     grad: torch.Tensor,
     q: torch.Tensor,
@@ -160,9 +187,12 @@ def values_backward(
     spec: ScoreSpec,
     needs: Tuple[bool, bool, bool] = (True, True, True),
     chunk_bytes: Optional[int] = None,
+    fused: Optional[bool] = None,
 ):
     """(gq, gk, gw) for ``grad`` = d loss / d values [B, S, k]; an input that needs no
-    gradient (``needs``) gets an empty tensor."""
+    gradient (``needs``) gets an empty tensor. ``fused``: the per-row part as one Triton
+    kernel (``triton_values_backward``; default: on CUDA when ``HYSCALE_BWD_FUSED=1`` and
+    the spec is covered; tests run it on the CPU under TRITON_INTERPRET=1)."""
     topk = idx.shape[-1]
     shape = check_operands(q, k, w, masks, topk, spec)
     B, S, H, D, T, Hk = shape
@@ -175,14 +205,37 @@ def values_backward(
     gw = torch.zeros(w.shape, dtype=f32, device=w.device) if need_w else None
     if chunk_bytes is None:
         chunk_bytes = DEFAULT_CHUNK_BYTES.get(q.device.type, DEFAULT_CHUNK_BYTES["cpu"])
+    if fused is None:
+        fused = q.device.type == "cuda" and os.environ.get("HYSCALE_BWD_FUSED", "0") == "1"
+    if fused:
+        from . import triton_values_backward as tvb
+
+        fused = tvb.supported(spec)
     if topk > 0 and (need_q or need_k or need_w):
         per_row = 4 * topk * (2 * Hk * D + 4 * H)  # gathered keys + their grad, logits + temporaries
+        if fused:  # the per-slot key contributions and [rows, k] temporaries only
+            per_row = 4 * topk * (Hk * D + 4)
         rows = max(1, chunk_bytes // per_row)
         for b in range(B):
             kb = k[b if k.shape[0] == B else 0]  # [T, Hk, D]
             for s0 in range(0, S, rows):
                 s1 = min(S, s0 + rows)
                 keys = idx[b : b + 1, s0:s1].long()
+                if fused:
+                    gy = tvb.post_backward(grad[b : b + 1, s0:s1].to(f32), masks, spec, keys, b, b + 1, s0, s1,
+                                           B, S, T)
+                    g_q, contrib, g_w = tvb.rows_backward_fused(
+                        gy[0], q[b, s0:s1], kb, w[b, s0:s1] if w is not None else None, keys[0], spec,
+                        (need_q, need_k, need_w))
+                    if need_q:
+                        gq[b, s0:s1] = g_q
+                    if need_k:
+                        from .attention_backward import segment_sum_
+
+                        segment_sum_(gk[b if k.shape[0] == B else 0], keys.flatten(), contrib)
+                    if need_w:
+                        gw[b, s0:s1] = g_w
+                    continue
                 qc = q[b : b + 1, s0:s1].to(f32)
                 ks = kb[keys].to(f32)  # [1, ns, k, Hk, D]
                 wc = w[b : b + 1, s0:s1].to(f32) if w is not None else None
@@ -191,7 +244,7 @@ def values_backward(
                 if need_q:
                     gq[b : b + 1, s0:s1] = g_q
                 if need_k:
-                    gk[b if k.shape[0] == B else 0].index_add_(0, keys.flatten(), g_ks.reshape(-1, Hk, D))
+                    _add_key_grads(gk[b if k.shape[0] == B else 0], keys.flatten(), g_ks)
                 if need_w:
                     gw[b : b + 1, s0:s1] = g_w
     empty = q.new_empty(0)

@@ -356,3 +356,259 @@ def test_op_backward_with_sorted_flag():
     for g in grads[1:]:
         for a, b in zip(grads[0], g):
             assert torch.equal(a, b)  # (the CPU reference returns the sorted order either way)
+
+
+# ---------------------------------------------------------------------------------------
+# Determinism: the key gradients sum in (row, slot) order, whatever the run or the chunking
+#
+# The inputs are small integers and each row's gradient is a small integer times one power of
+# two (2^-20..2^20, per row): every per-slot product and per-row sum is then exact in fp32,
+# whatever order a matmul adds in, and the only rounding is where one key sums the
+# contributions of rows of very different magnitudes. So bitwise comparisons see exactly
+# the key accumulation's order, across runs, chunk sizes and devices.
+
+def _shared_key_case(device, S_=48, T_=6, K_=4, H_=4, Hk_=1, D_=16, reduce="weighted_sum", B_=1, seed="shared-keys"):
+    """Heavy key sharing: every row picks K_ of T_ keys."""
+    gen = torch.Generator().manual_seed(fresh_seed(seed))
+    spec = ScoreSpec(reduce=reduce, epilogue=(("relu",), ("mul", 0.125)), post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0, mode="fill"),))
+    q = torch.randint(-2, 3, (B_, S_, H_, D_), generator=gen).float()
+    k = torch.randint(-2, 3, (1, T_, Hk_, D_), generator=gen).float()
+    w = torch.randint(1, 4, (B_, S_, H_), generator=gen).float() if reduce == "weighted_sum" else None
+    idx = torch.stack([torch.stack([torch.randperm(T_, generator=gen)[:K_] for _ in range(S_)]) for _ in range(B_)])
+    hi = torch.full((1, S_), T_, dtype=torch.int64)
+    scale = torch.exp2(torch.randint(-20, 21, (B_, S_, 1), generator=gen).float())
+    g = torch.randint(-8, 9, (B_, S_, K_), generator=gen).float() * scale
+    return [t.to(device) if t is not None else None for t in (g, q, k, w, idx.int(), hi)], spec
+
+
+def _values_bwd(case, chunk_bytes=None):
+    from hyscale_compile.lowerings import backward as bwd
+
+    (g, q, k, w, idx, hi), spec = case
+    return bwd.values_backward(g, q, k, w, [hi], idx, spec, chunk_bytes=chunk_bytes)
+
+
+def _row_bytes(case):  # values_backward's chunk budget for one row
+    (g, q, k, _, _, _), _ = case
+    return 4 * g.shape[-1] * (2 * k.shape[2] * k.shape[3] + 4 * q.shape[2])
+
+
+@pytest.mark.parametrize("layout", ["mqa", "gqa_batch2_shared_keys"])
+def test_key_gradient_kernel_path_equals_index_add_order(monkeypatch, layout):
+    """The CUDA path's key accumulation (the Triton segment sum, here under
+    TRITON_INTERPRET=1) gives the CPU index_add_'s bits, with one chunk, one row per chunk
+    and 3 rows per chunk; those bits are the sequential (row, slot) sum, which the data can
+    tell from another order."""
+    import functools
+
+    from hyscale_compile.lowerings import backward as bwd
+
+    kw = {} if layout == "mqa" else dict(H_=4, Hk_=2, reduce="sum", B_=2)
+    case = _shared_key_case("cpu", seed=f"shared-keys-{layout}", **kw)
+    want = _values_bwd(case)
+    (g, q, k, w, idx, hi), spec = case
+    # the order matters for these inputs: summing the rows in reverse changes gk's bits
+    rev = bwd.values_backward(g.flip(1), q.flip(1), k, None if w is None else w.flip(1), [hi], idx.flip(1), spec)
+    assert torch.equal(rev[0], want[0].flip(1)) and not torch.equal(rev[1], want[1])
+    chunks = (None, 1, 3 * _row_bytes(case))
+    for chunk_bytes in chunks[1:]:  # CPU: the chunk size changes no bit
+        assert all(torch.equal(a, b) for a, b in zip(_values_bwd(case, chunk_bytes), want)), chunk_bytes
+    monkeypatch.setattr(bwd, "_add_key_grads", functools.partial(bwd._add_key_grads, use_kernel=True))
+    for chunk_bytes in chunks:
+        got = _values_bwd(case, chunk_bytes)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), chunk_bytes
+
+
+@pytest.mark.gpu
+def test_gpu_values_backward_bitwise_reproducible():
+    """CUDA, heavy key sharing (4096 rows over 64 keys, 32 slots each, 16 heads, D = 64):
+    repeated calls give the same bits (index_add_'s atomics need not:
+    tests/test_attention_op.py shows they do not), so do other chunk sizes (the key sums run
+    in (row, slot) order across chunks), and they are the CPU's sequential sum's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    case = _shared_key_case("cuda", S_=4096, T_=64, K_=32, H_=16, Hk_=1, D_=64, seed="gpu-shared-keys")
+    runs = [_values_bwd(case) for _ in range(3)]
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+    for rows in (1, 64, 777):  # 777 does not divide S
+        got = _values_bwd(case, chunk_bytes=rows * _row_bytes(case))
+        for a, b, what in zip(got, runs[0], "qkw"):
+            assert torch.equal(a, b), f"d/d{what} changed with {rows} rows per chunk"
+    spec = case[1]
+    cpu = _values_bwd(([t.cpu() if t is not None else None for t in case[0]], spec))
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(runs[0], cpu))
+
+
+def test_segment_sum_run_tail_adds_nothing():
+    """The segment sum loads a key's run in blocks; past the run's end it must add nothing,
+    not +0.0 (which turns a -0.0 key gradient into +0.0, unlike index_add_'s loop). Run
+    lengths 1..9 straddle the block size."""
+    from hyscale_compile.lowerings import attention_backward as ab
+
+    keys = torch.cat([torch.full((n,), t) for t, n in enumerate(range(1, 10))])
+    src = torch.full((len(keys), 3), -0.0)
+    base = torch.full((9, 3), -0.0)
+    want = ab.segment_sum_(base.clone(), keys, src, use_kernel=False)
+    assert torch.equal(torch.signbit(want), torch.ones(9, 3, dtype=torch.bool))
+    got = ab.segment_sum_(base.clone(), keys, src, use_kernel=True)
+    assert torch.equal(torch.signbit(got), torch.signbit(want)) and torch.equal(got, want)
+    gen = torch.Generator().manual_seed(fresh_seed("segment-tail"))
+    scale = torch.exp2(torch.randint(-20, 20, (len(keys), 1), generator=gen).float())
+    src = torch.randn(len(keys), 3, generator=gen) * scale
+    assert torch.equal(ab.segment_sum_(base.clone(), keys, src, use_kernel=True),
+                       ab.segment_sum_(base.clone(), keys, src, use_kernel=False))
+
+
+# ---------------------------------------------------------------------------------------
+# The fused per-row kernel (lowerings/triton_values_backward.py), here under TRITON_INTERPRET=1
+
+@pytest.mark.parametrize("name", sorted(_spec_cases()))
+def test_fused_rows_kernel_gradients_equal_dense_reference(name):
+    """The fused kernel's (gq, gk, gw) against float64 autograd of the dense scores read at
+    the same indices, for every spec form the op tests cover (fills, additive masks, GQA,
+    bf16 logits, sum and weighted sum), and against the PyTorch path."""
+    from hyscale_compile.lowerings import backward as bwd
+    from hyscale_compile.lowerings import triton_values_backward as tvb
+
+    spec, H, Hk, has_w, mask_makers = _spec_cases()[name]
+    assert tvb.supported(spec)
+    torch.manual_seed(fresh_seed("fused-" + name))
+    masks = [m() for m in mask_makers]
+    q, k = torch.randn(B, S, H, D), torch.randn(B, T, Hk, D)
+    w = torch.rand(B, S, H) + 0.1 if has_w else None
+    _, idx = torch.ops.hyscale.hytopk_values(q, k, w, masks, K, spec.to_json())
+    g = torch.randn(B, S, K)
+    got = bwd.values_backward(g, q, k, w, masks, idx, spec, fused=True)
+    torch_path = bwd.values_backward(g, q, k, w, masks, idx, spec, fused=False)
+    leaves = [t.double().requires_grad_(True) for t in (q, k) + ((w,) if has_w else ())]
+    dense = ref.dense_scores(leaves[0], leaves[1], leaves[2] if has_w else None, masks, spec, dtype=torch.float64)
+    picked = dense.gather(-1, idx.long())
+    (picked * g.double()).sum().backward()  # (-inf slots: the sum is not finite, its gradient is)
+    tol = 2e-2 if spec.logit_dtype != "float32" else 1e-5
+    for a, b, c, what in zip(got, [t.grad for t in leaves] + [None], torch_path, "qkw"):
+        if b is None:
+            assert a.numel() == 0
+            continue
+        torch.testing.assert_close(a, b.float(), atol=tol, rtol=tol, msg=f"d/d{what}")
+        # (bf16 logits: a logit whose fp32 sum lands at another bf16 neighbour changes gw by
+        # ~2^-8 relative, for either path against the other as against float64)
+        torch.testing.assert_close(a, c, atol=tol, rtol=tol, msg=f"d/d{what} against the PyTorch path")
+
+
+@pytest.mark.parametrize("spelling", ["relu", "clamp_min", "maximum"])
+def test_fused_rows_kernel_relu_spellings_at_zero(spelling):
+    """A logit of exactly 0 (zero keys): relu passes no gradient, clamp_min all of it,
+    maximum half, as autograd gives each spelling (and as the PyTorch path does)."""
+    from hyscale_compile.lowerings import backward as bwd
+
+    spec = ScoreSpec(epilogue=(("relu",) if spelling == "relu" else ("relu", spelling), ("mul", 0.5)))
+    torch.manual_seed(fresh_seed("fused-relu-" + spelling))
+    q, k, w = torch.randn(1, 6, 4, 8), torch.randn(1, 10, 1, 8), torch.rand(1, 6, 4) + 0.5
+    k[:, 7:] = 0.0
+    idx = torch.stack([torch.cat([torch.tensor([7, 8, 9]), torch.randperm(7)[:2]]) for _ in range(6)]).unsqueeze(0)
+    g = torch.randn(1, 6, 5)
+    got = bwd.values_backward(g, q, k, w, [], idx, spec, fused=True)
+    want = bwd.values_backward(g, q, k, w, [], idx, spec, fused=False)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    zero_keys = got[1][0, 7:].abs().sum()
+    assert (zero_keys == 0) if spelling == "relu" else (zero_keys > 0)
+
+
+def test_fused_rows_kernel_bits_do_not_depend_on_the_chunking():
+    """Exact-product inputs with heavy key sharing (see _shared_key_case): the fused path
+    gives the PyTorch path's bits, at one row per chunk, 3 rows and one chunk; several key
+    heads, a batch of 2 sharing [1, T] keys."""
+    from hyscale_compile.lowerings import backward as bwd
+
+    for kw in ({}, dict(H_=4, Hk_=2, reduce="sum", B_=2)):
+        case = _shared_key_case("cpu", seed="fused-chunks", **kw)
+        (g, q, k, w, idx, hi), spec = case
+        want = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=False)
+        for chunk_bytes in (None, 1, 3 * _row_bytes(case)):
+            got = bwd.values_backward(g, q, k, w, [hi], idx, spec, chunk_bytes=chunk_bytes, fused=True)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (kw, chunk_bytes)
+
+
+def test_fused_rows_kernel_needs_and_uncovered_specs():
+    """needs=(q only): no key or weight gradient is computed; a spec the kernel does not
+    cover (a relu after the head reduction reads the score in its derivative) keeps the
+    PyTorch path, with the same gradients."""
+    from hyscale_compile.lowerings import backward as bwd
+    from hyscale_compile.lowerings import triton_values_backward as tvb
+
+    torch.manual_seed(fresh_seed("fused-needs"))
+    spec = ScoreSpec(epilogue=(("relu",),))
+    q, k, w = torch.randn(1, 5, 2, 16).bfloat16(), torch.randn(1, 7, 1, 16).bfloat16(), torch.rand(1, 5, 2)
+    idx = torch.stack([torch.randperm(7)[:3] for _ in range(5)]).unsqueeze(0)
+    g = torch.randn(1, 5, 3)
+    gq, gk, gw = bwd.values_backward(g, q, k, w, [], idx, spec, needs=(True, False, False), fused=True)
+    assert gq.dtype == torch.bfloat16 and gk.numel() == 0 and gw.numel() == 0
+    torch.testing.assert_close(gq, bwd.values_backward(g, q, k, w, [], idx, spec, fused=False)[0], atol=1e-2, rtol=1e-2)
+    post_relu = ScoreSpec(epilogue=(("relu",),), post=(("relu",),))
+    assert not tvb.supported(post_relu)
+    a = bwd.values_backward(g, q.float(), k.float(), w, [], idx, post_relu, fused=True)
+    b = bwd.values_backward(g, q.float(), k.float(), w, [], idx, post_relu, fused=False)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.gpu
+def test_gpu_fused_rows_kernel_dsa_like_shape():
+    """CUDA: the fused kernel at S=T=2048, H=16, D=64, k=256 (bf16 q/k, causal fill) against
+    the PyTorch path, and bitwise repeatable (two calls, and another chunk size)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from hyscale_compile.lowerings import backward as bwd
+
+    torch.manual_seed(fresh_seed("gpu_fused"))
+    Sg, Hg, Dg, Kg = 2048, 16, 64, 256
+    spec = ScoreSpec(epilogue=(("mul", Dg**-0.5), ("relu",)), post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0, mode="fill"),))
+    hi = (torch.arange(Sg, device="cuda") + 1).view(1, Sg)
+    q = torch.randn(1, Sg, Hg, Dg, device="cuda").bfloat16()
+    k = torch.randn(1, Sg, 1, Dg, device="cuda").bfloat16()
+    w = torch.rand(1, Sg, Hg, device="cuda") / Hg
+    vals, idx = torch.ops.hyscale.hytopk_values(q, k, w, [hi], Kg, spec.to_json())
+    g = torch.randn(1, Sg, Kg, device="cuda").masked_fill(vals == -math.inf, 0)
+    got = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=True)
+    want = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=False)
+    for a, b, what in zip(got, want, "qkw"):
+        tol = 2e-2 if a.dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(a.float(), b.float(), atol=tol * b.abs().max().item(), rtol=tol, msg=f"d/d{what}")
+    again = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=True)
+    other = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=True, chunk_bytes=8 << 20)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(got, again, other))
+
+
+def test_fused_rows_kernel_bf16_operands_split_dots():
+    """bf16 q and k: the kernel's gradient dots split the fp32 gradient into three bf16 parts
+    (run as fp32 dots under the interpreter): the parts sum to it exactly, so the result
+    keeps an fp32 dot's accuracy against the PyTorch path (fp32 matmuls of the upcast
+    operands)."""
+    from hyscale_compile.lowerings import backward as bwd
+
+    torch.manual_seed(fresh_seed("fused-split"))
+    spec = ScoreSpec(epilogue=(("mul", 0.125), ("relu",)), post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0, mode="fill"),))
+    q, k = torch.randn(1, 12, 4, 32).bfloat16(), torch.randn(1, 20, 1, 32).bfloat16()
+    w = torch.rand(1, 12, 4)
+    idx = torch.stack([torch.randperm(20)[:6] for _ in range(12)]).unsqueeze(0)
+    hi = torch.full((1, 12), 20)
+    g = torch.randn(1, 12, 6) * 1e3
+    f32 = bwd.values_backward(g, q.float(), k.float(), w, [hi], idx, spec, fused=False)
+    got = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=True)
+    f32_fused = bwd.values_backward(g, q.float(), k.float(), w, [hi], idx, spec, fused=True)
+    for a, b, c in zip(got, f32_fused, f32):
+        torch.testing.assert_close(b, c, atol=1e-5 * c.abs().max().item(), rtol=1e-5)
+        torch.testing.assert_close(a, c.to(a.dtype), atol=0, rtol=2**-7)  # one bf16 rounding
+    # before the cast: the split dots' fp32 gq and key contributions equal the fp32 dots' up
+    # to summation order (dropping the low part would be ~2^-17 relative per term, 8x this)
+    from hyscale_compile.lowerings import triton_values_backward as tvb
+
+    gy = tvb.post_backward(g, [hi], spec, idx, 0, 1, 0, 12, 1, 12, 20)[0]
+    split = tvb.rows_backward_fused(gy, q[0], k[0], w[0], idx[0], spec, (True, True, True))
+    plain = tvb.rows_backward_fused(gy, q[0].float(), k[0].float(), w[0], idx[0], spec, (True, True, True))
+    for a, b in zip(split, plain):
+        torch.testing.assert_close(a, b, atol=1e-6 * b.abs().max().item(), rtol=0)

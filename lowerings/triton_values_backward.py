@@ -1,0 +1,250 @@
+"""A fused Triton kernel for the per-row part of ``hytopk_values``'s sparse backward.
+
+One program per (query row, key head): it gathers the row's k keys block by block, rebuilds
+the per-head logits (the spec's logit rounding and epilogue steps, generated from the spec
+like the forward kernel), runs the steps' derivatives in reverse and gives
+
+    gq[s, h]       = sum_j gx[h, j] k[t_j]        (accumulated over slot blocks, in order)
+    gw[s, h]       = sum_j x[h, j] gy[j]
+    C[hk, (s, j)]  = sum_h gx[h, j] q[s, h]       (the per-slot key contributions)
+
+where gy is d loss / d (reduced score), from the post steps' derivatives (computed on the
+[rows, k] gradient in PyTorch: they act on the reduced score, so they are cheap). The key
+gradient is then ``attention_backward.segment_sum_`` over C, in (row, slot) order. Nothing
+reduces across rows inside the kernel, so the results do not depend on the chunking.
+
+Covered specs (``supported``): epilogue steps mul / add / div / relu (all spellings) / neg /
+sigmoid / round, any logit dtype, and post steps whose derivative does not read the score
+(masks, mul, add, div, neg). Others (registered mods, a relu after the head reduction) keep
+the PyTorch path. The matmuls have fp32 accuracy: IEEE fp32 dots (not TF32), or with bf16 q
+and k, a bf16 logit dot (exact products) and gradient dots over an exact three-part bf16
+split of the fp32 gradient (the forward kernel's scheme), on the tensor cores.
+"""
+from __future__ import annotations
+
+import importlib.util
+import threading
+
+import torch
+import triton
+
+from .spec import ScoreSpec
+from .triton_codegen import _interpreting, _lit, _round_expr, write_source
+
+_EPILOGUE_OPS = ("mul", "add", "div", "relu", "neg", "sigmoid", "round")
+_POST_OPS = ("mask", "mul", "add", "div", "neg")  # derivatives that do not read the score
+
+
+def supported(spec: ScoreSpec) -> bool:
+    return (all(st[0] in _EPILOGUE_OPS for st in spec.epilogue) and all(st[0] in _POST_OPS for st in spec.post))
+
+
+def _forward_line(i: int, step) -> str:
+    """x{i+1} = step(x{i}), with torch's arithmetic (what ``reference._apply_elementwise`` does)."""
+    a, b = f"x{i}", f"x{i + 1}"
+    op = step[0]
+    if op == "mul":
+        return f"{b} = {a} * {_lit(step[1])}"
+    if op == "add":
+        return f"{b} = {a} + {_lit(step[1])}"
+    if op == "div":
+        return f"{b} = tl.div_rn({a}, {_lit(step[1])})"
+    if op == "relu":  # NaN stays NaN, as torch.relu / clamp_min / maximum give
+        return f"{b} = tl.where({a} < 0.0, 0.0, {a})"
+    if op == "neg":
+        return f"{b} = -{a}"
+    if op == "sigmoid":
+        return f"{b} = tl.sigmoid({a})"
+    if op == "round":
+        return f"{b} = {_round_expr(a, step[1])}"
+    raise AssertionError(step)
+
+
+def _backward_line(i: int, step) -> str:
+    """gx = d loss / d x{i} from gx = d loss / d x{i+1} (``backward._step_grad``'s rules)."""
+    x, y = f"x{i}", f"x{i + 1}"
+    op = step[0]
+    if op == "mul":
+        return f"gx = gx * {_lit(step[1])}"
+    if op == "add":
+        return "gx = gx"
+    if op == "div":
+        return f"gx = tl.div_rn(gx, {_lit(step[1])})"
+    if op == "relu":
+        spelling = step[1] if len(step) > 1 else "relu"
+        if spelling == "clamp_min":
+            return f"gx = tl.where({x} >= 0.0, gx, 0.0)"
+        if spelling == "maximum":
+            return f"gx = tl.where({x} > 0.0, gx, tl.where({x} == 0.0, gx * 0.5, 0.0))"
+        return f"gx = tl.where({x} > 0.0, gx, 0.0)"
+    if op == "neg":
+        return "gx = -gx"
+    if op == "sigmoid":
+        return f"gx = gx * {y} * (1.0 - {y})"
+    if op == "round":
+        return f"gx = {_round_expr('gx', step[1])}"
+    raise AssertionError(step)
+
+
+_TEMPLATE = '''
+import triton
+import triton.language as tl
+
+
+
+@triton.jit
+def _round_bf16(x):
+    # fp32 -> bf16 -> fp32 with round-to-nearest-even, on the bits (NaN stays NaN), as the
+    # forward kernel rounds (it also works in the interpreter, which has no bf16 math)
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + (0x7FFF + ((u >> 16) & 1))) & 0xFFFF0000
+    return tl.where(x != x, x, u.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _dot_split(a, b16, b, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    # a [M, K] fp32 @ b [K, N]. SPLIT (b holds bf16 values, b16 in bf16): a = hi + mid + lo
+    # exactly, three bf16 parts, so three tensor-core dots of exact products give an fp32
+    # dot's accuracy (the forward kernel's split); the interpreter, which has no bf16 dot,
+    # runs the same parts in fp32 dots. Otherwise one IEEE fp32 dot.
+    if SPLIT:
+        hi = _round_bf16(a)
+        r = a - hi
+        mid = _round_bf16(r)
+        lo = _round_bf16(r - mid)
+        if INTERP:
+            out = tl.dot(hi, b, input_precision="ieee") + (tl.dot(mid, b, input_precision="ieee")
+                                                          + tl.dot(lo, b, input_precision="ieee"))
+        else:
+            out = tl.dot(hi.to(tl.bfloat16), b16) + (tl.dot(mid.to(tl.bfloat16), b16)
+                                                     + tl.dot(lo.to(tl.bfloat16), b16))
+    else:
+        out = tl.dot(a, b, input_precision="ieee")
+    return out
+
+
+@triton.jit
+def values_backward_kernel(Q, K, W, GY, IDX, GQ, GW, C, NS, N, G, D, HK,
+                           sq_s, sq_h, sk_t, sk_h, sw_s, sg_s, si_s,
+                           HAS_W: tl.constexpr, NEED_Q: tl.constexpr, NEED_K: tl.constexpr, NEED_W: tl.constexpr,
+                           SPLIT: tl.constexpr, INTERP: tl.constexpr, TC16: tl.constexpr,
+                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    hk = tl.program_id(1).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mg = offs_g < G
+    md = offs_d < D
+    heads = hk * G + offs_g
+    q16 = tl.load(Q + r * sq_s + heads[:, None] * sq_h + offs_d[None, :], mask=mg[:, None] & md[None, :], other=0.0)
+    qd = q16.to(tl.float32)
+    if HAS_W:
+        w = tl.load(W + r * sw_s + heads, mask=mg, other=0.0).to(tl.float32)
+    gq = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    gw = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mn = offs_n < N
+        key = tl.load(IDX + r * si_s + offs_n, mask=mn, other=0).to(tl.int64)
+        k16 = tl.load(K + key[:, None] * sk_t + hk * sk_h + offs_d[None, :], mask=mn[:, None] & md[None, :],
+                      other=0.0)
+        kt = k16.to(tl.float32)  # [BLOCK_N, BLOCK_D]
+        gy = tl.load(GY + r * sg_s + offs_n, mask=mn, other=0.0)
+        if TC16:  # bf16 operands, compiled: exact products on the tensor cores, fp32 sums
+            x0 = tl.dot(q16, tl.trans(k16))
+        else:
+            x0 = tl.dot(qd, tl.trans(kt), input_precision="ieee")  # [BLOCK_G, BLOCK_N] logits
+{FORWARD}
+        live = mg[:, None] & mn[None, :]
+        if HAS_W:
+            gw += tl.sum(tl.where(live, {LAST} * gy[None, :], 0.0), 1)
+            gx = w[:, None] * gy[None, :]
+        else:
+            gx = tl.broadcast_to(gy[None, :], [BLOCK_G, BLOCK_N])
+{BACKWARD}
+        gx = tl.where(live, gx, 0.0)
+        if NEED_Q:
+            gq += _dot_split(gx, k16, kt, SPLIT, INTERP)
+        if NEED_K:
+            c = _dot_split(tl.trans(gx), q16, qd, SPLIT, INTERP)  # [BLOCK_N, BLOCK_D]
+            dst = C + ((hk * NS + r) * N + offs_n)[:, None] * D + offs_d[None, :]
+            tl.store(dst, c, mask=mn[:, None] & md[None, :])
+    if NEED_Q:
+        tl.store(GQ + (r * G * HK + heads)[:, None] * D + offs_d[None, :], gq, mask=mg[:, None] & md[None, :])
+    if NEED_W:
+        tl.store(GW + r * G * HK + heads, gw, mask=mg)
+'''
+
+
+def render_source(spec: ScoreSpec) -> str:
+    steps = list(spec.epilogue)
+    if spec.logit_dtype != "float32":
+        steps = [("round", spec.logit_dtype)] + steps
+    fwd = [_forward_line(i, st) for i, st in enumerate(steps)]
+    bwd = [_backward_line(i, steps[i]) for i in reversed(range(len(steps)))]
+    ind = lambda lines: "\n".join("        " + ln for ln in lines) or "        pass"  # noqa: E731
+    return (_TEMPLATE.replace("{FORWARD}", ind(fwd)).replace("{BACKWARD}", ind(bwd))
+            .replace("{LAST}", f"x{len(steps)}"))
+
+
+_CACHE = {}
+_LOCK = threading.Lock()
+
+
+def load_kernel(spec: ScoreSpec):
+    src = render_source(spec)
+    with _LOCK:
+        fn = _CACHE.get(src)
+        if fn is None:
+            path = write_source(src)
+            mspec = importlib.util.spec_from_file_location(f"hyscale_values_bwd_{len(_CACHE)}", path)
+            mod = importlib.util.module_from_spec(mspec)
+            mspec.loader.exec_module(mod)
+            fn = _CACHE[src] = mod.values_backward_kernel
+    return fn
+
+
+def rows_backward_fused(gy, q, kb, w, keys, spec: ScoreSpec, needs):
+    """The per-row part for one chunk: gy [ns, n] (d loss / d reduced score, fp32), q [ns, H, D],
+    kb [T, Hk, D] (the batch's keys, any float dtype), w [ns, H] or None, keys [ns, n].
+    -> (gq [ns, H, D] fp32 or None, contributions [Hk, ns * n, D] fp32 or None, gw [ns, H] or None)"""
+    ns, H, D = q.shape
+    Hk = kb.shape[1]
+    G, n = H // Hk, keys.shape[1]
+    dev = q.device
+    q = q.contiguous() if q.stride(-1) != 1 else q
+    kb = kb if kb.stride(-1) == 1 else kb.contiguous()
+    gy, keys = gy.contiguous(), keys.contiguous()
+    w = w.contiguous() if w is not None else None
+    need_q, need_k, need_w = needs[0], needs[1], needs[2] and w is not None
+    gq = torch.empty(ns, H, D, dtype=torch.float32, device=dev) if need_q else gy
+    gw = torch.empty(ns, H, dtype=torch.float32, device=dev) if need_w else gy
+    contrib = torch.empty(Hk, ns * n, D, dtype=torch.float32, device=dev) if need_k else gy
+    bg = max(16, triton.next_power_of_2(G))
+    bd = max(16, triton.next_power_of_2(D))
+    # q and gq [BLOCK_G, BLOCK_D], a [BLOCK_G, BLOCK_N] tile per step and a few [BLOCK_N,
+    # BLOCK_D] ones: 8 warps and 32 slots a step once q's tile is large (64 x 128 heads)
+    big = bg * bd >= 4096
+    split, interp = q.dtype == torch.bfloat16 and kb.dtype == torch.bfloat16, _interpreting()
+    bn = 32 if big else 64
+    load_kernel(spec)[(ns, Hk)](
+        q, kb, w if w is not None else gy, gy, keys, gq, gw, contrib, ns, n, G, D, Hk,
+        q.stride(0), q.stride(1), kb.stride(0), kb.stride(1), w.stride(0) if w is not None else 0,
+        gy.stride(0), keys.stride(0),
+        HAS_W=spec.reduce == "weighted_sum", NEED_Q=need_q, NEED_K=need_k, NEED_W=need_w,
+        SPLIT=split, INTERP=interp, TC16=split and not interp,
+        BLOCK_G=bg, BLOCK_D=bd, BLOCK_N=bn, num_warps=8 if big else 4)
+    return (gq if need_q else None, contrib if need_k else None, gw if need_w else None)
+
+
+def post_backward(g, masks, spec: ScoreSpec, keys, b0, b1, s0, s1, B, S, T) -> torch.Tensor:
+    """d loss / d reduced score from d loss / d values, through ``spec.post`` (steps whose
+    derivatives do not read the score: ``supported``)."""
+    from .backward import _mask_grad, _step_grad
+
+    for st in reversed(spec.post):
+        if st[0] == "mask":
+            g = _mask_grad(g, spec.masks[st[1]], masks, b0, b1, s0, s1, keys, B, S, T)
+        else:
+            g = _step_grad(g, st, g, g)
+    return g
