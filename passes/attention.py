@@ -767,6 +767,7 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
             rec.reason = f"{off_reason}; enabled, the pass would rewrite it (form {m.form})"
             return rec
         em2 = Emitter(graph, r.pv)
+        before = set(graph.nodes)
         try:
             sizes0 = dict(m.sizes)
             applied = apply(em2, m, replay=replay)
@@ -784,6 +785,7 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
                 backward = rewrite_attention_backward(graph, m, applied)
         except BaseException:
             em2.rollback()
+            _erase_new_nodes(graph, before)
             raise
         r.pv.replace_all_uses_with(applied.replaced)
         em.rollback()
@@ -793,6 +795,25 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
         em.rollback()
         rec.reason = str(e)
         return rec
+
+
+def _erase_new_nodes(graph: fx.Graph, before: set) -> None:
+    """Undo a site's failed rewrite: erase every node created since ``before`` (what a second
+    emitter, e.g. the backward's, added too), so that no half-built node is left out of
+    order. Only possible while no earlier node reads one of them; else the graph is changed
+    and the error goes on (the caller's internal-error path then reports it)."""
+    new = [n for n in graph.nodes if n not in before]
+    new_set = set(new)
+    if any(u not in new_set for n in new for u in n.users):
+        raise RuntimeError("the attention rewrite failed after rewiring the graph; it cannot be undone")
+    while new:  # users first (a half-built node may stand before its own input)
+        left = [n for n in new if n.users]
+        for n in new:
+            if not n.users:
+                graph.erase_node(n)
+        if len(left) == len(new):
+            raise RuntimeError("the attention rewrite's new nodes read each other in a cycle")
+        new = left
 
 
 def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: AppliedAttention) -> str:
