@@ -17,6 +17,8 @@ class ExplainReport:
     # frames Dynamo gave up on and ran eagerly (e.g. a graph break inside a per-query
     # Python loop): top-k calls in them never reach the backend, so no site lists them
     skipped_frames: List[str] = dataclasses.field(default_factory=list)
+    # what the compiled model returned on that run (compare it with eager without compiling again)
+    output: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def rewritten(self) -> List[SiteRecord]:
@@ -50,7 +52,8 @@ class ExplainReport:
 
 def explain(model: Callable, *args: Any, dynamic: Any = None, **kwargs: Any) -> ExplainReport:
     """Compile ``model`` with the hyscale pass (debug backend: no Inductor codegen), run it
-    once on ``args``/``kwargs``, and report every top-k site it saw.
+    once on ``args``/``kwargs``, and report every top-k site it saw (and, as ``output``,
+    what that run returned).
 
     The model runs under the grad mode you call this in; call it under ``torch.no_grad()``
     to see the inference graph, or with grad enabled to see the training (joint) graph.
@@ -66,13 +69,14 @@ def explain(model: Callable, *args: Any, dynamic: Any = None, **kwargs: Any) -> 
     before = dict(counters["graph_break"])
     unimpl_before = dict(counters["unimplemented"])
     compiled = torch.compile(model, backend=hyscale_debug_backend, dynamic=dynamic)
-    compiled(*args, **kwargs)
+    output = compiled(*args, **kwargs)
     after = counters["graph_break"]
     breaks = sum(after.values()) - sum(before.values())
     skipped = []
     for msg, n in counters["unimplemented"].items():
         if n > unimpl_before.get(msg, 0) and "frame skipped:" in msg:
             skipped.append(msg.split("frame skipped:", 1)[1].splitlines()[0].strip())
-    report = ExplainReport(sites=diagnostics.records(), graph_breaks=breaks, skipped_frames=sorted(set(skipped)))
+    report = ExplainReport(sites=diagnostics.records(), graph_breaks=breaks, skipped_frames=sorted(set(skipped)),
+                           output=output)
     torch._dynamo.reset()
     return report
