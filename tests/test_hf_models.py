@@ -30,6 +30,5 @@ def test_hf_model_rewritten_and_equal(name, attn):
             assert any(why in site.reason for why in (
                 "not a selection", "no contraction", "the walk back from the top-k stopped at")), site.line()
         ref = model(**kwargs).logits
-        torch._dynamo.reset()
-        out = torch.compile(model, backend="hyscale_debug")(**kwargs).logits
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # explain compiled the model with the debug backend and ran it: its logits are the rewrite's
+    torch.testing.assert_close(report.output.logits, ref, atol=1e-5, rtol=1e-5)
