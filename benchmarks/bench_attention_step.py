@@ -53,14 +53,21 @@ def config_kwargs(seq: int, heads: int, tiny: bool, attn: str = "sdpa") -> dict:
                 attn_implementation=attn, initializer_range=0.02)
 
 
-def build(seq: int, heads: int, tiny: bool, device: str, attn: str = "sdpa"):
+def build(seq: int, heads: int, tiny: bool, device: str, attn: str = "sdpa", model: str = "deepseek_v32"):
     import torch
-    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = DeepseekV32Config(**config_kwargs(seq, heads, tiny, attn))
+    if model == "glm_moe_dsa":  # the same dimensions in GLM-5's classes (its eager index mask is -inf)
+        from transformers import GlmMoeDsaConfig as Config, GlmMoeDsaForCausalLM as Model
+
+        cfg = Config(**config_kwargs(seq, heads, tiny, attn), indexer_types=["full", "full"])
+    else:
+        from transformers import DeepseekV32Config as Config, DeepseekV32ForCausalLM as Model
+
+        cfg = Config(**config_kwargs(seq, heads, tiny, attn))
+    DeepseekV32ForCausalLM = Model  # noqa: N806
     dtype = torch.float32 if tiny and device == "cpu" else torch.bfloat16
     return DeepseekV32ForCausalLM(cfg).to(device, dtype).train(), cfg.vocab_size
 
@@ -115,7 +122,7 @@ def run_row(args) -> dict:
     device = "cuda" if torch.cuda.is_available() and not (args.tiny and args.cpu) else "cpu"
     backend = args.backend or ("hyscale" if device == "cuda" else "hyscale_debug")
     sparse = args.sparse == "on"
-    row = {"S": args.seq, "mode": args.mode, "sparse": args.sparse, "backend": f"{backend}/{args.attn}"}
+    row = {"S": args.seq, "mode": args.mode, "sparse": args.sparse, "backend": f"{backend}/{args.attn}/{args.model}"}
     options, note = _options(sparse)
     row["note"] = note
 
@@ -125,7 +132,7 @@ def run_row(args) -> dict:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     torch._dynamo.reset()
     t0 = time.time()
-    model, vocab = build(args.seq, args.heads, args.tiny, device, args.attn)
+    model, vocab = build(args.seq, args.heads, args.tiny, device, args.attn, args.model)
     if args.mode == "prefill":
         model.eval()
     ids = torch.randint(0, vocab, (1, args.seq), device=device, generator=None)
@@ -197,7 +204,7 @@ def sweep(args) -> int:
         for mode in args.modes.split(","):
             for sparse in ("on", "off"):
                 cmd = [sys.executable, os.path.abspath(__file__), "--seq", str(seq), "--mode", mode, "--sparse", sparse,
-                       "--heads", str(args.heads), "--attn", args.attn, "--iters", str(args.iters), "--append", path, "--quiet-table"]
+                       "--heads", str(args.heads), "--attn", args.attn, "--model", args.model, "--iters", str(args.iters), "--append", path, "--quiet-table"]
                 cmd += ["--tiny"] * args.tiny + ["--cpu"] * args.cpu + (["--backend", args.backend] if args.backend else [])
                 print("$", " ".join(cmd), flush=True)
                 try:
@@ -222,6 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=16, help="MLA attention heads (DeepSeek-V3.2 has 128)")
     ap.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
                     help="the model's attn_implementation (the issue's table: sdpa)")
+    ap.add_argument("--model", choices=("deepseek_v32", "glm_moe_dsa"), default="deepseek_v32",
+                    help="the HF class (same dimensions; GLM-5's eager index mask is -inf, V3.2's finfo.min)")
     ap.add_argument("--iters", type=int, default=3, help="timed calls (the median is reported)")
     ap.add_argument("--backend", default=None, help="default: hyscale on CUDA, hyscale_debug on the CPU")
     ap.add_argument("--tiny", action="store_true", help="a CPU-sized model (hidden 64, k 8)")

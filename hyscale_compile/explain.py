@@ -20,6 +20,8 @@ class ExplainReport:
     # each consumer of a selection's index mask (passes/attention.py): sparse, with its form,
     # or dense, with the reason
     attention: List[AttentionRecord] = dataclasses.field(default_factory=list)
+    # what the compiled model returned on that run (compare it with eager without compiling again)
+    output: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def rewritten(self) -> List[SiteRecord]:
@@ -54,7 +56,8 @@ class ExplainReport:
 
 def explain(model: Callable, *args: Any, dynamic: Any = None, **kwargs: Any) -> ExplainReport:
     """Compile ``model`` with the hyscale pass (debug backend: no Inductor codegen), run it
-    once on ``args``/``kwargs``, and report every top-k site it saw.
+    once on ``args``/``kwargs``, and report every top-k site it saw (and, as ``output``,
+    what that run returned).
 
     The model runs under the grad mode you call this in; call it under ``torch.no_grad()``
     to see the inference graph, or with grad enabled to see the training (joint) graph.
@@ -70,7 +73,7 @@ def explain(model: Callable, *args: Any, dynamic: Any = None, **kwargs: Any) -> 
     before = dict(counters["graph_break"])
     unimpl_before = dict(counters["unimplemented"])
     compiled = torch.compile(model, backend=hyscale_debug_backend, dynamic=dynamic)
-    compiled(*args, **kwargs)
+    output = compiled(*args, **kwargs)
     after = counters["graph_break"]
     breaks = sum(after.values()) - sum(before.values())
     skipped = []
@@ -78,6 +81,6 @@ def explain(model: Callable, *args: Any, dynamic: Any = None, **kwargs: Any) -> 
         if n > unimpl_before.get(msg, 0) and "frame skipped:" in msg:
             skipped.append(msg.split("frame skipped:", 1)[1].splitlines()[0].strip())
     report = ExplainReport(sites=diagnostics.records(), graph_breaks=breaks, skipped_frames=sorted(set(skipped)),
-                           attention=diagnostics.attention_records())
+                           attention=diagnostics.attention_records(), output=output)
     torch._dynamo.reset()
     return report

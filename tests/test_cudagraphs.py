@@ -130,9 +130,7 @@ def test_runtime_scalar_operand_is_not_fused_under_cuda_graphs(monkeypatch):
             report = hyscale_compile.explain(_runtime_scaled, *args)
             (site,) = report.sites
             assert site.variant == "table" and "CUDA graph" in site.reason, site.line()
-            torch._dynamo.reset()
-            got = torch.compile(_runtime_scaled, backend="hyscale_debug")(*args)
-            torch._dynamo.reset()
+            got = report.output  # (explain's debug-backend run, the site left to the table)
     assert torch.equal(got, ref.stable_topk(_scores_of_scaled(*args), 4)[1])
 
 

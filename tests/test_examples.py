@@ -40,19 +40,45 @@ def test_demo_quick():
             float(cells[1])  # compile s is a number
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--seq", "abc"], "--seq must be an integer"),
-        (["--seq", "1"], "--seq must be at least 2"),
-        (["--device", "tpu"], "--device must be one of auto, cpu, cuda"),
-        (["--runs", "0"], "--runs must be at least 1"),
-    ],
-)
-def test_demo_bad_flags(flags, message):
+BAD_FLAGS = [
+    (["--seq", "abc"], "--seq must be an integer"),
+    (["--seq", "1"], "--seq must be at least 2"),
+    (["--device", "tpu"], "--device must be one of auto, cpu, cuda"),
+    (["--runs", "0"], "--runs must be at least 1"),
+]
+
+
+def test_demo_bad_flag_exits_2_naming_it():
+    # as a user runs it: the exit status and the message on stderr
+    flags, message = BAD_FLAGS[0]
     proc = run_demo(*flags, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("flags, message", BAD_FLAGS)
+def test_demo_bad_flags(flags, message, capsys):
+    # the demo's own argument checks (argparse's error(): exit status 2, the message on
+    # stderr), in this process: a fresh interpreter per flag only adds a torch import
+    demo = _demo_module()
+    with pytest.raises(SystemExit) as info:
+        demo.parse_args(flags)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _demo_module():
+    import importlib.util
+
+    if "hyscale_demo" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("hyscale_demo", DEMO)
+        module = sys.modules["hyscale_demo"] = importlib.util.module_from_spec(spec)  # (its dataclasses look it up)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules["hyscale_demo"]
+            raise
+    return sys.modules["hyscale_demo"]
 
 
 @pytest.mark.inductor

@@ -41,7 +41,10 @@ def test_forms_through_inductor(name):
 
 
 @pytest.mark.skipif(not hf_models.transformers_available(), reason="transformers==5.24.0 not installed")
-@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa", "deepseek_v4"])
+# glm_moe_dsa is deepseek_v32's indexer with interleaved RoPE on q and k: it only changes
+# the producers of the op's operands (plain Inductor code); test_hf_models.py checks its
+# rewrite and logits with the debug backend
+@pytest.mark.parametrize("name", ["deepseek_v32", "deepseek_v4"])
 def test_hf_models_through_inductor(name):
     model, kwargs = hf_models.BUILDERS[name](fresh_seed(name) % 8)
     sel, other = hf_models.EXPECTED_TOPK[name]
