@@ -307,6 +307,11 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
     G = H // Hk
     form_of(H, Hk)  # raises for H % Hk != 0
     cfg = config or default_config(H, Hk, Dqk, Dv, interpret=interp, elem_bytes=max(k.element_size(), v.element_size()))
+    if config is None and return_probs and cfg.probs_block_n:
+        # with its softmax statistics written (WRITE_STATS) the forward at 64 slots per tile
+        # needs more shared memory than an H200 has (352 KiB at H = 128): the probs path keeps
+        # the tile it was verified with
+        cfg = dataclasses.replace(cfg, block_n=cfg.probs_block_n)
     if cfg.block_h < 16 or cfg.block_n < 16 or cfg.block_h & (cfg.block_h - 1) or cfg.block_n & (cfg.block_n - 1):
         raise SpecError(f"{cfg}: block_h and block_n must be powers of two >= 16 (tl.dot)")
     da, db = split_head_dim(Dqk)
