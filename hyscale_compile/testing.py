@@ -250,7 +250,7 @@ def consumer_error(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def assert_consumer_close(out: torch.Tensor, orig: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
                           what: str = "output") -> Tuple[float, float]:
-    """The numerics rule for a rewrite (DESIGN.md): ``err(out) <= 2 err(orig) + 2 eps(dtype)``,
+    """The numerics rule for a rewritten consumer (docs/contract.md): ``err(out) <= 2 err(orig) + 2 eps(dtype)``,
     where ``err(x) = max |x - ref| / max |ref|`` (``consumer_error``).
 
     ``out``: what the rewritten graph gave; ``orig``: what the original graph gives at the
