@@ -21,6 +21,17 @@ if "HYSCALE_KERNEL_CACHE" not in os.environ:
     os.environ["HYSCALE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="hyscale-test-kernels-")
     atexit.register(shutil.rmtree, os.environ["HYSCALE_KERNEL_CACHE"], ignore_errors=True)
 
+# Inductor's caches too, one per test process (each pytest-xdist worker): a compile that hits
+# a graph another run or worker cached skips the passes, so a test that reads the pass's
+# records would find none
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="hyscale-test-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+
 # the repository root on sys.path so tests can import tests.contract / tests.models
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
