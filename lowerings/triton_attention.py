@@ -40,10 +40,6 @@ Operands are the op's canonical views (strides are free). ``idx`` must hold posi
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
-import sys
-import threading
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -54,13 +50,11 @@ from .spec import SpecError, dtype_of
 # Small, stable pieces of the selection kernel's code generation (docs/kernel.md): the
 # elementwise step lines (registered score mods included), float literals, the interpreter
 # mode checks, and the kernel cache's file writer.
-from .triton_codegen import _elementwise_lines, _interpreting, _lit, _mod_bodies, check_interpreter_mode, write_source
+from .triton_codegen import _elementwise_lines, _interpreting, _lit, _mod_bodies, check_interpreter_mode, import_source
 
 TEMPLATE_VERSION = 1
 
 _FN_CACHE: Dict[tuple, object] = {}
-_MODULE_CACHE: Dict[tuple, object] = {}
-_LOCK = threading.Lock()
 
 
 def _next_pow2(n: int) -> int:
@@ -223,23 +217,8 @@ def load_kernels(spec: AttentionSpec, num_masks: int):
     fns = _FN_CACHE.get(key)
     if fns is not None:
         return fns
-    src = render_kernel_source(spec, num_masks)
-    with _LOCK:
-        mod = _MODULE_CACHE.get((src, interp))
-        if mod is None:
-            path = write_source(src)
-            base = "attn_" + os.path.splitext(os.path.basename(path))[0]
-            name = f"hyscale_compile._generated.{base}{'_interp' if interp else ''}"
-            mspec = importlib.util.spec_from_file_location(name, path)
-            mod = importlib.util.module_from_spec(mspec)
-            sys.modules[name] = mod  # triton resolves globals through the module
-            try:
-                mspec.loader.exec_module(mod)
-            except BaseException:
-                sys.modules.pop(name, None)
-                raise
-            _MODULE_CACHE[(src, interp)] = mod
-        fns = _FN_CACHE[key] = (mod.attn_fwd, mod.attn_probs)
+    mod = import_source(render_kernel_source(spec, num_masks))
+    fns = _FN_CACHE[key] = (mod.attn_fwd, mod.attn_probs)
     return fns
 
 

@@ -549,6 +549,15 @@ def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_k
     if fn is not None:
         return fn
     src = render_kernel_source(spec, num_masks, kernel_name=kernel_name, plan=plan)
+    fn = _KERNEL_FN_CACHE[fast_key] = getattr(import_source(src), kernel_name)
+    return fn
+
+
+def import_source(src: str):
+    """The module of generated Triton source ``src``, written to the kernel cache and imported
+    (triton.jit reads a function's source with ``inspect``); one module per (source,
+    interpreter mode) in this process, for every kernel family that generates code."""
+    interp = _interpreting()
     key = (src, interp)
     with _LOCK:
         mod = _MODULE_CACHE.get(key)
@@ -565,8 +574,7 @@ def load_kernel(spec: ScoreSpec, num_masks: int, *, kernel_name: str = "hytopk_k
                 sys.modules.pop(mod_name, None)
                 raise
             _MODULE_CACHE[key] = mod
-        fn = _KERNEL_FN_CACHE[fast_key] = getattr(mod, kernel_name)
-    return fn
+    return mod
 
 
 # ---------------------------------------------------------------------------------------

@@ -22,14 +22,12 @@ split of the fp32 gradient (the forward kernel's scheme), on the tensor cores.
 """
 from __future__ import annotations
 
-import importlib.util
-import threading
 
 import torch
 import triton
 
 from .spec import ScoreSpec
-from .triton_codegen import _interpreting, _lit, _round_expr, write_source
+from .triton_codegen import _interpreting, _lit, _round_expr, import_source
 
 _EPILOGUE_OPS = ("mul", "add", "div", "relu", "neg", "sigmoid", "round")
 _POST_OPS = ("mask", "mul", "add", "div", "neg")  # derivatives that do not read the score
@@ -187,21 +185,8 @@ def render_source(spec: ScoreSpec) -> str:
             .replace("{LAST}", f"x{len(steps)}"))
 
 
-_CACHE = {}
-_LOCK = threading.Lock()
-
-
 def load_kernel(spec: ScoreSpec):
-    src = render_source(spec)
-    with _LOCK:
-        fn = _CACHE.get(src)
-        if fn is None:
-            path = write_source(src)
-            mspec = importlib.util.spec_from_file_location(f"hyscale_values_bwd_{len(_CACHE)}", path)
-            mod = importlib.util.module_from_spec(mspec)
-            mspec.loader.exec_module(mod)
-            fn = _CACHE[src] = mod.values_backward_kernel
-    return fn
+    return import_source(render_source(spec)).values_backward_kernel
 
 
 def rows_backward_fused(gy, q, kb, w, keys, spec: ScoreSpec, needs):

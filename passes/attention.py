@@ -826,17 +826,12 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     out at most one gradient per operand, each matched to its operand through the forward
     op that shares its ``seq_nr``. Anything else (a gradient into a mask, a second reader of
     the scores' gradient, q and k one tensor) keeps the whole site dense."""
-    from .sparse_backward import KeepDense, _invert_views, _same_shape, _site_nodes
+    from .sparse_backward import KeepDense, _invert_views, _same_shape, _site_nodes, backward_region
 
     r = m.region
     sources = {"q": m.q.node, "k": m.k.node, "v": m.v.node}
     site = _site_nodes(r.pv, set(sources.values())) - {u for u in r.pv.users if u.target is operator.getitem}
-    seqs: Dict[int, List[fx.Node]] = {}
-    for n in site:
-        sn = n.meta.get("seq_nr")
-        if sn is not None:
-            seqs.setdefault(sn, []).append(n)
-    region = [n for n in graph.nodes if is_backward_node(n) and n.meta.get("seq_nr") in seqs]
+    seqs, region = backward_region(graph, site)
     if not region:
         return ""
     rset = set(region)

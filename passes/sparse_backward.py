@@ -48,17 +48,22 @@ def rewrite_backward(graph: fx.Graph, m: SiteMatch, applied: Applied) -> str:
         return f"dense: {e}"
 
 
-def _rewrite(graph: fx.Graph, m: SiteMatch, applied: Applied) -> str:
-    sources: Dict[str, fx.Node] = {"q": m.q.node, "k": m.k.node}
-    if m.w is not None:
-        sources["w"] = m.w.node
-    site = _site_nodes(m.topk, set(sources.values()))
+def backward_region(graph: fx.Graph, site) -> tuple:
+    """(the forward nodes of ``site`` by ``seq_nr``, the backward nodes autograd stamped with
+    one of those ``seq_nr``s, in graph order): the backward that differentiates the site."""
     seqs: Dict[int, List[fx.Node]] = {}
     for n in site:
         sn = n.meta.get("seq_nr")
         if sn is not None:
             seqs.setdefault(sn, []).append(n)
-    region = [n for n in graph.nodes if is_backward_node(n) and n.meta.get("seq_nr") in seqs]
+    return seqs, [n for n in graph.nodes if is_backward_node(n) and n.meta.get("seq_nr") in seqs]
+
+
+def _rewrite(graph: fx.Graph, m: SiteMatch, applied: Applied) -> str:
+    sources: Dict[str, fx.Node] = {"q": m.q.node, "k": m.k.node}
+    if m.w is not None:
+        sources["w"] = m.w.node
+    seqs, region = backward_region(graph, _site_nodes(m.topk, set(sources.values())))
     if not region:
         return ""
     rset = set(region)
