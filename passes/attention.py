@@ -58,8 +58,8 @@ from . import layout as L
 from . import mla
 from .diagnostics import AttentionRecord
 from .canonicalize import (CONTRACTIONS, _AND, _CASTS, _NOT, _OR, _VIEWS, GraphFacts, OperandPlan, SiteAnalysis,
-                           Unsupported, analyse_operand, dtype_of_node, is_backward_node, propagate_view, shape_of,
-                           unify_dims, val, _feeds_only_backward)
+                           Unsupported, analyse_operand, dtype_of_node, is_backward_node, place_mask_operands,
+                           propagate_view, shape_of, unify_dims, val, _feeds_only_backward)
 from .partition import tag_attention
 from .rewrite import Emitter
 
@@ -535,19 +535,7 @@ def analyse(facts: GraphFacts, em: Emitter, r: Region) -> AttentionMatch:
     base = len(mask_operands)
     mask_operands.extend(an.scalar_operands)
     spec_post = [(s[0], s[1] + base) if s[0].endswith("_operand") else s for s in spec_post]
-    for op in mask_operands:
-        if isinstance(op, OperandPlan) and op.groups == []:
-            continue
-        if isinstance(op, OperandPlan):
-            op.layout = u.apply(op.layout)
-            op.groups = [B, S, T]
-            if set(L.labels(op.layout)) - set(B) - set(S) - set(T):
-                raise _Reject("a mask of the scores varies along a head axis")
-        else:
-            for bound in op[1]:
-                for _, p in bound.terms:
-                    p.layout = u.apply(p.layout)
-                    p.groups = [B, S]
+    place_mask_operands(u, mask_operands, B, S, T)
     precision = "ieee"
     if qs.upcast_from is None and dtype_of_node(qs.src) == torch.float32 and \
             torch.get_float32_matmul_precision() != "highest":

@@ -1131,27 +1131,7 @@ class SiteAnalysis:
                 raise Unsupported("the head weights vary along an axis that is not batch/query/head")
         else:
             w_plan = None
-        for op in mask_operands:
-            if isinstance(op, OperandPlan) and op.groups == []:
-                continue  # a 0-d scale
-            if isinstance(op, OperandPlan):
-                op.layout = u.apply(op.layout)
-                op.groups = [B, S, key_labels]
-                if set(L.labels(op.layout)) - set(B) - set(S) - set(key_labels):
-                    raise Unsupported("a mask varies along a head axis")
-            else:
-                for bound in op[1]:
-                    for _, p in bound.terms:
-                        if isinstance(p, SearchBound):
-                            p.sorted.layout = u.apply(p.sorted.layout)
-                            p.sorted.groups = [B, key_labels]
-                            if not p.sorted.layout[0] or p.sorted.layout[0][0].label not in B:
-                                raise Unsupported("a mask's id rows are not picked by the batch index")
-                            p = p.values
-                        p.layout = u.apply(p.layout)
-                        p.groups = [B, S]
-                        if set(L.labels(p.layout)) - set(B) - set(S):
-                            raise Unsupported("a per-row mask bound varies along a head axis")
+        place_mask_operands(u, mask_operands, B, S, key_labels)
         users = {gi.args[1]: gi for gi in tk.users if gi.target is operator.getitem}
         values_used = 0 in users and len(users[0].users) > 0
         if any(u_.target is not operator.getitem for u_ in tk.users):
@@ -1169,6 +1149,33 @@ class SiteAnalysis:
             other_consumers=self.other_consumers, sizes=sizes, sorted=self.sorted,
             key_argument=self.key_argument,
         )
+
+
+def place_mask_operands(u, mask_operands, B, S, T) -> None:
+    """Give each mask operand its canonical groups once the axes' roles are known: tensors
+    [B, S, T], per-row bounds [B, S] (a search bound's id rows [B, T]); 0-d scales keep
+    none. Raises Unsupported for an operand that varies along an axis outside its groups."""
+    for op in mask_operands:
+        if isinstance(op, OperandPlan) and op.groups == []:
+            continue  # a 0-d scale
+        if isinstance(op, OperandPlan):
+            op.layout = u.apply(op.layout)
+            op.groups = [B, S, T]
+            if set(L.labels(op.layout)) - set(B) - set(S) - set(T):
+                raise Unsupported("a mask varies along a head axis")
+            continue
+        for bound in op[1]:
+            for _, p in bound.terms:
+                if isinstance(p, SearchBound):
+                    p.sorted.layout = u.apply(p.sorted.layout)
+                    p.sorted.groups = [B, T]
+                    if not p.sorted.layout[0] or p.sorted.layout[0][0].label not in B:
+                        raise Unsupported("a mask's id rows are not picked by the batch index")
+                    p = p.values
+                p.layout = u.apply(p.layout)
+                p.groups = [B, S]
+                if set(L.labels(p.layout)) - set(B) - set(S):
+                    raise Unsupported("a per-row mask bound varies along a head axis")
 
 
 def _strip_index_views(n):
