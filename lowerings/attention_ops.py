@@ -61,11 +61,12 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, masks: List[T
                      return_probs: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     CALLS["sparse_attention"] += 1
     parsed = _parsed(spec, masks)
-    ref.check_attention_operands(q, k, v, idx, masks, parsed)
     if q.device.type == "cuda" and os.environ.get("HYSCALE_KERNEL", "triton") != "reference":
         from .triton_attention import sparse_attention_triton
 
+        # (it checks the operands itself, as it is called directly too)
         return sparse_attention_triton(q, k, v, idx, list(masks), parsed, return_probs=return_probs)
+    ref.check_attention_operands(q, k, v, idx, masks, parsed)
     return ref.attention_forward(q, k, v, idx, list(masks), parsed, return_probs=return_probs)
 
 
