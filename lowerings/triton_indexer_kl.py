@@ -21,24 +21,33 @@ Forward (``indexer_kl_triton_forward``):
 
 Backward (``indexer_kl_triton_backward``), over chunks of ``chunk_rows`` query rows, in order:
 
-    _kl_dI_kernel      per query tile: dI = g (exp(I - lse_I) - P / Z) for its visible keys,
-                       into a [B, chunk, T] fp32 workspace (the one buffer that grows with T;
-                       a chunk of rows, never all S)
+    _kl_dI_kernel      one program per visible (key tile, query tile) of the chunk:
+                       dI = g (exp(I - m_I) / l_I - P / Z), both scores again, into a
+                       [B, chunk, T] fp32 workspace (the one buffer that grows with T: a chunk
+                       of rows, never all S)
     _kl_dq_kernel      one program per (indexer head j, query tile): over the key tiles,
                        a = qi_j . ki again, dw_j += sum_t dI relu(a), dqi_j += (dI w_j [a > 0]) ki;
                        each program owns its rows' dqi_j and dw_j: written once
-    _kl_dk_kernel      one program per key tile: over the chunk's query tiles and the heads,
-                       dki += (dI w_j [a > 0])^T qi_j, into an fp32 [B, T, Di] buffer that the
-                       next chunk's launch continues (read, add, write by the tile's own
-                       program)
+    _kl_dk_kernel      one program per (key tile, group of Hi / dk_head_split heads): over the
+                       chunk's query tiles and the group's heads, dki += (dI w_j [a > 0])^T qi_j,
+                       into the group's fp32 [B, T, Di] partial sum, which the next chunk's
+                       launch continues (read, add, write by the tile's own program); the
+                       groups' sums are added in a fixed order at the end
+
+Why a workspace: dqi needs, per query row, Hi accumulators of Di (64 x 128 floats per row
+at the DSA shape), too many for one program's registers next to the dI tile, and dI needs
+every head of both scores; so dI is computed once per chunk and read by one program per
+indexer head (the heads of a query tile run together and share the lines in L2).
 
 Deterministic: no atomics, every program writes only its own outputs, the order of every
 fp32 sum is fixed by the shapes and the launch configuration (``default_config``, chosen
 from shapes and dtypes only), so two calls give the same bits on the same GPU and software.
 
-GEMM work at S == T, causal (half the table): forward Hi Di + H D (+ H D for the lse
-pass) multiply-adds per visible pair, backward 2 Hi Di + H D (dI: the two scores again)
-+ 2 Hi Di (dq: a again, dqi) + 2 Hi Di (dk: a again, dki).
+GEMM work per visible (query, key) pair, in multiply-adds: forward Hi Di + H D (+ H D for
+the lse pass when no lse is given); backward Hi Di + H D (dI: both scores again), 2 Hi Di
+(dq: a again, dqi), 2 Hi Di (dk: a again, dki). Against the floors (one attention score
+GEMM, one indexer score GEMM, the two gradient GEMMs dqi and dki) that is 3 recomputed
+score GEMMs of the indexer and 1-2 of the attention.
 
 dtypes: fp32, bf16 or fp16 operands, fp32 accumulation; fp32 dots run in IEEE precision
 (no TF32); the backward's dI w [a > 0] enters its dot in the indexer's dtype.
@@ -69,6 +78,7 @@ class IndexerKLConfig:
     num_warps: int = 4
     num_stages: int = 2
     chunk_rows: int = 2048  # query rows per backward chunk (a multiple of block_m)
+    dk_head_split: int = 4  # the key gradient's programs per key tile (head groups; 1 when it does not divide Hi)
 
 
 def default_config(q: torch.Tensor, qi: torch.Tensor, T: int, interpret: Optional[bool] = None) -> IndexerKLConfig:
@@ -79,9 +89,10 @@ def default_config(q: torch.Tensor, qi: torch.Tensor, T: int, interpret: Optiona
     B = q.shape[0]
     if interpret:
         bd = min(64, max(16, _next_pow2(D)))
-        return IndexerKLConfig(block_m=16, block_n=16, block_d=bd, num_warps=1, num_stages=1, chunk_rows=32)
+        return IndexerKLConfig(block_m=16, block_n=16, block_d=bd, num_warps=1, num_stages=1, chunk_rows=32,
+                               dk_head_split=2)
     bm, bn = 64, 64
-    rows = max(bm, min(4096, ((1 << 27) // max(1, B * T * 4)) // bm * bm))
+    rows = max(bm, min(4096, ((1 << 28) // max(1, B * T * 4)) // bm * bm))  # a 256 MiB dI workspace
     warps = 8 if _next_pow2(Di) >= 128 else 4
     return IndexerKLConfig(block_m=bm, block_n=bn, block_d=min(64, max(16, _next_pow2(D))), num_warps=warps,
                            num_stages=2, chunk_rows=rows)
@@ -136,7 +147,7 @@ def _index_tile(qi_base, w_base, ki_tile, offs_m, m_ok, offs_di, di_ok,
 def _attn_lse_kernel(q_ptr, k_ptr, st_ptr, S, T, scale,
                      H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest causal rows first
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
@@ -169,7 +180,7 @@ def _attn_lse_kernel(q_ptr, k_ptr, st_ptr, S, T, scale,
 def _kl_fwd_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, row_ptr, rs_ptr, S, T, scale,
                    H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr,
                    CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDI: tl.constexpr):
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest causal rows first
     b = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BM + tl.arange(0, BM)
     m_ok = offs_m < S
@@ -222,38 +233,38 @@ def _kl_dI_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, rs_ptr, g_ptr, dI
                   CHUNK: tl.constexpr, H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HI: tl.constexpr,
                   DI: tl.constexpr, CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                   BDI: tl.constexpr):
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    offs_m = r0 + pid_m * BM + tl.arange(0, BM)
-    m_ok = offs_m < S
-    offs_di = tl.arange(0, BDI)
-    di_ok = offs_di < DI
-    q_base = q_ptr + b * S * H * D
-    k_base = k_ptr + b * T * HK * D
-    qi_base = qi_ptr + b * S * HI * DI
-    ki_base = ki_ptr + b * T * DI
-    w_base = w_ptr + b * S * HI
-    st_base = st_ptr + b * S * H * 2
-    g = tl.load(g_ptr)
-    m_i = tl.load(rs_ptr + b * S * 3 + offs_m * 3, mask=m_ok, other=0.0)
-    inv_l = 1.0 / tl.load(rs_ptr + b * S * 3 + offs_m * 3 + 1, mask=m_ok, other=1.0)
-    inv_z = 1.0 / tl.load(rs_ptr + b * S * 3 + offs_m * 3 + 2, mask=m_ok, other=1.0)
-    dI_base = dI_ptr + b * CHUNK * T + (offs_m - r0)[:, None] * T
-    n_end = T
+    # one (key tile, query tile) per program: the tiles of dI are independent given the row
+    # statistics, so the grid covers the chunk's whole [rows, T] strip at once
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    n0 = pid_n * BN
+    live = n0 < T
     if CAUSAL:
-        n_end = tl.minimum(T, r0 + (pid_m + 1) * BM)
-    for n0 in range(0, n_end, BN):
+        live = n0 <= r0 + pid_m * BM + BM - 1
+    if live:
+        offs_m = r0 + pid_m * BM + tl.arange(0, BM)
+        m_ok = offs_m < S
+        offs_di = tl.arange(0, BDI)
+        di_ok = offs_di < DI
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < T
         vis = m_ok[:, None] & n_ok[None, :]
         if CAUSAL:
             vis = vis & (offs_n[None, :] <= offs_m[:, None])
-        ki_tile = tl.load(ki_base + offs_n[:, None] * DI + offs_di[None, :], mask=n_ok[:, None] & di_ok[None, :],
-                          other=0.0)
-        I = _index_tile(qi_base, w_base, ki_tile, offs_m, m_ok, offs_di, di_ok, HI, DI, BM, BN)
-        P = _target_tile(q_base, k_base, st_base, offs_m, m_ok, offs_n, n_ok, vis, scale, H, HK, D, BD, BM, BN)
+        g = tl.load(g_ptr)
+        m_i = tl.load(rs_ptr + b * S * 3 + offs_m * 3, mask=m_ok, other=0.0)
+        inv_l = 1.0 / tl.load(rs_ptr + b * S * 3 + offs_m * 3 + 1, mask=m_ok, other=1.0)
+        inv_z = 1.0 / tl.load(rs_ptr + b * S * 3 + offs_m * 3 + 2, mask=m_ok, other=1.0)
+        ki_tile = tl.load(ki_ptr + b * T * DI + offs_n[:, None] * DI + offs_di[None, :],
+                          mask=n_ok[:, None] & di_ok[None, :], other=0.0)
+        I = _index_tile(qi_ptr + b * S * HI * DI, w_ptr + b * S * HI, ki_tile, offs_m, m_ok, offs_di, di_ok, HI, DI,
+                        BM, BN)
+        P = _target_tile(q_ptr + b * S * H * D, k_ptr + b * T * HK * D, st_ptr + b * S * H * 2, offs_m, m_ok,
+                         offs_n, n_ok, vis, scale, H, HK, D, BD, BM, BN)
         dI = tl.where(vis, g * (tl.exp(I - m_i[:, None]) * inv_l[:, None] - P * inv_z[:, None]), 0.0)
-        tl.store(dI_base + offs_n[None, :], dI, mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(dI_ptr + b * CHUNK * T + (offs_m - r0)[:, None] * T + offs_n[None, :], dI,
+                 mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -297,11 +308,14 @@ def _kl_dq_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dqi_ptr, dw_ptr, r0, S, T,
 
 
 @triton.jit
-def _kl_dk_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dki_ptr, r0, r1, S, T,
-                  CHUNK: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, CAUSAL: tl.constexpr,
+def _kl_dk_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dki_ptr, r0, r1, S, T, B,
+                  CHUNK: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, HSPLIT: tl.constexpr, CAUSAL: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BDI: tl.constexpr):
+    # heads in HSPLIT groups, each with its own partial sum (dki_ptr [HSPLIT, B, T, Di]),
+    # summed in a fixed order afterwards: more programs where a chunk sees few key tiles
     pid_n = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    grp = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < T
     offs_di = tl.arange(0, BDI)
@@ -310,7 +324,7 @@ def _kl_dk_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dki_ptr, r0, r1, S, T,
     w_base = w_ptr + b * S * HI
     ki_tile = tl.load(ki_ptr + b * T * DI + offs_n[:, None] * DI + offs_di[None, :],
                       mask=n_ok[:, None] & di_ok[None, :], other=0.0)
-    dk_ptrs = dki_ptr + b * T * DI + offs_n[:, None] * DI + offs_di[None, :]
+    dk_ptrs = dki_ptr + (grp * B + b) * T * DI + offs_n[:, None] * DI + offs_di[None, :]
     dk_mask = n_ok[:, None] & di_ok[None, :]
     dk = tl.load(dk_ptrs, mask=dk_mask, other=0.0)
     m_start = r0
@@ -324,7 +338,8 @@ def _kl_dk_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dki_ptr, r0, r1, S, T,
         if CAUSAL:
             vis = vis & (offs_n[None, :] <= offs_m[:, None])
         dI = tl.load(dI_ptr + b * CHUNK * T + (offs_m - r0)[:, None] * T + offs_n[None, :], mask=vis, other=0.0)
-        for j in range(HI):
+        for jj in range(HI // HSPLIT):
+            j = grp * (HI // HSPLIT) + jj
             qj = tl.load(qi_base + offs_m[:, None] * (HI * DI) + j * DI + offs_di[None, :],
                          mask=m_ok[:, None] & di_ok[None, :], other=0.0)
             wj = tl.load(w_base + offs_m * HI + j, mask=m_ok, other=0.0).to(tl.float32)
@@ -404,19 +419,23 @@ def indexer_kl_triton_backward(grad, q, k, qi, ki, w, stats, row_stats, scale: f
     dI = torch.empty((B, chunk, T), dtype=torch.float32, device=q.device)
     dqi = torch.empty_like(qi)
     dw = torch.empty_like(w)
-    dki = torch.zeros((B, T, DI), dtype=torch.float32, device=q.device)
+    hsplit = cfg.dk_head_split if HI % cfg.dk_head_split == 0 else 1
+    dki = torch.zeros((hsplit, B, T, DI), dtype=torch.float32, device=q.device)
     meta = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     for r0 in range(0, S, chunk):
         r1 = min(S, r0 + chunk)
         tiles = triton.cdiv(r1 - r0, cfg.block_m)
-        _kl_dI_kernel[(tiles, B)](
+        n_tiles = triton.cdiv(min(T, r1) if causal else T, cfg.block_n)
+        _kl_dI_kernel[(n_tiles, tiles, B)](
             q, k, qi, ki, w, stats, row_stats, g, dI, r0, S, T, float(scale), CHUNK=chunk, H=H, HK=HK, D=D, HI=HI,
             DI=DI, CAUSAL=bool(causal), BM=cfg.block_m, BN=cfg.block_n, BD=cfg.block_d, BDI=BDI, **meta)
         _kl_dq_kernel[(HI, tiles, B)](
             qi, ki, w, dI, dqi, dw, r0, S, T, CHUNK=chunk, HI=HI, DI=DI, CAUSAL=bool(causal), BM=cfg.block_m,
             BN=cfg.block_n, BDI=BDI, **meta)
-        n_tiles = triton.cdiv(min(T, r1) if causal else T, cfg.block_n)
-        _kl_dk_kernel[(n_tiles, B)](
-            qi, ki, w, dI, dki, r0, r1, S, T, CHUNK=chunk, HI=HI, DI=DI, CAUSAL=bool(causal), BM=cfg.block_m,
-            BN=cfg.block_n, BDI=BDI, **meta)
-    return dqi, dki.to(ki.dtype), dw
+        _kl_dk_kernel[(n_tiles, hsplit, B)](
+            qi, ki, w, dI, dki, r0, r1, S, T, B, CHUNK=chunk, HI=HI, DI=DI, HSPLIT=hsplit, CAUSAL=bool(causal),
+            BM=cfg.block_m, BN=cfg.block_n, BDI=BDI, **meta)
+    dk = dki[0]
+    for i in range(1, hsplit):  # the groups' partial sums in a fixed order
+        dk = dk + dki[i]
+    return dqi, dk.to(ki.dtype), dw
