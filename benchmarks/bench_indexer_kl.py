@@ -33,6 +33,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -58,9 +59,16 @@ def megatron_dense_kl(q, k, qi, ki, w, scale):
 def time_ms(fn, warmup: int, reps: int) -> float:
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
     out = []
     for _ in range(reps):
+        if not cuda:  # the script's CPU smoke run (--device cpu)
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+            continue
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()
@@ -71,6 +79,9 @@ def time_ms(fn, warmup: int, reps: int) -> float:
 
 
 def peak_extra_mib(fn) -> float:
+    if not torch.cuda.is_available():
+        fn()
+        return float("nan")
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -93,9 +104,12 @@ def main(argv=None) -> int:
     ap.add_argument("--block-n", type=int, default=0)
     ap.add_argument("--num-warps", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script under TRITON_INTERPRET=1 "
+                    "(tiny --seqs and heads), no meaningful times")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_indexer_kl.py needs a CUDA GPU")
+    dev = a.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_indexer_kl.py needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)")
     seqs = [4096, 8192] if a.quick else [int(x) for x in a.seqs.split(",") if x]
     reps = 3 if a.quick else a.reps
     warmup = 1 if a.quick else 2
@@ -118,22 +132,27 @@ def main(argv=None) -> int:
 
     H, D, Hi, Di = a.heads, a.dim, a.index_heads, a.index_dim
     scale = D ** -0.5
-    rate = bh.matmul_rate()
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
-                matmul_tflops=rate / 1e12, H=H, D=D, Hi=Hi, Di=Di, dtype="bfloat16")
+    if dev == "cuda":
+        rate = bh.matmul_rate()
+    else:
+        x = torch.randn(512, 512)
+        rate = 2 * 512**3 / (time_ms(lambda: x @ x, 1, 3) * 1e-3)
+    meta = dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu", torch=torch.__version__,
+                triton=__import__("triton").__version__, matmul_tflops=rate / 1e12, H=H, D=D, Hi=Hi, Di=Di,
+                dtype="bfloat16" if dev == "cuda" else "float32")
     print(f"# bench_indexer_kl: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, bf16 matmul "
           f"{rate / 1e12:.0f} TFLOP/s; attention {H}x{D}, indexer {Hi}x{Di}, causal, B=1", flush=True)
     lines = ["| S | call | ms | floor ms | x floor | kernel GEMMs (x floor) | peak extra MiB | notes |",
              "|---|---|---|---|---|---|---|---|"]
     results = []
     for S in seqs:
-        g = torch.Generator(device="cuda").manual_seed(S)
-        bf = dict(device="cuda", dtype=torch.bfloat16)
+        g = torch.Generator(device=dev).manual_seed(S)
+        bf = dict(device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
         q = torch.randn(1, S, H, D, generator=g, **bf)
         k = torch.randn(1, S, H, D, generator=g, **bf)
         qi = torch.randn(1, S, Hi, Di, generator=g, **bf)
         ki = torch.randn(1, S, Di, generator=g, **bf)
-        w = (torch.randn(1, S, Hi, generator=g, device="cuda") * (Hi * Di) ** -0.5).to(torch.bfloat16)
+        w = (torch.randn(1, S, Hi, generator=g, device=dev) * (Hi * Di) ** -0.5).to(bf["dtype"])
         P = S * (S + 1) / 2
         f_att, f_idx = 2 * H * D * P, 2 * Hi * Di * P
         floor_fwd = (f_att + f_idx) / rate * 1e3
@@ -183,7 +202,8 @@ def main(argv=None) -> int:
                              f"loss rel diff {rel:.2e}"))
             except torch.OutOfMemoryError:
                 rows.append(("dense original fwd", float("nan"), floor_fwd, float("nan"), float("nan"), "out of memory"))
-            torch.cuda.empty_cache()
+            if dev == "cuda":
+                torch.cuda.empty_cache()
         for name, ms, fl, run, mem, note in rows:
             lines.append(f"| {S} | {name} | {ms:.2f} | {fl:.2f} | {ms / fl:.2f} | "
                          f"{'' if run != run else f'{run:.2f}'} | {mem:.0f} | {note} |")
@@ -191,7 +211,8 @@ def main(argv=None) -> int:
             results.append(dict(S=S, call=name, ms=ms, floor_ms=fl, x_floor=ms / fl, kernel_gemms_x_floor=run,
                                 peak_extra_mib=mem, note=note))
         del q, k, qi, ki, w, leaves, stats, lse
-        torch.cuda.empty_cache()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
     floors = ("floors: attention score 2 H D P, indexer score 2 Hi Di P, dqi 2 Hi Di P, dki 2 Hi Di P "
               "(P = S (S + 1) / 2); fwd = the first two, fwd+bwd = all four; target x floor <= 1.5")
     print("\n".join(lines + ["", floors]))

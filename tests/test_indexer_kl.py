@@ -227,31 +227,77 @@ def test_bad_input():
         tk.indexer_kl_triton_forward(q, k, torch.randn(1, 8, 2, 300), torch.randn(1, 8, 300), w, None, 0.3, True, 1.0)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_moderate_shape(dtype):
-    """The compiled kernels at a DSA-like shape (head dim 192 in chunks, Di 128, several
-    backward chunks), against float64, and bitwise reproducible."""
-    seed = fresh_seed(f"indexer_kl gpu {dtype}")
-    q, k, qi, ki, w = make_inputs(seed, B=1, S=640, H=8, Hk=8, D=192, Hi=8, Di=128, dtype=dtype)
-    q, k, qi, ki, w = (t.cuda() for t in (q, k, qi, ki, w))
-    scale = 192 ** -0.5
-    base = tk.default_config(q, qi, 640)
-    cfg = tk.IndexerKLConfig(**{**base.__dict__, "chunk_rows": 256})
+def test_compiles():
+    """Traced whole (fake kernels, the autograd formula) and the same bits as eager."""
+    q, k, qi, ki, w = make_inputs(fresh_seed("indexer_kl compile"), S=8, H=2, Hk=2, Hi=2)
+
+    def f(q, k, qi, ki, w):
+        return dense_indexer_kl(q, k, qi, ki, w, loss_coeff=0.5) * 2
+
+    outs = []
+    for fn in (f, torch.compile(f, backend="hyscale_debug", fullgraph=True)):
+        leaves = [t.clone().requires_grad_(True) for t in (qi, ki, w)]
+        loss = fn(q, k, *leaves)
+        loss.backward()
+        outs.append([loss.detach()] + [t.grad for t in leaves])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def check_kernels_at(device, dtype, S, H, D, Hi, Di, chunk_rows):
+    """The kernels (one backward chunk and several) against float64, bitwise repeatable, and
+    the op's path on ``device`` the same bits as the kernels called directly."""
+    seed = fresh_seed(f"indexer_kl {device} {dtype} S={S}")
+    q, k, qi, ki, w = (t.to(device) for t in make_inputs(seed, B=1, S=S, H=H, Hk=H, D=D, Hi=Hi, Di=Di, dtype=dtype))
+    scale = D ** -0.5
+    base = tk.default_config(q, qi, S)
+    cfg = tk.IndexerKLConfig(**{**base.__dict__, "chunk_rows": chunk_rows})
     outs = [run_path("triton", q, k, qi, ki, w, scale, True, 1.0, cfg=cfg) for _ in range(2)]
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     one = run_path("triton", q, k, qi, ki, w, scale, True, 1.0)
-    exact = dense_grads(*(t.cpu() for t in (q, k, qi, ki, w)), scale, True, 1.0, eps=0.0, dtype=torch.float64)
-    orig = dense_grads(*(t.cpu() for t in (q, k, qi, ki, w)), scale, True, 1.0, eps=1e-10, dtype=torch.float32)
+    host = [t.cpu() for t in (q, k, qi, ki, w)]
+    exact = dense_grads(*host, scale, True, 1.0, eps=0.0, dtype=torch.float64)
+    orig = dense_grads(*host, scale, True, 1.0, eps=1e-10, dtype=torch.float32)
     for name, o, c, g, r in zip(("loss", "grad qi", "grad ki", "grad w"), outs[0], one, orig, exact):
         assert bool(torch.isfinite(r).all()), name
-        assert math.isfinite(assert_consumer_close(o.float().cpu(), g, r, dtype, what=f"{name} (2 chunks)")[1])
-        assert_consumer_close(c.float().cpu(), g, r, dtype, what=f"{name} (1 chunk)")
-    # the op's CUDA path is the kernels
-    leaves = [t.clone().requires_grad_(True) for t in (qi, ki, w)]
-    loss = dense_indexer_kl(q, k, *leaves, scale=scale)
-    loss.backward()
-    assert torch.equal(loss, one[0])
-    for t, g in zip(leaves, one[1:]):
-        assert torch.equal(t.grad, g)
+        assert math.isfinite(assert_consumer_close(o.float().cpu(), g, r, dtype, what=f"{name} (chunks)")[1])
+        assert_consumer_close(c.float().cpu(), g, r, dtype, what=f"{name} (default chunk)")
+    if device == "cuda":  # the op's CUDA path is the kernels
+        leaves = [t.clone().requires_grad_(True) for t in (qi, ki, w)]
+        loss = dense_indexer_kl(q, k, *leaves, scale=scale)
+        loss.backward()
+        assert torch.equal(loss, one[0])
+        for t, g in zip(leaves, one[1:]):
+            assert torch.equal(t.grad, g)
+
+
+def test_kernels_chunked_head_dim():
+    """A head dim covered by a masked chunk (24 of 32), Di not a power of two, two backward chunks."""
+    check_kernels_at("cpu", torch.float32, S=32, H=2, D=24, Hi=4, Di=20, chunk_rows=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_moderate_shape(dtype):
+    """The compiled kernels at a DSA-like shape (head dim 192 in chunks of 64, Di 128,
+    several backward chunks)."""
+    check_kernels_at("cuda", dtype, S=640, H=8, D=192, Hi=8, Di=128, chunk_rows=256)
+
+
+def test_benchmark_script_runs(tmp_path):
+    """benchmarks/bench_indexer_kl.py end to end at a toy shape (its CPU smoke mode)."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_indexer_kl.py"
+    spec = importlib.util.spec_from_file_location("bench_indexer_kl", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--device", "cpu", "--seqs", "32", "--heads", "2", "--dim", "16", "--index-heads", "2",
+                     "--index-dim", "16", "--reps", "1", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "bench_indexer_kl.json").read_text())["results"]
+    assert [r["call"] for r in res] == ["fwd", "fwd, lse given", "fwd+bwd", "dense original fwd"]
+    assert "bitwise yes" in res[2]["note"]
+    assert float(res[3]["note"].split()[-1]) < 1e-5
