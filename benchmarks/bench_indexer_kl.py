@@ -2,6 +2,7 @@
 
     python benchmarks/bench_indexer_kl.py [--seqs 8192,16384,32768] [--quick] [--out DIR]
     python benchmarks/bench_indexer_kl.py --quick        # S = 4096, 8192, fewer repeats
+    python benchmarks/bench_indexer_kl.py --inspect      # no GPU: compile for sm_90, ptxas' report
 
 Shape (issue 30, the 16-head model): attention H=16 heads of D=192 (q [1,S,16,192], k per
 head), indexer Hi=64 heads of Di=128 (qi [1,S,64,128], ki [1,S,128], w [1,S,64]), bf16,
@@ -90,6 +91,51 @@ def peak_extra_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def inspect_sm90(a) -> int:
+    """Compile every kernel for sm_90 at the benchmark's shape on any machine (no GPU: Triton's
+    ``warmup`` against a stand-in driver) and print ptxas' report, one line per kernel."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("--inspect compiles for the GPU: unset TRITON_INTERPRET")
+    import triton
+    from triton.runtime import driver
+
+    from inspect_hytopk import _Sm90, ptxas_report
+    from hyscale_compile.lowerings import triton_indexer_kl as tk
+
+    driver.set_active(_Sm90())
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    H, D, Hi, Di, S = a.heads, a.dim, a.index_heads, a.index_dim, 4096
+    failed = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        q = torch.empty(1, S, H, D, dtype=dtype)
+        k = torch.empty(1, S, H, D, dtype=dtype)
+        qi = torch.empty(1, S, Hi, Di, dtype=dtype)
+        ki = torch.empty(1, S, Di, dtype=dtype)
+        w = torch.empty(1, S, Hi, dtype=dtype)
+        cfg = tk.default_config(q.to("meta"), qi.to("meta"), S, interpret=False)
+        cfg = tk.IndexerKLConfig(**{**cfg.__dict__, **{f: v for f, v in (("block_m", a.block_m), ("block_n", a.block_n),
+                                                                          ("num_warps", a.num_warps)) if v}})
+        tk._WARMUP = []
+        try:
+            _, stats, rows = tk.indexer_kl_triton_forward(q, k, qi, ki, w, None, D ** -0.5, True, 1.0, cfg=cfg)
+            tk.indexer_kl_triton_backward(torch.ones(()), q, k, qi, ki, w, stats, rows, D ** -0.5, True, 1.0, cfg=cfg)
+            compiled = tk._WARMUP
+        finally:
+            tk._WARMUP = None
+        seen = set()
+        for name, ck in compiled:
+            if name in seen:
+                continue
+            seen.add(name)
+            rep = ptxas_report(ck.asm["ptx"], bindir)
+            spill = rep.get("spill_st", 0) + rep.get("spill_ld", 0)
+            failed += spill > 0
+            print(f"inspect kernel={name} dtype={str(dtype).split('.')[-1]} block_m={cfg.block_m} "
+                  f"block_n={cfg.block_n} warps={cfg.num_warps} stages={cfg.num_stages} regs={rep.get('regs', 0)} "
+                  f"spill={spill} smem={ck.metadata.shared} wgmma={int('wgmma' in ck.asm['ptx'])}", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="8192,16384,32768")
@@ -104,9 +150,12 @@ def main(argv=None) -> int:
     ap.add_argument("--block-n", type=int, default=0)
     ap.add_argument("--num-warps", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--inspect", action="store_true", help="no GPU: compile the kernels for sm_90 and report")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script under TRITON_INTERPRET=1 "
                     "(tiny --seqs and heads), no meaningful times")
     a = ap.parse_args(argv)
+    if a.inspect:
+        return inspect_sm90(a)
     dev = a.device
     if dev == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_indexer_kl.py needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)")

@@ -349,6 +349,18 @@ def _kl_dk_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dki_ptr, r0, r1, S, T, B,
     tl.store(dk_ptrs, dk, mask=dk_mask)
 
 
+# Set by ``benchmarks/bench_indexer_kl.py --inspect`` (no GPU): the launches compile for the
+# current target (``warmup``) and append (kernel name, compiled kernel) here instead of running.
+_WARMUP: Optional[list] = None
+
+
+def _launch(kernel, grid, *args, **kwargs):
+    if _WARMUP is not None:
+        _WARMUP.append((kernel.fn.__name__, kernel.warmup(*args, grid=grid, **kwargs)))
+        return
+    kernel[grid](*args, **kwargs)
+
+
 def _prepare(q, k, qi, ki, w, lse, causal):
     check_operands(q, k, qi, ki, w, lse, causal)
     if _next_pow2(qi.shape[3]) > 256:
@@ -356,7 +368,7 @@ def _prepare(q, k, qi, ki, w, lse, causal):
     from .triton_codegen import check_interpreter_mode
 
     interp = check_interpreter_mode()
-    if q.device.type != "cuda" and not interp:
+    if q.device.type != "cuda" and not interp and _WARMUP is None:
         raise SpecError(f"dense_indexer_kl: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), q is on "
                         f"{q.device}")
     return [t.contiguous() for t in (q, k, qi, ki, w)], interp
@@ -376,9 +388,9 @@ def attention_stats_triton(q, k, scale: float, causal: bool, cfg: Optional[Index
     T, HK = k.shape[1], k.shape[2]
     cfg = cfg or default_config(q, q, T)
     stats = torch.empty((B, S, H, 2), dtype=torch.float32, device=q.device)
-    _attn_lse_kernel[(triton.cdiv(S, cfg.block_m), B * H)](
-        q.contiguous(), k.contiguous(), stats, S, T, float(scale), H=H, HK=HK, D=D, CAUSAL=bool(causal), BM=cfg.block_m, BN=cfg.block_n,
-        BD=cfg.block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _launch(_attn_lse_kernel, (triton.cdiv(S, cfg.block_m), B * H),
+            q.contiguous(), k.contiguous(), stats, S, T, float(scale), H=H, HK=HK, D=D, CAUSAL=bool(causal),
+            BM=cfg.block_m, BN=cfg.block_n, BD=cfg.block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return stats
 
 
@@ -395,9 +407,9 @@ def indexer_kl_triton_forward(q, k, qi, ki, w, lse: Optional[torch.Tensor], scal
     stats = attention_stats_triton(q, k, scale, causal, cfg) if lse is None else attention_stats(lse)
     rows = torch.empty((B, S), dtype=torch.float32, device=q.device)
     row_stats = torch.empty((B, S, 3), dtype=torch.float32, device=q.device)
-    _kl_fwd_kernel[(triton.cdiv(S, cfg.block_m), B)](
-        q, k, qi, ki, w, stats, rows, row_stats, S, T, float(scale), H=H, HK=HK, D=D, HI=HI, DI=DI,
-        CAUSAL=bool(causal), BM=cfg.block_m, BN=cfg.block_n, BD=cfg.block_d, BDI=max(16, _next_pow2(DI)),
+    _launch(_kl_fwd_kernel, (triton.cdiv(S, cfg.block_m), B),
+            q, k, qi, ki, w, stats, rows, row_stats, S, T, float(scale), H=H, HK=HK, D=D, HI=HI, DI=DI,
+            CAUSAL=bool(causal), BM=cfg.block_m, BN=cfg.block_n, BD=cfg.block_d, BDI=max(16, _next_pow2(DI)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     loss = rows.sum() * (loss_coeff / (B * S))
     return loss, stats, row_stats
@@ -426,15 +438,15 @@ def indexer_kl_triton_backward(grad, q, k, qi, ki, w, stats, row_stats, scale: f
         r1 = min(S, r0 + chunk)
         tiles = triton.cdiv(r1 - r0, cfg.block_m)
         n_tiles = triton.cdiv(min(T, r1) if causal else T, cfg.block_n)
-        _kl_dI_kernel[(n_tiles, tiles, B)](
-            q, k, qi, ki, w, stats, row_stats, g, dI, r0, S, T, float(scale), CHUNK=chunk, H=H, HK=HK, D=D, HI=HI,
-            DI=DI, CAUSAL=bool(causal), BM=cfg.block_m, BN=cfg.block_n, BD=cfg.block_d, BDI=BDI, **meta)
-        _kl_dq_kernel[(HI, tiles, B)](
-            qi, ki, w, dI, dqi, dw, r0, S, T, CHUNK=chunk, HI=HI, DI=DI, CAUSAL=bool(causal), BM=cfg.block_m,
-            BN=cfg.block_n, BDI=BDI, **meta)
-        _kl_dk_kernel[(n_tiles, hsplit, B)](
-            qi, ki, w, dI, dki, r0, r1, S, T, B, CHUNK=chunk, HI=HI, DI=DI, HSPLIT=hsplit, CAUSAL=bool(causal),
-            BM=cfg.block_m, BN=cfg.block_n, BDI=BDI, **meta)
+        _launch(_kl_dI_kernel, (n_tiles, tiles, B),
+                q, k, qi, ki, w, stats, row_stats, g, dI, r0, S, T, float(scale), CHUNK=chunk, H=H, HK=HK, D=D, HI=HI,
+                DI=DI, CAUSAL=bool(causal), BM=cfg.block_m, BN=cfg.block_n, BD=cfg.block_d, BDI=BDI, **meta)
+        _launch(_kl_dq_kernel, (HI, tiles, B),
+                qi, ki, w, dI, dqi, dw, r0, S, T, CHUNK=chunk, HI=HI, DI=DI, CAUSAL=bool(causal), BM=cfg.block_m,
+                BN=cfg.block_n, BDI=BDI, **meta)
+        _launch(_kl_dk_kernel, (n_tiles, hsplit, B),
+                qi, ki, w, dI, dki, r0, r1, S, T, B, CHUNK=chunk, HI=HI, DI=DI, HSPLIT=hsplit, CAUSAL=bool(causal),
+                BM=cfg.block_m, BN=cfg.block_n, BDI=BDI, **meta)
     dk = dki[0]
     for i in range(1, hsplit):  # the groups' partial sums in a fixed order
         dk = dk + dki[i]
