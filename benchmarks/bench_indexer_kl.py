@@ -131,7 +131,7 @@ def inspect_sm90(a) -> int:
             spill = rep.get("spill_st", 0) + rep.get("spill_ld", 0)
             failed += spill > 0
             print(f"inspect kernel={name} dtype={str(dtype).split('.')[-1]} block_m={cfg.block_m} "
-                  f"block_n={cfg.block_n} warps={cfg.num_warps} stages={cfg.num_stages} regs={rep.get('regs', 0)} "
+                  f"block_n={cfg.dk_block_n if name == '_kl_dk_kernel' else cfg.block_n} warps={cfg.num_warps} stages={cfg.num_stages} regs={rep.get('regs', 0)} "
                   f"spill={spill} smem={ck.metadata.shared} wgmma={int('wgmma' in ck.asm['ptx'])}", flush=True)
     return 0
 

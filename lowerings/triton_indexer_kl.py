@@ -79,6 +79,7 @@ class IndexerKLConfig:
     num_stages: int = 2
     chunk_rows: int = 2048  # query rows per backward chunk (a multiple of block_m)
     dk_head_split: int = 4  # the key gradient's programs per key tile (head groups; 1 when it does not divide Hi)
+    dk_block_n: int = 64  # the key gradient's key tile (its [block, Di] accumulator stays in registers)
 
 
 def default_config(q: torch.Tensor, qi: torch.Tensor, T: int, interpret: Optional[bool] = None) -> IndexerKLConfig:
@@ -89,13 +90,22 @@ def default_config(q: torch.Tensor, qi: torch.Tensor, T: int, interpret: Optiona
     B = q.shape[0]
     if interpret:
         bd = min(64, max(16, _next_pow2(D)))
+        # (the key gradient's tile differs from the others' on purpose: they need not agree)
         return IndexerKLConfig(block_m=16, block_n=16, block_d=bd, num_warps=1, num_stages=1, chunk_rows=32,
-                               dk_head_split=2)
-    bm, bn = 64, 64
-    rows = max(bm, min(4096, ((1 << 28) // max(1, B * T * 4)) // bm * bm))  # a 256 MiB dI workspace
-    warps = 8 if _next_pow2(Di) >= 128 else 4
-    return IndexerKLConfig(block_m=bm, block_n=bn, block_d=min(64, max(16, _next_pow2(D))), num_warps=warps,
-                           num_stages=2, chunk_rows=rows)
+                               dk_head_split=2, dk_block_n=32)
+
+    def rows(bm: int) -> int:  # a 256 MiB dI workspace
+        return max(bm, min(4096, ((1 << 28) // max(1, B * T * 4)) // bm * bm))
+
+    bd = min(64, max(16, _next_pow2(D)))
+    if q.dtype == torch.float32 or qi.dtype == torch.float32:
+        # IEEE fp32 dots run on the FMA units: smaller tiles keep them out of local memory
+        return IndexerKLConfig(block_m=32, block_n=32, block_d=bd, num_warps=4, num_stages=2, chunk_rows=rows(32),
+                               dk_block_n=32)
+    # (compiled for sm_90 at the DSA shape: no spills, wgmma; 128 keys per tile halve the
+    # re-reads of the Hi query heads per tile, the key gradient's accumulator keeps 64)
+    return IndexerKLConfig(block_m=64, block_n=128, block_d=bd, num_warps=8 if _next_pow2(Di) >= 128 else 4,
+                           num_stages=2, chunk_rows=rows(64))
 
 
 @triton.jit
@@ -444,9 +454,9 @@ def indexer_kl_triton_backward(grad, q, k, qi, ki, w, stats, row_stats, scale: f
         _launch(_kl_dq_kernel, (HI, tiles, B),
                 qi, ki, w, dI, dqi, dw, r0, S, T, CHUNK=chunk, HI=HI, DI=DI, CAUSAL=bool(causal), BM=cfg.block_m,
                 BN=cfg.block_n, BDI=BDI, **meta)
-        _launch(_kl_dk_kernel, (n_tiles, hsplit, B),
+        _launch(_kl_dk_kernel, (triton.cdiv(min(T, r1) if causal else T, cfg.dk_block_n), hsplit, B),
                 qi, ki, w, dI, dki, r0, r1, S, T, B, CHUNK=chunk, HI=HI, DI=DI, HSPLIT=hsplit, CAUSAL=bool(causal),
-                BM=cfg.block_m, BN=cfg.block_n, BDI=BDI, **meta)
+                BM=cfg.block_m, BN=cfg.dk_block_n, BDI=BDI, **meta)
     dk = dki[0]
     for i in range(1, hsplit):  # the groups' partial sums in a fixed order
         dk = dk + dki[i]
