@@ -55,7 +55,7 @@ from ..lowerings.attention_reference import check_attention_operands
 from ..lowerings.attention_spec import AttentionSpec, form_of
 from ..lowerings.spec import SpecError, dtype_name
 from . import layout as L
-from . import mla
+from . import mla, sdpa
 from .diagnostics import AttentionRecord
 from .canonicalize import (CONTRACTIONS, _AND, _CASTS, _NOT, _OR, _VIEWS, GraphFacts, OperandPlan, SiteAnalysis,
                            Unsupported, analyse_operand, dtype_of_node, is_backward_node, place_mask_operands,
@@ -301,9 +301,11 @@ def _forward_users(n: fx.Node) -> List[fx.Node]:
 
 def _softmax_of(x: fx.Node) -> Optional[Tuple[int, fx.Node, List[fx.Node]]]:
     """(dim, output, nodes) of the softmax that ``x`` feeds (decomposed: amax, sub, exp,
-    sum, div), else None."""
+    sum, div; or sdpa's safe softmax, whose output is then the ``where`` that gives 0 at the
+    rows with every key hidden: ``sdpa.safe_softmax_output``), else None."""
     am = [u for u in _forward_users(x) if u.target is aten.amax.default]
-    if len(am) != 1 or len(_forward_users(x)) != 2:
+    eq = [u for u in _forward_users(x) if u.target is aten.eq.Scalar]
+    if len(am) != 1 or len(eq) > 1 or len(_forward_users(x)) != 2 + len(eq):
         return None
     am = am[0]
     dims = am.args[1]
@@ -322,6 +324,9 @@ def _softmax_of(x: fx.Node) -> Optional[Tuple[int, fx.Node, List[fx.Node]]]:
         return None
     if tuple(dv[0].args) != (ex, sm[0]) or _forward_users(sm[0]) != [dv[0]]:
         return None
+    if eq:
+        safe = sdpa.safe_softmax_output(eq[0], dv[0], d, len(shape_of(x)), _forward_users)
+        return None if safe is None else (d, safe[0], [am, sub[0], ex, sm[0], dv[0], *safe[1]])
     return d, dv[0], [am, sub[0], ex, sm[0], dv[0]]
 
 
@@ -362,6 +367,7 @@ class Region:
     softmax: Tuple[int, fx.Node, List[fx.Node]]
     post: List[fx.Node]  # softmax output -> the value contraction's operand (views, casts)
     pv: fx.Node  # the value contraction
+    empty_row: str = "nan"  # what the softmax gives a row with every key hidden (AttentionSpec.empty_row)
 
 
 def find_region(facts: GraphFacts, sel_idx: fx.Node, app: fx.Node, app_arg: int, masked: Masked) -> Region:
@@ -375,8 +381,8 @@ def find_region(facts: GraphFacts, sel_idx: fx.Node, app: fx.Node, app_arg: int,
             raise _Reject("an undecomposed softmax (the pass expects the decomposed form)")
         readers = _forward_users(cur)
         if any(u.target is aten.eq.Scalar and u.args[1] == -math.inf for u in readers):
-            raise _Reject("a safe softmax (sdpa's math path: a row whose every key is hidden gives 0 there, NaN "
-                          "in the op), and no such row is proven not to occur")
+            raise _Reject("a test of the scores for -inf that is not a safe softmax the pass recognises "
+                          "(eq(-inf) -> all, or not -> any -> not, -> where(0, softmax))")
         if len(readers) != 1:
             raise _Reject(f"the masked scores ({cur.name}) are read by more than the softmax "
                           f"({', '.join(u.name for u in readers)})")
@@ -384,6 +390,7 @@ def find_region(facts: GraphFacts, sel_idx: fx.Node, app: fx.Node, app_arg: int,
     else:
         raise _Reject("no softmax after the index mask is applied")
     dim, p, _ = sm
+    empty_row = "zero" if p.target is aten.where.self else "nan"  # (a safe softmax ends in its where)
     chain = _chain_back(facts, cur, app, app_arg)
     if app not in [n for n, _ in chain]:
         raise _Reject("the index mask is not applied on the chain from the score contraction to the softmax")
@@ -405,7 +412,7 @@ def find_region(facts: GraphFacts, sel_idx: fx.Node, app: fx.Node, app_arg: int,
         if u.target in CONTRACTIONS:
             if u.args[0] is not cur2:
                 raise _Reject("the attention weights are the right operand of the value contraction")
-            return Region(sel_idx, masked, app, app_arg, chain, sm, post, u)
+            return Region(sel_idx, masked, app, app_arg, chain, sm, post, u, empty_row)
         if u.target in _VIEWS or u.target in _CASTS:
             if u.target in _CASTS and not dtype_of_node(u).is_floating_point:
                 raise _Reject(f"the attention weights are cast to {dtype_of_node(u)}")
@@ -542,7 +549,7 @@ def analyse(facts: GraphFacts, em: Emitter, r: Region) -> AttentionMatch:
         precision = "tf32"
     out_dtype = dtype_of_node(r.pv)
     spec = AttentionSpec(name="attention", post=tuple(spec_post), masks=tuple(mask_terms),
-                         out_dtype=dtype_name(out_dtype), fp32_precision=precision)
+                         out_dtype=dtype_name(out_dtype), fp32_precision=precision, empty_row=r.empty_row)
     try:
         spec.validate(num_mask_operands=len(mask_operands))
     except SpecError as e:
@@ -843,7 +850,7 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
         if all(u in rset for u in e.users):
             continue
         owners = {role for f in seqs.get(e.meta.get("seq_nr"), ()) for role, x in sources.items()
-                  if x in f.all_input_nodes and _same_shape(e, x)}
+                  if x in _inputs_through_identities(f) and _same_shape(e, x)}
         if len(owners) != 1:
             raise _Reject(f"training graph: cannot tell which operand the gradient {e.name} of the attention "
                           "belongs to (a gradient into a mask or an operand used twice); the attention stays dense")
@@ -877,6 +884,26 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     for e, new in replace.items():
         e.replace_all_uses_with(new, delete_user_cb=lambda u: u not in rset)
     return "sparse"
+
+
+def _inputs_through_identities(f: fx.Node) -> List[fx.Node]:
+    """``f``'s inputs, and through each that is an identity with no backward node of its own
+    (a clone, or an expand to the same shape: sdpa's math path writes v that way), that
+    one's input: the same gradient reaches them all."""
+    out, stack = [], list(f.all_input_nodes)
+    while stack:
+        a = stack.pop()
+        out.append(a)
+        if a.target in (aten.clone.default, aten.alias.default, aten.expand.default) and \
+                isinstance(a.args[0], fx.Node) and _same_shape(a, a.args[0]):
+            stack.append(a.args[0])
+    return out
+
+
+def _same_shape(a: fx.Node, b: fx.Node) -> bool:
+    from .sparse_backward import _same_shape as same
+
+    return same(a, b)
 
 
 BACKWARD = torch.ops.hyscale.sparse_attention_backward.default
