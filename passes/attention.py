@@ -691,8 +691,8 @@ def _applications(walk: MaskWalk, sc: fx.Node) -> List[Tuple[fx.Node, int, Maske
             if u in seen:
                 continue
             seen.add(u)
-            if is_backward_node(u) or u.target in _SHAPE_QUERIES:
-                continue
+            if is_backward_node(u) or u.target in _SHAPE_QUERIES or sdpa.is_lowered(u) or sdpa.feeds_only_lowered(u):
+                continue  # (a lowered fused sdpa: its math, written beside it, reads the index mask)
             i = next(j for j, a in enumerate(u.args) if a is n)
             m = None if _scores_side(walk.facts, u, i) else walk.step(u)
             if m is None:
@@ -719,6 +719,15 @@ def rewrite_attention(graph: fx.Graph, facts_sources, graph_kind: str, replay: b
                       enabled: bool = True, off_reason: str = "hyscale.sparse_attention=False") -> List[AttentionRecord]:
     """Rewrite every attention that applies a selection's index mask; one record per consumer."""
     records: List[AttentionRecord] = []
+    lowered = sdpa.lower_fused(graph, Emitter)  # fused sdpa nodes written out as their math
+    try:
+        _rewrite_all(graph, facts_sources, graph_kind, replay, enabled, off_reason, records)
+    finally:
+        sdpa.finish(graph, lowered)
+    return records
+
+
+def _rewrite_all(graph, facts_sources, graph_kind, replay, enabled, off_reason, records) -> None:
     facts = GraphFacts(graph, sources=facts_sources)
     for sel in selection_indices(graph):
         walk = MaskWalk(facts, Emitter(graph, sel))
@@ -736,13 +745,14 @@ def rewrite_attention(graph: fx.Graph, facts_sources, graph_kind: str, replay: b
                 records.append(_rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
                                             off_reason))
         walk.em.rollback()  # the walk's nodes that no rewrite reads
-    return records
 
 
 def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled, off_reason) -> AttentionRecord:
     em = Emitter(graph, app)
     rec = AttentionRecord(sel.name, app.name, False)
     try:
+        if app.target in sdpa.FUSED:
+            raise _Reject(sdpa.dense_reason(app))
         if app.target is aten.add.Tensor and masked.uns != -math.inf:
             raise _Reject(f"the index mask hides the unselected keys with a finite value ({masked.uns}): a row "
                           "with no visible selected key would average every key in the original, and no such "
@@ -842,7 +852,8 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
         raise _Reject(f"training graph: the attention's backward takes gradients from more than its output "
                       f"({', '.join(sorted(a.name for a in grads_in))}); the attention stays dense")
     g_in = grads_in.pop()
-    if not _same_shape(g_in, r.pv):
+    g_like = _through_views(r.pv, g_in)
+    if g_like is None:
         raise _Reject(f"training graph: the gradient entering the attention's backward ({g_in.name}) is not "
                       "shaped like its output; the attention stays dense")
     by_source: Dict[str, fx.Node] = {}
@@ -863,7 +874,10 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     last = max((g_in, applied.replaced, applied.out, applied.lse), key=lambda n: order[n])
     em = Emitter(graph, last.next)
     try:
-        g = _invert_views(em, g_in, applied.replaced, applied.out)
+        g = g_in
+        if g_like is not r.pv:  # the gradient of a view of the value contraction (a lowered fused sdpa's output)
+            g = em.call(aten.reshape.default, [g, list(val(r.pv).shape)])
+        g = _invert_views(em, g, applied.replaced, applied.out)
         if val(g).dtype != val(applied.out).dtype:
             g = em.call(prims.convert_element_type.default, [g, val(applied.out).dtype])
         needs = [role in by_source for role in ("q", "k", "v")]
@@ -884,6 +898,22 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     for e, new in replace.items():
         e.replace_all_uses_with(new, delete_user_cb=lambda u: u not in rset)
     return "sparse"
+
+
+def _through_views(pv: fx.Node, g: fx.Node) -> Optional[fx.Node]:
+    """``pv``, or the node its one forward reader chain of views and casts reaches, that is
+    shaped like the gradient ``g`` (the views keep the row-major order, so ``g`` reshaped to
+    ``pv``'s shape is ``pv``'s gradient); None if none is."""
+    n = pv
+    for _ in range(8):
+        if _same_shape(n, g) or (val(n).shape == val(g).shape and n is not pv):
+            return n
+        us = _forward_users(n)
+        if len(us) != 1 or (us[0].target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+                            and us[0].target not in _CASTS):
+            return None
+        n = us[0]
+    return None
 
 
 def _inputs_through_identities(f: fx.Node) -> List[fx.Node]:
