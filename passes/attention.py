@@ -33,7 +33,9 @@ Why the result is the original's: at an unselected key the original's logit is `
 (or hidden by a ``False`` keep mask, which sdpa and the graphs spell as ``-inf``), so its
 softmax weight is exactly 0 and its value is never read; at a selected key the logit is
 the score with the remaining masks, which is what the op computes. A row whose selected
-keys are all hidden is NaN in both. Masks that hide with a finite value (``finfo.min``)
+keys are all hidden is NaN in both (0 in both under sdpa's safe softmax, which the op then
+runs as ``empty_row="zero"``; fused sdpa nodes are first written out as their math by
+``passes/sdpa.py``). Masks that hide with a finite value (``finfo.min``)
 are not rewritten: a row with no visible selected key would average over every key in
 the original, and the pass does not prove that no such row occurs. Left dense too, each
 with its reason: dropout with p > 0 (a random op after the softmax), attention weights

@@ -24,6 +24,9 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 
+_NOTS = (aten.logical_not.default, aten.bitwise_not.default)  # (the same on bool)
+
+
 def _is_zero(a) -> bool:
     """A constant 0: a number, ``scalar_tensor(0)`` or ``full(shape, 0)``."""
     if isinstance(a, (int, float)) and not isinstance(a, bool):
@@ -62,12 +65,12 @@ def safe_softmax_output(eq: fx.Node, div: fx.Node, dim: int, ndim: int,
     if u is not None and _reduces(u, aten.all.dim, dim, ndim):  # all(eq(x, -inf))
         empty = u
         nodes.append(u)
-    elif u is not None and u.target is aten.logical_not.default:  # not(any(not(eq(x, -inf))))
+    elif u is not None and u.target in _NOTS:  # not(any(not(eq(x, -inf))))
         a = users(u)
         if len(a) != 1 or not _reduces(a[0], aten.any.dim, dim, ndim):
             return None
         n2 = users(a[0])
-        if len(n2) != 1 or n2[0].target is not aten.logical_not.default:
+        if len(n2) != 1 or n2[0].target not in _NOTS:
             return None
         empty = n2[0]
         nodes += [u, a[0], empty]

@@ -258,3 +258,27 @@ def test_hf_v32_sdpa_on_cuda(dtype, train, monkeypatch):
         assert M.count(cap, M.ATTENTION_BACKWARD, ("backward",)) == 2
     M.check_numerics(dict(model=model, kwargs=kwargs, cap=cap, calls=calls, out=logits.detach(), grads=grads,
                           seed=seed, dtype=dtype, train=train, records=recs))
+
+
+@pytest.mark.parametrize("spelling", ["all", "not_any_not", "not_zero"])
+def test_safe_softmax_spellings(spelling):
+    """Both spellings of the safe softmax's empty-row test (torch's ``all`` and its
+    decomposition) are recognised; a ``where`` that does not give 0 is not."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hyscale_compile.passes.sdpa import safe_softmax_output
+
+    def f(x):
+        e = torch.exp(x - x.amax(-1, keepdim=True))
+        p = e / e.sum(-1, keepdim=True)
+        hid = x == -math.inf
+        empty = hid.all(-1, keepdim=True) if spelling == "all" else ~(~hid).any(-1, keepdim=True)
+        return torch.where(empty, 1.0 if spelling == "not_zero" else 0.0, p)
+    g = make_fx(f)(torch.randn(2, 3, 5)).graph
+    eq = next(n for n in g.nodes if n.target is aten.eq.Scalar)
+    div = next(n for n in g.nodes if n.target is aten.div.Tensor)
+    got = safe_softmax_output(eq, div, 2, 3, lambda n: list(n.users))
+    if spelling == "not_zero":
+        assert got is None
+    else:
+        assert got is not None and got[0].target is aten.where.self and got[0].args[2] is div
