@@ -379,7 +379,7 @@ def find_region(facts: GraphFacts, sel_idx: fx.Node, app: fx.Node, app_arg: int,
         sm = _softmax_of(cur)
         if sm is not None:
             break
-        if any(u.target is aten._softmax.default for u in cur.users):
+        if any(u.target in (aten._softmax.default, aten._safe_softmax.default) for u in cur.users):
             raise _Reject("an undecomposed softmax (the pass expects the decomposed form)")
         readers = _forward_users(cur)
         if any(u.target is aten.eq.Scalar and u.args[1] == -math.inf for u in readers):

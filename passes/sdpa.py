@@ -208,7 +208,12 @@ def lower_fused(graph: fx.Graph, Emitter) -> List[Lowered]:
         if not fwd:
             continue
         em = Emitter(graph, n)
-        res, pv = _emit_math(em, a, _unpadded(bias), FUSED[n.target][2])
+        try:
+            res, pv = _emit_math(em, a, _unpadded(bias), FUSED[n.target][2])
+        except Exception as e:  # (nothing reads the new nodes yet: the node stays as it was)
+            em.rollback()
+            n.meta[_META] = f"{FUSED[n.target][0]}: its math could not be written out ({type(e).__name__}: {e})"
+            continue
         seq = n.meta.get("seq_nr")
         for m in em.created:
             if seq is not None:
