@@ -34,7 +34,8 @@ This runs inside a custom op, below autograd, so the chain rule is written out. 
 step's derivative is the one autograd gives the original graph's op
 (``backward._step_grad`` / ``_mask_grad``): a fill passes no gradient to the slots it
 hides. The softmax's ``delta`` is sum_j P dP, from the fp32 probabilities (not the rounded
-output). A row whose every slot is hidden (lse -inf, out NaN) passes no gradient at all.
+output). A row whose every slot is hidden (lse -inf; out NaN, or 0 under ``empty_row="zero"``)
+passes no gradient at all, as the safe softmax's ``where`` passes none to such a row.
 """
 from __future__ import annotations
 

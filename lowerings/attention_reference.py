@@ -134,8 +134,9 @@ def attention_forward(q, k, v, idx, masks: Sequence[torch.Tensor], spec: Attenti
     out = q.new_empty((B, S, H, Dv), dtype=out_dtype)
     lse = q.new_empty((B, S, H), dtype=stat)
     probs = q.new_empty((B, S, K) if return_probs else (0,), dtype=stat)
+    zero = spec.empty_row == "zero"
     if K == 0:  # no slot: every row is hidden, as a dense row of -inf
-        out.fill_(float("nan")), lse.fill_(float("-inf"))
+        out.fill_(0.0 if zero else float("nan")), lse.fill_(float("-inf"))
         return out, lse, probs
     step = chunk_rows(q.device, S, K, H, Hk, q.shape[3], Dv, len(spec.post))
     for b in range(B):
@@ -145,11 +146,13 @@ def attention_forward(q, k, v, idx, masks: Sequence[torch.Tensor], spec: Attenti
             del kb
             y, keys, n = outs[-1], mkeys[0], s1 - s0
             del outs
-            m = y.amax(-1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf: lse -inf, P NaN
+            m0 = y.amax(-1, keepdim=True)
+            m = torch.where(torch.isfinite(m0), m0, torch.zeros_like(m0))  # all -inf: lse -inf, P NaN
             e = torch.exp(y - m)
             l = e.sum(-1, keepdim=True)
             p = e / l
+            if zero:  # a row whose every slot is -inf: P 0 (the safe softmax), so out 0
+                p = torch.where(m0 == float("-inf"), 0.0, p)
             vb = gather_heads(v[b], keys, dtype)  # [Hk, n, K, Dv]
             o = torch.matmul(rows_to_heads(p, Hk), vb).permute(1, 0, 2, 3).reshape(n, H, Dv)
             out[b, s0:s1] = o.to(out_dtype)

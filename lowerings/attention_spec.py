@@ -25,11 +25,16 @@ For each row (b, s), head h and slot j, with t = idx[b, s, j]:
     P[h, :] = softmax_j(y[h, :])                      fp32; a slot at -inf contributes 0
     out[b,s,h] = sum_j P[h, j] * v[b,t,h//G]          rounded once to ``out_dtype``
     lse[b,s,h] = log sum_j exp(y[h, j])               natural log, fp32; -inf for a row
-                                                      whose every slot is -inf (its out is NaN)
+                                                      whose every slot is -inf
+
+A row whose every slot is -inf (no visible key) follows ``empty_row``: "nan" (the default:
+out NaN, as a plain softmax over a row of -inf gives) or "zero" (out 0, probs 0, and no
+gradient reaches its q, k or v: the safe softmax of sdpa's math path and the zero its fused
+kernels give such a row). lse is -inf either way.
 
 This equals the dense attention under the index mask (every unselected key at -inf or
 ``finfo.min``) whenever each row keeps at least one visible selected key: under ``-inf``
-the original's hidden row is NaN too, under ``finfo.min`` it would average every key, so
+the original's hidden row is NaN too (0 under a safe softmax: ``empty_row="zero"``), under ``finfo.min`` it would average every key, so
 the matcher rewrites such a site only where it proves that no row is left empty
 (docs/contract.md, "The selection's consumers").
 """
@@ -45,6 +50,10 @@ ATTENTION_SPEC_VERSION = 1
 
 FORMS = ("per_head", "mqa")
 
+# what a row with no visible slot gives; the field is written only when it is not the
+# default, so specs written before it existed parse (and serialize) unchanged
+EMPTY_ROWS = ("nan", "zero")
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
@@ -56,6 +65,7 @@ class AttentionSpec:
     out_dtype: str = "float32"
     # Dot precision for fp32 operands: "ieee" or "tf32" (docs/contract.md, dtype rule 3).
     fp32_precision: str = "ieee"
+    empty_row: str = "nan"  # EMPTY_ROWS
 
     def to_json(self) -> str:
         d = {
@@ -66,6 +76,8 @@ class AttentionSpec:
             "out_dtype": self.out_dtype,
             "fp32_precision": self.fp32_precision,
         }
+        if self.empty_row != "nan":
+            d["empty_row"] = self.empty_row
         return json.dumps(d, separators=(",", ":"))
 
     @staticmethod
@@ -76,8 +88,8 @@ class AttentionSpec:
             raise SpecError(f"attention spec is not valid JSON: {e}") from None
         if not isinstance(d, dict) or d.pop("v", None) != ATTENTION_SPEC_VERSION:
             raise SpecError(f"attention spec version mismatch (expected {ATTENTION_SPEC_VERSION}): {text[:80]}")
-        fields = {"name", "post", "masks", "out_dtype", "fp32_precision"}
-        missing = sorted(fields - {"fp32_precision"} - set(d))
+        fields = {"name", "post", "masks", "out_dtype", "fp32_precision", "empty_row"}
+        missing = sorted(fields - {"fp32_precision", "empty_row"} - set(d))
         if missing:
             raise SpecError(f"attention spec is missing {', '.join(repr(m) for m in missing)}: {text[:80]}")
         if set(d) - fields:
@@ -93,7 +105,7 @@ class AttentionSpec:
             except TypeError as e:
                 raise SpecError(f"attention spec's mask term {i} ({m!r}) is not a MaskTerm: {e}") from None
         spec = AttentionSpec(name=d["name"], post=post, masks=tuple(masks), out_dtype=d["out_dtype"],
-                             fp32_precision=d.get("fp32_precision", "ieee"))
+                             fp32_precision=d.get("fp32_precision", "ieee"), empty_row=d.get("empty_row", "nan"))
         return spec.validate()
 
     def as_score_spec(self) -> ScoreSpec:
@@ -105,6 +117,8 @@ class AttentionSpec:
 
     def validate(self, num_mask_operands: Optional[int] = None) -> "AttentionSpec":
         dtype_of(self.out_dtype)
+        if self.empty_row not in EMPTY_ROWS:
+            raise SpecError(f"attention spec's empty_row is {self.empty_row!r}; expected one of {EMPTY_ROWS}")
         self.as_score_spec().validate(num_mask_operands=num_mask_operands)
         return self
 
@@ -114,9 +128,10 @@ class AttentionSpec:
         return self if resolved.post == self.post else dataclasses.replace(self, post=resolved.post)
 
     def describe(self) -> str:
-        """One line for diagnostics: 'mul(0.125) -> mask:range -> softmax -> @v'."""
+        """One line for diagnostics: 'mul(0.125) -> mask:range -> softmax -> @v' (with
+        ``empty_row="zero"``: 'safe_softmax', a row with no visible key gives 0)."""
         steps = self.as_score_spec().describe().split(" -> ")[2:]  # drop the epilogue and reduce
-        return " -> ".join([*steps, "softmax", "@v"])
+        return " -> ".join([*steps, "safe_softmax" if self.empty_row == "zero" else "softmax", "@v"])
 
 
 def form_of(H: int, Hk: int) -> str:

@@ -201,6 +201,9 @@ def render_kernel_source(spec: AttentionSpec, num_masks: int) -> str:
         "MASK_PARAMS": "".join(f"{a}, " for a in params),
         "MASK_ARGS_DEF": "".join(f"    {a},\n" for a in _mask_args_def(spec)),
         "ROW_BOUNDS": _indent(_render_row_bounds(spec), 4) or "    pass",
+        # empty_row="zero": a head with no visible slot gives 0 (its lse stays -inf)
+        "EMPTY_ROW_OUT": '    out = tl.where((l_i == 0.0)[:, None], 0.0, out)' if spec.empty_row == "zero" else "",
+        "EMPTY_ROW_PROBS": '                p = tl.where((l == 0.0)[:, None], 0.0, p)' if spec.empty_row == "zero" else "",
     }
     src = _TEMPLATE
     for key, val in subs.items():
@@ -455,6 +458,7 @@ def attn_fwd(
         m_i = m_new
     # a head with no visible slot: l = 0, so out = 0 / 0 = NaN and lse = -inf, as the reference
     out = acc / l_i[:, None]
+{{EMPTY_ROW_OUT}}
     obase = OUT + b * stride_ob + s * stride_os + (hk * G) * stride_oh
     tl.store(tl.make_block_ptr(obase, (G, DV), (stride_oh, stride_od), (g0, 0), (BLOCK_H, BLOCK_DV), (1, 0)),
              out.to(OUT.dtype.element_ty), boundary_check=(0, 1))
@@ -504,6 +508,7 @@ def attn_probs(
                 m = tl.load(STAT_M + stat, mask=h_ok, other=0.0)
                 l = tl.load(STAT_L + stat, mask=h_ok, other=1.0)
                 p = tl.exp(y - m[:, None]) / l[:, None]  # 0 / 0 = NaN for a head with no visible slot
+{{EMPTY_ROW_PROBS}}
                 tot += tl.sum(tl.where(h_ok[:, None], p, 0.0), axis=0)
         tl.store(PROBS + b * stride_pb + s * stride_ps + slots * stride_pj, tot, mask=slot_ok)
 '''

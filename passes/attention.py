@@ -33,7 +33,9 @@ Why the result is the original's: at an unselected key the original's logit is `
 (or hidden by a ``False`` keep mask, which sdpa and the graphs spell as ``-inf``), so its
 softmax weight is exactly 0 and its value is never read; at a selected key the logit is
 the score with the remaining masks, which is what the op computes. A row whose selected
-keys are all hidden is NaN in both. Masks that hide with a finite value (``finfo.min``)
+keys are all hidden is NaN in both (0 in both under sdpa's safe softmax, which the op then
+runs as ``empty_row="zero"``; fused sdpa nodes are first written out as their math by
+``passes/sdpa.py``). Masks that hide with a finite value (``finfo.min``)
 are not rewritten: a row with no visible selected key would average over every key in
 the original, and the pass does not prove that no such row occurs. Left dense too, each
 with its reason: dropout with p > 0 (a random op after the softmax), attention weights
@@ -55,7 +57,7 @@ from ..lowerings.attention_reference import check_attention_operands
 from ..lowerings.attention_spec import AttentionSpec, form_of
 from ..lowerings.spec import SpecError, dtype_name
 from . import layout as L
-from . import mla
+from . import mla, sdpa
 from .diagnostics import AttentionRecord
 from .canonicalize import (CONTRACTIONS, _AND, _CASTS, _NOT, _OR, _VIEWS, GraphFacts, OperandPlan, SiteAnalysis,
                            Unsupported, analyse_operand, dtype_of_node, is_backward_node, place_mask_operands,
@@ -301,9 +303,11 @@ def _forward_users(n: fx.Node) -> List[fx.Node]:
 
 def _softmax_of(x: fx.Node) -> Optional[Tuple[int, fx.Node, List[fx.Node]]]:
     """(dim, output, nodes) of the softmax that ``x`` feeds (decomposed: amax, sub, exp,
-    sum, div), else None."""
+    sum, div; or sdpa's safe softmax, whose output is then the ``where`` that gives 0 at the
+    rows with every key hidden: ``sdpa.safe_softmax_output``), else None."""
     am = [u for u in _forward_users(x) if u.target is aten.amax.default]
-    if len(am) != 1 or len(_forward_users(x)) != 2:
+    eq = [u for u in _forward_users(x) if u.target is aten.eq.Scalar]
+    if len(am) != 1 or len(eq) > 1 or len(_forward_users(x)) != 2 + len(eq):
         return None
     am = am[0]
     dims = am.args[1]
@@ -322,6 +326,9 @@ def _softmax_of(x: fx.Node) -> Optional[Tuple[int, fx.Node, List[fx.Node]]]:
         return None
     if tuple(dv[0].args) != (ex, sm[0]) or _forward_users(sm[0]) != [dv[0]]:
         return None
+    if eq:
+        safe = sdpa.safe_softmax_output(eq[0], dv[0], d, len(shape_of(x)), _forward_users)
+        return None if safe is None else (d, safe[0], [am, sub[0], ex, sm[0], dv[0], *safe[1]])
     return d, dv[0], [am, sub[0], ex, sm[0], dv[0]]
 
 
@@ -362,6 +369,7 @@ class Region:
     softmax: Tuple[int, fx.Node, List[fx.Node]]
     post: List[fx.Node]  # softmax output -> the value contraction's operand (views, casts)
     pv: fx.Node  # the value contraction
+    empty_row: str = "nan"  # what the softmax gives a row with every key hidden (AttentionSpec.empty_row)
 
 
 def find_region(facts: GraphFacts, sel_idx: fx.Node, app: fx.Node, app_arg: int, masked: Masked) -> Region:
@@ -371,12 +379,12 @@ def find_region(facts: GraphFacts, sel_idx: fx.Node, app: fx.Node, app_arg: int,
         sm = _softmax_of(cur)
         if sm is not None:
             break
-        if any(u.target is aten._softmax.default for u in cur.users):
+        if any(u.target in (aten._softmax.default, aten._safe_softmax.default) for u in cur.users):
             raise _Reject("an undecomposed softmax (the pass expects the decomposed form)")
         readers = _forward_users(cur)
         if any(u.target is aten.eq.Scalar and u.args[1] == -math.inf for u in readers):
-            raise _Reject("a safe softmax (sdpa's math path: a row whose every key is hidden gives 0 there, NaN "
-                          "in the op), and no such row is proven not to occur")
+            raise _Reject("a test of the scores for -inf that is not a safe softmax the pass recognises "
+                          "(eq(-inf) -> all, or not -> any -> not, -> where(0, softmax))")
         if len(readers) != 1:
             raise _Reject(f"the masked scores ({cur.name}) are read by more than the softmax "
                           f"({', '.join(u.name for u in readers)})")
@@ -384,6 +392,7 @@ def find_region(facts: GraphFacts, sel_idx: fx.Node, app: fx.Node, app_arg: int,
     else:
         raise _Reject("no softmax after the index mask is applied")
     dim, p, _ = sm
+    empty_row = "zero" if p.target is aten.where.self else "nan"  # (a safe softmax ends in its where)
     chain = _chain_back(facts, cur, app, app_arg)
     if app not in [n for n, _ in chain]:
         raise _Reject("the index mask is not applied on the chain from the score contraction to the softmax")
@@ -405,7 +414,7 @@ def find_region(facts: GraphFacts, sel_idx: fx.Node, app: fx.Node, app_arg: int,
         if u.target in CONTRACTIONS:
             if u.args[0] is not cur2:
                 raise _Reject("the attention weights are the right operand of the value contraction")
-            return Region(sel_idx, masked, app, app_arg, chain, sm, post, u)
+            return Region(sel_idx, masked, app, app_arg, chain, sm, post, u, empty_row)
         if u.target in _VIEWS or u.target in _CASTS:
             if u.target in _CASTS and not dtype_of_node(u).is_floating_point:
                 raise _Reject(f"the attention weights are cast to {dtype_of_node(u)}")
@@ -542,7 +551,7 @@ def analyse(facts: GraphFacts, em: Emitter, r: Region) -> AttentionMatch:
         precision = "tf32"
     out_dtype = dtype_of_node(r.pv)
     spec = AttentionSpec(name="attention", post=tuple(spec_post), masks=tuple(mask_terms),
-                         out_dtype=dtype_name(out_dtype), fp32_precision=precision)
+                         out_dtype=dtype_name(out_dtype), fp32_precision=precision, empty_row=r.empty_row)
     try:
         spec.validate(num_mask_operands=len(mask_operands))
     except SpecError as e:
@@ -684,8 +693,8 @@ def _applications(walk: MaskWalk, sc: fx.Node) -> List[Tuple[fx.Node, int, Maske
             if u in seen:
                 continue
             seen.add(u)
-            if is_backward_node(u) or u.target in _SHAPE_QUERIES:
-                continue
+            if is_backward_node(u) or u.target in _SHAPE_QUERIES or sdpa.is_lowered(u) or sdpa.feeds_only_lowered(u):
+                continue  # (a lowered fused sdpa: its math, written beside it, reads the index mask)
             i = next(j for j, a in enumerate(u.args) if a is n)
             m = None if _scores_side(walk.facts, u, i) else walk.step(u)
             if m is None:
@@ -712,6 +721,15 @@ def rewrite_attention(graph: fx.Graph, facts_sources, graph_kind: str, replay: b
                       enabled: bool = True, off_reason: str = "hyscale.sparse_attention=False") -> List[AttentionRecord]:
     """Rewrite every attention that applies a selection's index mask; one record per consumer."""
     records: List[AttentionRecord] = []
+    lowered = sdpa.lower_fused(graph, Emitter)  # fused sdpa nodes written out as their math
+    try:
+        _rewrite_all(graph, facts_sources, graph_kind, replay, enabled, off_reason, records)
+    finally:
+        sdpa.finish(graph, lowered)
+    return records
+
+
+def _rewrite_all(graph, facts_sources, graph_kind, replay, enabled, off_reason, records) -> None:
     facts = GraphFacts(graph, sources=facts_sources)
     for sel in selection_indices(graph):
         walk = MaskWalk(facts, Emitter(graph, sel))
@@ -729,13 +747,14 @@ def rewrite_attention(graph: fx.Graph, facts_sources, graph_kind: str, replay: b
                 records.append(_rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
                                             off_reason))
         walk.em.rollback()  # the walk's nodes that no rewrite reads
-    return records
 
 
 def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled, off_reason) -> AttentionRecord:
     em = Emitter(graph, app)
     rec = AttentionRecord(sel.name, app.name, False)
     try:
+        if app.target in sdpa.FUSED:
+            raise _Reject(sdpa.dense_reason(app))
         if app.target is aten.add.Tensor and masked.uns != -math.inf:
             raise _Reject(f"the index mask hides the unselected keys with a finite value ({masked.uns}): a row "
                           "with no visible selected key would average every key in the original, and no such "
@@ -835,7 +854,8 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
         raise _Reject(f"training graph: the attention's backward takes gradients from more than its output "
                       f"({', '.join(sorted(a.name for a in grads_in))}); the attention stays dense")
     g_in = grads_in.pop()
-    if not _same_shape(g_in, r.pv):
+    g_like = _through_views(r.pv, g_in)
+    if g_like is None:
         raise _Reject(f"training graph: the gradient entering the attention's backward ({g_in.name}) is not "
                       "shaped like its output; the attention stays dense")
     by_source: Dict[str, fx.Node] = {}
@@ -843,7 +863,7 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
         if all(u in rset for u in e.users):
             continue
         owners = {role for f in seqs.get(e.meta.get("seq_nr"), ()) for role, x in sources.items()
-                  if x in f.all_input_nodes and _same_shape(e, x)}
+                  if x in _inputs_through_identities(f) and _same_shape(e, x)}
         if len(owners) != 1:
             raise _Reject(f"training graph: cannot tell which operand the gradient {e.name} of the attention "
                           "belongs to (a gradient into a mask or an operand used twice); the attention stays dense")
@@ -856,7 +876,10 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     last = max((g_in, applied.replaced, applied.out, applied.lse), key=lambda n: order[n])
     em = Emitter(graph, last.next)
     try:
-        g = _invert_views(em, g_in, applied.replaced, applied.out)
+        g = g_in
+        if g_like is not r.pv:  # the gradient of a view of the value contraction (a lowered fused sdpa's output)
+            g = em.call(aten.reshape.default, [g, list(val(r.pv).shape)])
+        g = _invert_views(em, g, applied.replaced, applied.out)
         if val(g).dtype != val(applied.out).dtype:
             g = em.call(prims.convert_element_type.default, [g, val(applied.out).dtype])
         needs = [role in by_source for role in ("q", "k", "v")]
@@ -877,6 +900,42 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     for e, new in replace.items():
         e.replace_all_uses_with(new, delete_user_cb=lambda u: u not in rset)
     return "sparse"
+
+
+def _through_views(pv: fx.Node, g: fx.Node) -> Optional[fx.Node]:
+    """``pv``, or the node its one forward reader chain of views and casts reaches, that is
+    shaped like the gradient ``g`` (the views keep the row-major order, so ``g`` reshaped to
+    ``pv``'s shape is ``pv``'s gradient); None if none is."""
+    n = pv
+    for _ in range(8):
+        if _same_shape(n, g) or (val(n).shape == val(g).shape and n is not pv):
+            return n
+        us = _forward_users(n)
+        if len(us) != 1 or (us[0].target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+                            and us[0].target not in _CASTS):
+            return None
+        n = us[0]
+    return None
+
+
+def _inputs_through_identities(f: fx.Node) -> List[fx.Node]:
+    """``f``'s inputs, and through each that is an identity with no backward node of its own
+    (a clone, or an expand to the same shape: sdpa's math path writes v that way), that
+    one's input: the same gradient reaches them all."""
+    out, stack = [], list(f.all_input_nodes)
+    while stack:
+        a = stack.pop()
+        out.append(a)
+        if a.target in (aten.clone.default, aten.alias.default, aten.expand.default) and \
+                isinstance(a.args[0], fx.Node) and _same_shape(a, a.args[0]):
+            stack.append(a.args[0])
+    return out
+
+
+def _same_shape(a: fx.Node, b: fx.Node) -> bool:
+    from .sparse_backward import _same_shape as same
+
+    return same(a, b)
 
 
 BACKWARD = torch.ops.hyscale.sparse_attention_backward.default

@@ -167,15 +167,13 @@ def check_numerics(r):
 FINFO_MIN = ("pass does not rewrite {}'s finfo.min index mask yet: masked_fill(scatter(new_ones, idx, False), "
              "finfo.min) is left dense unless no row without a visible selected key is proven (the selection's own "
              "mask is the attention's causal mask, so its top-1 is visible: see the report)")
-SAFE_SOFTMAX = ("pass does not rewrite HF V3.2 sdpa yet: sdpa's math path is a safe softmax (eq(-inf) -> "
-                "logical_not -> any -> logical_not -> where(full(0), div)), a row with every key hidden gives 0 "
-                "where the op gives NaN")
 NOT_YET = {("deepseek_v32", "eager"): FINFO_MIN.format("HF V3.2 eager"),
-           ("deepseek_v32", "sdpa"): SAFE_SOFTMAX,
            ("glm_moe_dsa", "eager"): FINFO_MIN.format("GLM-5 eager (transformers 5.24 builds it as V3.2 does)")}
+# rewritten: HF V3.2 sdpa (its math path's safe softmax runs as the op's empty_row="zero")
+DONE = [("deepseek_v32", "sdpa")]
 CASES = [pytest.param(name, attn, marks=pytest.mark.xfail(strict=True, reason=NOT_YET[(name, attn)]))
-         for name, attn in NOT_YET]
-NUMERIC_CASES = list(NOT_YET)
+         for name, attn in NOT_YET] + DONE
+NUMERIC_CASES = list(NOT_YET) + DONE
 # the layers whose attention applies an index mask: two per model (GLM: one selection, two layers)
 EXPECTED_ATTENTION = {"deepseek_v32": 2, "glm_moe_dsa": 2}
 

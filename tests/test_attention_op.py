@@ -6,6 +6,7 @@ way the public DSA code writes it (a -inf index mask scattered at the selected k
 to the dense scores, softmax, matmul), with the numerics rule of docs/contract.md:
 err(op) <= 2 err(orig) + 2 eps(dtype), err = max |x - ref| / max |ref|, orig the same
 dense attention run in the op's dtype."""
+import dataclasses
 import math
 
 import pytest
@@ -282,6 +283,85 @@ def test_rows_with_no_visible_slot():
         for name, got, want in zip(["gq", "gk", "gv"], [t.grad for t in leaves], ref_grads):
             want = torch.where(rows[..., None, None], 0.0, want) if name == "gq" else want
             assert err(got, want) < 1e-5, (kind, name)
+
+
+def _safe_dense(q, k, v, idx, dense_mask, dtype):
+    """``dense_attention`` with sdpa's safe softmax (``aten._safe_softmax``: a row whose every
+    key is -inf gives 0 there), the float64 reference of ``empty_row="zero"``."""
+    H, Hk = q.shape[2], k.shape[2]
+    G = H // Hk
+    qd, kd, vd = q.to(dtype), k.repeat_interleave(G, dim=2).to(dtype), v.repeat_interleave(G, dim=2).to(dtype)
+    scores = dense_mask(torch.einsum("bshd,bthd->bhst", qd, kd) * SCALE)
+    index_mask = torch.full((q.shape[0], q.shape[1], k.shape[1]), -math.inf, dtype=dtype).scatter_(-1, idx, 0.0)
+    p = torch.ops.aten._safe_softmax(scores + index_mask.unsqueeze(1), -1)
+    return torch.einsum("bhst,bthd->bshd", p, vd)
+
+
+@pytest.mark.parametrize("layout", ["per_head", "gqa", "mqa_view"])
+@pytest.mark.parametrize("kind", ["range_fill", "fill_bool", "add_tensor"])
+def test_empty_row_zero_matches_the_safe_softmax(kind, layout):
+    """``empty_row="zero"``: a row whose every selected key is hidden gives out 0 and lse
+    -inf, and no gradient, as the dense safe softmax (sdpa's math path) does; the other rows
+    and every gradient within the numerics rule of the float64 dense safe softmax."""
+    H, Hk, mqa = LAYOUTS[layout]
+    empty = [(0, 3), (1, 7), (1, 0)]
+    for i in range(SEEDS):
+        seed = fresh_seed(f"empty-row-zero-{kind}-{layout}-{i}")
+        gen = torch.Generator().manual_seed(seed)
+        post, terms, ops, dense, idx = make_case(kind, gen, empty_rows=empty)
+        spec = dataclasses.replace(_spec(post, terms, torch.float32), empty_row="zero")
+        assert AttentionSpec.from_json(spec.to_json()) == spec
+        q, k, v = (torch.randn(B, S, H, D, generator=gen), torch.randn(B, T, Hk, D, generator=gen),
+                   torch.randn(B, T, Hk, DV, generator=gen))
+        w = torch.randn(B, S, H, DV, generator=gen)
+        out, lse, probs, grads = run_op(q, k, v, idx, ops, spec, w, mqa)
+        rows = torch.zeros(B, S, dtype=torch.bool)
+        for b, s in empty:
+            rows[b, s] = True
+        assert (out[rows] == 0).all() and (probs[rows] == 0).all() and (lse[rows] == -math.inf).all()
+        assert torch.isfinite(out).all() and torch.isfinite(lse[~rows]).all()
+        results = []
+        for dtype in (torch.float64, torch.float32):
+            leaves, (ql, kl, vl) = _leaves(q, k, v, mqa)
+            o = _safe_dense(ql, kl, vl, idx, dense, dtype)
+            (o * w.to(dtype)).sum().backward()
+            results.append([o] + [t.grad for t in leaves])
+        assert (grads[0][rows] == 0).all()
+        for name, got, want, orig in zip(["out", "gq", "gk", "gv"], [out] + grads, *results):
+            e_op, e_orig = err(got, want), err(orig, want)
+            assert e_op <= 2 * e_orig + 2 * EPS[torch.float32], f"{name}: err(op) {e_op:.3g}, err(orig) {e_orig:.3g}"
+
+
+def test_empty_row_zero_backward_kernel_path(monkeypatch):
+    """The CUDA path of the backward (the Triton segment sum, here under TRITON_INTERPRET=1)
+    gives the CPU path's bits for ``empty_row="zero"`` with empty rows: zero gradients there."""
+    gen = torch.Generator().manual_seed(fresh_seed("empty-row-zero-kernel"))
+    post, terms, ops, dense, idx = make_case("fill_bool", gen, empty_rows=[(0, 2), (1, 5)])
+    spec = dataclasses.replace(_spec(post, terms, torch.float32), empty_row="zero")
+    q, k, v = (torch.randn(B, S, 4, D, generator=gen), torch.randn(B, T, 2, D, generator=gen),
+               torch.randn(B, T, 2, DV, generator=gen))
+    out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, ops, spec.to_json())
+    go = torch.randn(out.shape, generator=gen)
+    want = ab.attention_backward(go, q, k, v, idx, ops, out, lse, spec)
+    seg = ab.segment_sum_
+    monkeypatch.setattr(ab, "segment_sum_", lambda o, kk, src, use_kernel=None: seg(o, kk, src, use_kernel=True))
+    got = ab.attention_backward(go, q, k, v, idx, ops, out, lse, spec)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert (got[0][0, 2] == 0).all() and (got[0][1, 5] == 0).all()
+
+
+def test_empty_row_spec_field():
+    """The field is optional in the JSON (specs written before it parse, as "nan"), written
+    only when not the default, and validated."""
+    old = AttentionSpec(post=(("mul", 0.5),))
+    assert "empty_row" not in old.to_json() and AttentionSpec.from_json(old.to_json()).empty_row == "nan"
+    zero = dataclasses.replace(old, empty_row="zero")
+    assert '"empty_row":"zero"' in zero.to_json() and AttentionSpec.from_json(zero.to_json()) == zero
+    assert zero.describe() == "mul(0.5) -> safe_softmax -> @v" and old.describe() == "mul(0.5) -> softmax -> @v"
+    with pytest.raises(SpecError, match="empty_row is 'inf'"):
+        dataclasses.replace(old, empty_row="inf").validate()
+    with pytest.raises(SpecError, match="empty_row is 'x'"):
+        AttentionSpec.from_json(zero.to_json().replace('"zero"', '"x"'))
 
 
 def test_row_hidden_by_finfo_min_everywhere():

@@ -204,6 +204,13 @@ def _hf_args(seed, requires_grad=False):
     return af.make_inputs(seed, requires_grad=requires_grad) + (af.hf_causal_mask(2, 16),)
 
 
+def _sdpa_args(seed, requires_grad=False):
+    """HF's sdpa bool mask, with row 5 of batch 1 seeing no key (a padding row)."""
+    mask = af.hf_bool_causal_mask(2, 16).clone()
+    mask[1, :, 5] = False
+    return af.make_inputs(seed, requires_grad=requires_grad) + (mask,)
+
+
 def _mqa_args(seed, requires_grad=False):
     return af.make_mqa_inputs(seed, requires_grad=requires_grad)
 
@@ -216,6 +223,8 @@ FORMS = {
                    _hf_args, (3, 4, 5), 1, "per_head"),
     "hf_v32_eager_inf": (af.hf_v32_eager_inf, None, _hf_args, (3, 4, 5), 1, "per_head"),
     "megatron_absorbed": (af.megatron_absorbed, af.megatron_absorbed_attention, _mqa_args, (3, 4), 1, "mqa"),
+    "hf_v32_sdpa": (af.hf_v32_sdpa, lambda idx, q, k, v, m: _sdpa_at(idx, q, k, v, m.bool()), _sdpa_args,
+                    (3, 4, 5), 1, "per_head"),
 }
 
 
@@ -309,10 +318,40 @@ def test_dense_finfo_min_index_mask():
     _dense_case(af.hf_v32_eager, _hf_args(0), "finite value")
 
 
-def test_dense_sdpa_safe_softmax():
-    """HF V3.2 sdpa (bool mask): sdpa's math path gives 0 for a row with every key hidden."""
-    args = af.make_inputs(0) + (af.hf_bool_causal_mask(2, 16),)
-    _dense_case(af.hf_v32_sdpa, args, "safe softmax")
+def _sdpa_at(idx, q, kk, v, bool_mask):
+    """``af.hf_v32_sdpa``'s attention at given indices (float64 in, float64 out: the reference)."""
+    B, S = q.shape[0], q.shape[1]
+    q, kk, v = q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2)
+    index_mask = idx.new_ones((B, S, kk.shape[2]), dtype=torch.bool).scatter(-1, idx.long(), False).unsqueeze(1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, kk, v, attn_mask=bool_mask & ~index_mask,
+                                                           scale=q.shape[-1] ** -0.5)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("i", range(5))
+def test_sdpa_safe_softmax_rewritten(i):
+    """HF V3.2 sdpa (bool mask): sdpa's math path is a safe softmax, a row with every key
+    hidden gives 0; the op runs with empty_row="zero" and gives 0 there too. Rows 3 and 9 of
+    batch 1 see no key at all (a padding row), so every selected key is hidden there."""
+    seed = fresh_seed(f"sdpa_safe_softmax[{i}]")
+    mask = af.hf_bool_causal_mask(2, 16).clone()
+    mask[1, :, 3] = False
+    mask[1, :, 9] = False
+    args = af.make_inputs(seed) + (mask,)
+    c, cap = compiled(af.hf_v32_sdpa)
+    with torch.no_grad():
+        out = c(*args)
+        orig = af.hf_v32_sdpa(*args)
+        qi, ki, w, q, k, v = args[:6]
+        ref = _sdpa_at(af.indexer(qi, ki, w, 4), q.double(), k.double(), v.double(), mask)
+    assert OP in targets(cap, "inference") and aten_bmm_count(cap, "inference") == 0
+    recs = attention_records()
+    assert len(recs) == 1 and recs[0].rewritten and "safe_softmax" in recs[0].spec, [r.line() for r in recs]
+    call = next(n for k, g in cap if k == "inference" for n in g.graph.nodes if n.target is OP)
+    assert '"empty_row":"zero"' in call.args[5]
+    assert (out[1, 3] == 0).all() and (out[1, 9] == 0).all() and (orig[1, 3] == 0).all()
+    assert torch.isfinite(out).all()
+    assert_numerics(out, orig, ref, torch.float32, "out")
 
 
 def test_dense_dropout():

@@ -5,6 +5,7 @@ orig the fp32 reference on the same inputs. On the CPU the kernel runs under
 TRITON_INTERPRET=1 (conftest): tiny fp32 / fp16 shapes. GPU tests are marked ``gpu``."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -96,6 +97,28 @@ def test_forward_matches_reference(H, Hk, dtype):
         out, lse, probs = check(q, k, v, idx, [hi], _spec(D, dtype, CAUSAL["post_masks"][0], masks=CAUSAL["masks"]))
         assert torch.isnan(out[0, 0]).all() and torch.isneginf(lse[0, 0]).all() and torch.isnan(probs[0, 0]).all()
         assert torch.isfinite(out[1]).all()
+
+
+@pytest.mark.parametrize("H,Hk", [(4, 1), (4, 2)], ids=["mqa", "gqa"])
+def test_empty_row_zero(H, Hk):
+    """``empty_row="zero"``: the heads of a row with no visible key give out 0, probs 0 and
+    lse -inf (the safe softmax); the rest as the reference, which is checked against the
+    dense safe softmax in test_attention_op.py. With no slot at all every row is such a row."""
+    B, S, T, D, K = 2, 4, 24, 16, 20
+    for i in range(SEEDS):
+        seed = fresh_seed(f"empty row zero H={H} Hk={Hk} #{i}")
+        q, k, v, idx = _inputs(seed, B, S, T, H, Hk, D, D, K)
+        hi = _causal(B, S, T)
+        hi[1, 2] = 0
+        spec = dataclasses.replace(_spec(D, torch.float32, CAUSAL["post_masks"][0], masks=CAUSAL["masks"]),
+                                   empty_row="zero")
+        out, lse, probs = check(q, k, v, idx, [hi], spec)
+        for row in ((0, 0), (1, 2)):
+            assert (out[row] == 0).all() and torch.isneginf(lse[row]).all() and (probs[row] == 0).all()
+        assert torch.isfinite(out).all() and torch.isfinite(probs).all()
+    q, k, v, idx = _inputs(0, 1, 3, 8, 2, 1, 16, 16, 0)
+    out, lse, probs = sparse_attention_triton(q, k, v, idx, [], AttentionSpec(empty_row="zero"), return_probs=True)
+    assert (out == 0).all() and torch.isneginf(lse).all() and probs.shape == (1, 3, 0)
 
 
 def test_hidden_slots_contribute_exactly_nothing():

@@ -1,0 +1,284 @@
+"""The attention pass over sdpa's fused nodes (passes/sdpa.py): a CUDA trace of
+``F.scaled_dot_product_attention`` keeps the kernel the dispatcher picked
+(``aten._scaled_dot_product_efficient_attention``, ``..._cudnn_attention``, ...) with the
+index mask as its bias. These tests call the fused ATen ops directly on CPU tensors, which
+compile (their meta kernels trace them) but have no CPU kernel, so a compiled function runs
+only if the rewrite removed the node; the CPU flash kernel does run on the CPU and is the
+``orig`` of its test. The HF model on CUDA is the GPU test at the end.
+
+Numerics: the reference is the float64 dense attention with sdpa's safe softmax at the op's
+own indices; err(op) <= 2 err(orig) + 2 eps (``testing.assert_consumer_close``)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hyscale_compile  # noqa: F401
+from hyscale_compile.passes import diagnostics
+from hyscale_compile.testing import assert_consumer_close
+from tests.contract import fresh_seed
+from tests.models import attention_forms as af
+
+aten = torch.ops.aten
+OP = torch.ops.hyscale.sparse_attention.default
+EFFICIENT = aten._scaled_dot_product_efficient_attention.default
+CUDNN = aten._scaled_dot_product_cudnn_attention.default
+FLASH_CPU = aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def compiled(fn, **kw):
+    torch._dynamo.reset()
+    diagnostics.clear()
+    cap = []
+    return torch.compile(fn, backend="hyscale_debug", fullgraph=True, options={"hyscale.capture": cap}, **kw), cap
+
+
+def targets(cap, kind="inference"):
+    return [n.target for k, g in cap if k == kind for n in g.graph.nodes if n.op == "call_function"]
+
+
+def _bias(idx, bool_mask, T, H, pad):
+    """sdpa's preprocessing of HF V3.2's mask for a fused kernel: ``attention_mask &
+    ~index_mask`` as an additive -inf bias (``convert_boolean_attn_mask``), for efficient
+    attention padded to an aligned last dim and sliced back (``pad_bias``), expanded to
+    [B, H, S, T]."""
+    B, S = idx.shape[:2]
+    index_mask = idx.new_ones((B, S, T), dtype=torch.bool).scatter(-1, idx.long(), False).unsqueeze(1)
+    bias = torch.where(bool_mask & ~index_mask, torch.scalar_tensor(0.0), torch.scalar_tensor(-math.inf))
+    if pad:
+        bias = F.pad(bias, (0, 16 - T % 16))[..., :T]
+    return bias.expand(B, H, S, T)
+
+
+def fused_v32(qi, ki, w, q, kk, v, bool_mask, op=EFFICIENT, pad=False, scale=None, dropout_p=0.0, gqa=1,
+              is_causal=False):
+    """HF V3.2 sdpa as a CUDA trace holds it: the selection, the index mask, the fused node.
+    ``gqa``: key heads shared by that many query heads (the first of each group is kept).
+    ``is_causal``: the causal part of ``bool_mask`` is the kernel's flag instead."""
+    idx = af.indexer(qi, ki, w, 4)
+    if is_causal:  # the rows with no visible key stay so; every other key is visible in the mask
+        bool_mask = bool_mask.any(-1, keepdim=True).expand(bool_mask.shape)
+    q, kk, v = q.transpose(1, 2), kk.transpose(1, 2)[:, ::gqa], v.transpose(1, 2)[:, ::gqa]
+    bias = _bias(idx, bool_mask, kk.shape[2], q.shape[1], pad)
+    kw = {} if scale is None else {"scale": scale}
+    if op is EFFICIENT:
+        out = op(q, kk, v, bias, False, dropout_p, is_causal, **kw)[0]
+    elif op is CUDNN:
+        out = op(q, kk, v, bias, False, dropout_p, False, **kw)[0]
+    else:
+        out = op(q, kk, v, dropout_p, False, attn_mask=bias, **kw)[0]
+    return out.transpose(1, 2)
+
+
+def reference(args, scale=None, gqa=1):
+    """The float64 dense attention at the op's indices, sdpa's math path (a safe softmax)."""
+    qi, ki, w, q, kk, v, mask = args
+    idx = af.indexer(qi, ki, w, 4)
+    q, kk, v = (x.double().transpose(1, 2) for x in (q, kk, v))
+    kk, v = kk[:, ::gqa].repeat_interleave(gqa, 1), v[:, ::gqa].repeat_interleave(gqa, 1)
+    bias = _bias(idx, mask, kk.shape[2], q.shape[1], False).double()
+    return F.scaled_dot_product_attention(q, kk, v, attn_mask=bias, scale=scale).transpose(1, 2)
+
+
+def _args(seed, S=16, empty_rows=((1, 5),), Dv=8):
+    mask = af.hf_bool_causal_mask(2, S).clone()
+    for b, s in empty_rows:  # a padding row: every key hidden
+        mask[b, :, s] = False
+    return af.make_inputs(seed, S=S, Dv=Dv) + (mask,)
+
+
+@pytest.mark.parametrize("case", ["efficient", "efficient_padded", "efficient_default_scale", "efficient_gqa",
+                                  "efficient_causal", "flash_cpu"])
+def test_fused_sdpa_is_rewritten(case):
+    """The fused node is written out as its math and rewritten: no fused node left (the
+    efficient one would not run on the CPU), the op with empty_row="zero" (the kernels give a
+    row with every key hidden 0), within the numerics rule for 2 printed seeds."""
+    kw = {"efficient": dict(scale=0.3), "efficient_padded": dict(pad=True, scale=0.3),
+          "efficient_default_scale": dict(), "efficient_gqa": dict(gqa=2, scale=0.3),
+          "efficient_causal": dict(is_causal=True, scale=0.3),
+          "flash_cpu": dict(op=FLASH_CPU, scale=0.3)}[case]
+    S = 20 if kw.get("pad") else 16  # (T = 20: the bias is padded to 32 and sliced back)
+    for i in range(2):
+        seed = fresh_seed(f"fused sdpa {case} #{i}")
+        args = _args(seed, S=S, Dv=16 if kw.get("op") is FLASH_CPU else 8)  # (the CPU kernel: Dv == Dqk)
+        c, cap = compiled(lambda *a: fused_v32(*a, **kw))
+        with torch.no_grad():
+            out = c(*args)
+            ref = reference(args, kw.get("scale"), kw.get("gqa", 1))
+            if kw.get("op") is FLASH_CPU:
+                orig = fused_v32(*args, **kw)
+            else:  # the kernel has no CPU path: the math sdpa in fp32 stands for it
+                orig = _math_fp32(args, kw.get("scale"), kw.get("gqa", 1))
+        got = targets(cap)
+        assert OP in got and not any(t in got for t in (EFFICIENT, FLASH_CPU)), got
+        recs = diagnostics.attention_records()
+        assert len(recs) == 1 and recs[0].rewritten and "safe_softmax" in recs[0].spec, [r.line() for r in recs]
+        spec = next(n for k, g in cap if k == "inference" for n in g.graph.nodes if n.target is OP).args[5]
+        assert '"empty_row":"zero"' in spec
+        assert (out[1, 5] == 0).all() and (orig[1, 5] == 0).all() and torch.isfinite(out).all()
+        assert_consumer_close(out, orig, ref, torch.float32, f"{case} out")
+
+
+@pytest.mark.parametrize("case", ["efficient"])  # (its autograd formula has no GQA: the kernel has none)
+def test_fused_sdpa_training(case):
+    """Training: the fused node and its backward become the op and its backward (the
+    compiled step runs on the CPU, so neither fused kernel is left); out and the gradients
+    of q, k and v within the rule, zero for the hidden row's q."""
+    kw = dict(scale=0.3, gqa=2 if case == "efficient_gqa" else 1)
+    seed = fresh_seed(f"fused sdpa training {case}")
+    args = list(_args(seed))
+    go = torch.randn(2, 16, 4, 8, generator=torch.Generator().manual_seed(seed))
+    c, cap = compiled(lambda *a: fused_v32(*a, **kw))
+
+    def grads(f, dtype):
+        xs = [a.detach().to(dtype).requires_grad_(True) if i in (3, 4, 5) else a for i, a in enumerate(args)]
+        out = f(*xs)
+        out.backward(go.to(dtype))
+        return [out.detach()] + [xs[i].grad for i in (3, 4, 5)]
+    got = grads(c, torch.float32)
+    assert OP in targets(cap, "forward") and torch.ops.hyscale.sparse_attention_backward.default in targets(cap, "backward")
+    recs = diagnostics.attention_records()
+    assert len(recs) == 1 and recs[0].rewritten and recs[0].backward == "sparse", [r.line() for r in recs]
+    orig = grads(lambda *a: _math_fp32(a, kw["scale"], kw["gqa"]), torch.float32)
+    ref = grads(lambda *a: reference(a, kw["scale"], kw["gqa"]), torch.float64)
+    assert (got[0][1, 5] == 0).all() and (got[1][1, 5] == 0).all()
+    for what, a, b, r in zip(("out", "gq", "gk", "gv"), got, orig, ref):
+        assert_consumer_close(a, b, r, torch.float32, f"{case} {what}")
+
+
+def _math_fp32(args, scale, gqa):
+    qi, ki, w, q, kk, v, mask = args
+    idx = af.indexer(qi, ki, w, 4)
+    q, kk, v = (x.transpose(1, 2) for x in (q, kk, v))
+    kk, v = kk[:, ::gqa].repeat_interleave(gqa, 1), v[:, ::gqa].repeat_interleave(gqa, 1)
+    bias = _bias(idx, mask, kk.shape[2], q.shape[1], False)
+    return F.scaled_dot_product_attention(q, kk, v, attn_mask=bias, scale=scale).transpose(1, 2)
+
+
+def test_cpu_flash_kernel_gives_zero_for_a_hidden_row():
+    """The claim passes/sdpa.py makes of the CPU flash kernel (empty_row "zero")."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+    bias = torch.zeros(1, 1, 4, 4)
+    bias[..., 2, :] = -math.inf
+    out = FLASH_CPU(q, k, v, attn_mask=bias)[0]
+    assert (out[:, :, 2] == 0).all() and torch.isfinite(out).all()
+
+
+def _dense(fn, reason, args):
+    """The fused node stays (so the compiled function fails on the CPU where it has no
+    kernel) and explain gives the reason."""
+    c, cap = compiled(fn)
+    with torch.no_grad():
+        try:
+            c(*args)
+        except NotImplementedError:
+            pass
+    recs = diagnostics.attention_records()
+    assert OP not in targets(cap) and torch.ops.hyscale.hytopk.default in targets(cap)
+    assert len(recs) == 1 and not recs[0].rewritten and reason in recs[0].reason, [r.line() for r in recs]
+    return cap
+
+
+def test_cudnn_stays_fused():
+    """cuDNN: what it gives a row with every key hidden is not established here, so the op's
+    empty_row cannot be chosen; the node stays as it was."""
+    cap = _dense(lambda *a: fused_v32(*a, op=CUDNN, scale=0.3), "not established", _args(0))
+    assert CUDNN in targets(cap)
+
+
+def test_fused_dropout_stays_fused():
+    """dropout_p > 0 in the fused node: left as it is, with the reason."""
+    cap = _dense(lambda *a: fused_v32(*a, dropout_p=0.5), "dropout with p > 0", _args(0))
+    assert EFFICIENT in targets(cap)
+
+
+def test_fused_sdpa_restored_when_not_rewritten():
+    """A fused node whose mask is not an index mask (no selection) is untouched: the graph
+    holds it, not its math."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+    bias = torch.zeros(1, 1, 4, 4)
+
+    def fn(q, k, v, bias):
+        return FLASH_CPU(q, k, v, attn_mask=bias)[0]
+    c, cap = compiled(fn)
+    with torch.no_grad():
+        torch.testing.assert_close(c(q, k, v, bias), fn(q, k, v, bias))
+    got = targets(cap)
+    assert FLASH_CPU in got and aten.bmm.default not in got and aten.amax.default not in got
+
+
+# ----------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,train", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)],
+                         ids=["fp32-no_grad", "fp32-train", "bf16-no_grad"])
+def test_hf_v32_sdpa_on_cuda(dtype, train, monkeypatch):
+    """The tiny HF V3.2 with attn_implementation="sdpa" on CUDA, backend="hyscale": each
+    layer's fused sdpa node (the kernel the dispatcher picked is printed) becomes the op where
+    its empty-row rule is known (efficient attention: 0), within the numerics rule at the
+    op's indices (logits, and in training every parameter's gradient). A node the dispatcher
+    made cuDNN stays fused, and its record must say why (then the test skips, saying so)."""
+    from tests import test_attention_models as M
+    from tests.models import hf_models
+
+    weights = M._loss_weights
+    monkeypatch.setattr(M, "_loss_weights", lambda logits, seed: weights(logits, seed).to(logits.device))
+    seed = fresh_seed(f"hf v32 sdpa cuda {dtype} train={train}") % 8
+    build = {"first_k_dense_replace": 2} if dtype == torch.bfloat16 else {}
+    model, kwargs = hf_models.build_deepseek_v32(seed, dtype=dtype, attn_implementation="sdpa", **build)
+    model = model.cuda().train(train)
+    kwargs = {k: (x.cuda() if isinstance(x, torch.Tensor) else x) for k, x in kwargs.items()}
+    cap = []
+    torch._dynamo.reset()
+    diagnostics.clear()
+    compiled_model = torch.compile(model, backend="hyscale", options={"hyscale.capture": cap})
+    with M.recorded_selections() as calls, torch.set_grad_enabled(train):
+        logits = compiled_model(**kwargs).logits
+    recs = M.selection_consumers(diagnostics.attention_records())
+    for r in recs:
+        print(r.line())
+    before = " ".join(g for k, g in cap if k.endswith(":before") and isinstance(g, str))
+    print("fused sdpa in the traced graph:", sorted({w.split("(")[0] for w in before.split() if "_scaled_dot" in w}))
+    assert len(recs) == 2, [r.line() for r in recs]
+    for r in recs:
+        assert r.rewritten or "cuDNN" in r.reason, r.line()
+    grads = {}
+    if train:
+        (logits * M._loss_weights(logits, seed).to(logits.dtype)).sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    if not all(r.rewritten for r in recs):
+        pytest.skip("the dispatcher picked cuDNN, which stays fused (see the printed records)")
+    kind = "forward" if train else "inference"
+    assert M.count(cap, M.ATTENTION, (kind,)) == 2
+    if train:
+        assert M.count(cap, M.ATTENTION_BACKWARD, ("backward",)) == 2
+    M.check_numerics(dict(model=model, kwargs=kwargs, cap=cap, calls=calls, out=logits.detach(), grads=grads,
+                          seed=seed, dtype=dtype, train=train, records=recs))
+
+
+@pytest.mark.parametrize("spelling", ["all", "not_any_not", "not_zero"])
+def test_safe_softmax_spellings(spelling):
+    """Both spellings of the safe softmax's empty-row test (torch's ``all`` and its
+    decomposition) are recognised; a ``where`` that does not give 0 is not."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hyscale_compile.passes.sdpa import safe_softmax_output
+
+    def f(x):
+        e = torch.exp(x - x.amax(-1, keepdim=True))
+        p = e / e.sum(-1, keepdim=True)
+        hid = x == -math.inf
+        empty = hid.all(-1, keepdim=True) if spelling == "all" else ~(~hid).any(-1, keepdim=True)
+        return torch.where(empty, 1.0 if spelling == "not_zero" else 0.0, p)
+    g = make_fx(f)(torch.randn(2, 3, 5)).graph
+    eq = next(n for n in g.nodes if n.target is aten.eq.Scalar)
+    div = next(n for n in g.nodes if n.target is aten.div.Tensor)
+    got = safe_softmax_output(eq, div, 2, 3, lambda n: list(n.users))
+    if spelling == "not_zero":
+        assert got is None
+    else:
+        assert got is not None and got[0].target is aten.where.self and got[0].args[2] is div
