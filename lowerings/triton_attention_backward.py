@@ -6,7 +6,9 @@ generated kernels and the key-major segment sum, per chunk of query rows:
 
 1. ``attn_bwd_rows``, one program per query row (b, s) and BLOCK_H heads of one kv head
    (MQA: up to 64 of the row's heads are the dots' M dimension over one gathered key tile;
-   per head / GQA: the kv head's G heads, padded to 16), the forward's tiling:
+   per head / GQA: the kv head's G heads, padded to 16), the forward's tiling (dQ' here, or
+   at the latent's widths by ``attn_bwd_dq`` from the stored dS', a GEMM over the slots
+   with the keys gathered again: ``default_config``):
        delta = sum_d dO * O (fp32, from the saved output)
        for each block of BLOCK_N slots:
            y  = post(q . k[t]^T)        the forward's generated ``_post`` (masks identical)
@@ -43,6 +45,7 @@ instead (A/B), ``=atomic`` the atomic variant (``attention_backward.backward_mod
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Dict, Optional, Sequence
 
 import torch
@@ -58,7 +61,7 @@ BWD_TEMPLATE_VERSION = 1
 
 _FN_CACHE: Dict[tuple, object] = {}
 _LINEAR_STEPS = ("mul", "add", "div", "neg")
-SMEM_BYTES = 228 * 1024  # an H100 / H200 SM's shared memory (227 KiB usable per block)
+SMEM_BYTES = 227 * 1024  # the most shared memory a block may use on an H100 / H200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +78,12 @@ class BackwardConfig:
     keys_block_f: int  # kernel 2: features per program
     keys_num_warps: int = 4
     keys_num_stages: int = 2
+    # dQ in kernel 1 (its accumulator in registers for the whole slot loop), or by
+    # ``attn_bwd_dq`` from the stored dS (the latent's [64, 576] fp32 accumulator next to the
+    # resident q and dO tiles would spill)
+    fused_dq: bool = True
+    dq_block_n: int = 64  # attn_bwd_dq: slots per step
+    dq_block_f: int = 64  # attn_bwd_dq: features per program
 
 
 def smem_estimate(cfg: BackwardConfig, Dqk: int, Dv: int, elem_bytes: int) -> tuple:
@@ -94,28 +103,54 @@ def smem_estimate(cfg: BackwardConfig, Dqk: int, Dv: int, elem_bytes: int) -> tu
 
 def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
                    elem_bytes: int = 2) -> BackwardConfig:
-    """The fixed configuration of a shape and operand width.
+    """The fixed configuration of a shape and operand width (``HYSCALE_ATTN_BWD_CONFIG``,
+    e.g. "num_warps=8,block_n=16", overrides fields: benchmarks only).
 
-    Shared memory (sm_90, 228 KiB; ``smem_estimate``), at the absorbed MQA shape (Dqk = 576 =
-    512 + 64, Dv = 512, bf16): kernel 1 with BLOCK_H = 64 keeps q 64 x 576 x 2 = 72 KiB and
-    dO 64 x 512 x 2 = 64 KiB resident, and two stages of 32 gathered keys 2 x 32 x 576 x 2 =
-    72 KiB: 212 KiB with the dS tile (4 KiB). A 128-head q tile alone would be 144 KiB, so
-    H = 128 runs as two head blocks per row (each gathers the row's keys; the second finds
-    them in L2). Registers: dQ' [64, 576] fp32 over 8 warps is 144 per thread. Kernel 2
-    (128 slots x 64 features, 64 heads per step): 2 x (64 x 128 + 64 x 64) x 2 = 48 KiB.
-    fp32 operands at the latent's widths: 16 heads x 16 slots (as the forward).
-    Per head (Dqk 192, Dv 128): 16 x 256 + 16 x 128 + 2 x 64 x 256 halves = 76 KiB."""
+    Shared memory (sm_90, 227 KiB per block; ``smem_estimate``), at the absorbed MQA shape
+    (Dqk = 576 = 512 + 64, Dv = 512, bf16): kernel 1 with BLOCK_H = 64 keeps q 64 x 576 x 2 =
+    72 KiB and dO 64 x 512 x 2 = 64 KiB resident, and two stages of 32 gathered keys 2 x 32 x
+    576 x 2 = 72 KiB: 212 KiB with the dS tile (4 KiB; the offline sm_90 build reports
+    216 KiB). A 128-head q tile alone would be 144 KiB, so H = 128 runs as two head blocks per
+    row (each gathers the row's keys; the second finds them in L2). Registers: q and dO are
+    also held in registers (136 per thread over 8 warps), so a [64, 576] fp32 dQ accumulator
+    (144 more) does not fit: dQ is ``attn_bwd_dq``'s, and kernel 1 runs 16 warps (128
+    registers, no spills; at 8 warps it spills 168 bytes). H = 16 (BLOCK_H = 16) keeps dQ in
+    kernel 1 at 8 warps (231 registers, 72 KiB). Kernel 2 (128 slots x 64 features, 64 heads
+    per step): 2 x (64 x 128 + 64 x 64) x 2 = 48 KiB (32 KiB built). fp32 operands at the
+    latent's widths: 16 heads x 16 slots, as the forward. Per head (Dqk 192, Dv 128): 16 x
+    256 + 16 x 128 + 2 x 64 x 256 halves = 76 KiB (55 KiB built, 210 registers)
+    (``bench_attention_backward.py --inspect`` prints the build's numbers)."""
     G = H // Hk
     block_h = max(16, min(64, _next_pow2(G)))
     keys_g = max(16, min(64, _next_pow2(G)))
-    if interpret:
-        return BackwardConfig(block_h, 16, 4, 1, keys_g, 16, 16, 4, 1)
     wide = max(Dqk, Dv) * elem_bytes > 512
-    if elem_bytes > 2 and max(Dqk, Dv) > 256:
-        return BackwardConfig(16, 16, 4, 2, keys_g, 64, 64, 4, 2)
-    if form_of(H, Hk) == "mqa":
-        return BackwardConfig(block_h, 32 if wide else 64, 8 if block_h >= 64 else 4, 2, keys_g, 128, 64, 4, 2)
-    return BackwardConfig(block_h, 32 if wide or elem_bytes > 2 else 64, 4, 2, keys_g, 128, 64, 4, 2)
+    if interpret:
+        cfg = BackwardConfig(block_h, 16, 4, 1, keys_g, 16, 16, 4, 1, dq_block_n=16, dq_block_f=16)
+    elif elem_bytes > 2 and max(Dqk, Dv) > 256:
+        cfg = BackwardConfig(16, 16, 4, 2, keys_g, 64, 64, 4, 2)
+    elif form_of(H, Hk) == "mqa" and wide:
+        big = block_h >= 64
+        cfg = BackwardConfig(block_h, 32, 16 if big else 8, 2, keys_g, 128, 64, 4, 2, fused_dq=not big)
+    elif form_of(H, Hk) == "mqa":
+        cfg = BackwardConfig(block_h, 64, 8 if block_h >= 64 else 4, 2, keys_g, 128, 64, 4, 2)
+    else:
+        cfg = BackwardConfig(block_h, 32 if wide or elem_bytes > 2 else 64, 4, 2, keys_g, 128, 64, 4, 2)
+    return _config_override(cfg)
+
+
+def _config_override(cfg: BackwardConfig) -> BackwardConfig:
+    text = os.environ.get("HYSCALE_ATTN_BWD_CONFIG", "")
+    if not text:
+        return cfg
+    fields = {f.name: f.type for f in dataclasses.fields(BackwardConfig)}
+    kw = {}
+    for item in text.split(","):
+        name, _, val = item.partition("=")
+        name = name.strip()
+        if name not in fields or not val:
+            raise SpecError(f"HYSCALE_ATTN_BWD_CONFIG: {item!r} is not field=value for a field of {sorted(fields)}")
+        kw[name] = val.strip() in ("1", "true", "True") if name == "fused_dq" else int(val)
+    return dataclasses.replace(cfg, **kw)
 
 
 # ---------------------------------------------------------------------------------------
@@ -185,12 +220,12 @@ def render_backward_source(spec: AttentionSpec, num_masks: int) -> str:
 
 
 def load_backward_kernels(spec: AttentionSpec, num_masks: int):
-    """(attn_bwd_rows, attn_bwd_keys) for ``spec``, cached per (spec, mods, interpreter mode)."""
+    """(attn_bwd_rows, attn_bwd_keys, attn_bwd_dq) for ``spec``, cached per (spec, mods, interpreter mode)."""
     key = (spec.to_json(), num_masks, _interpreting(), _mod_bodies(spec.as_score_spec()))
     fns = _FN_CACHE.get(key)
     if fns is None:
         mod = import_source(render_backward_source(spec, num_masks))
-        fns = _FN_CACHE[key] = (mod.attn_bwd_rows, mod.attn_bwd_keys)
+        fns = _FN_CACHE[key] = (mod.attn_bwd_rows, mod.attn_bwd_keys, mod.attn_bwd_dq)
     return fns
 
 
@@ -200,22 +235,28 @@ def load_backward_kernels(spec: AttentionSpec, num_masks: int):
 def backward_chunk_rows(device: torch.device, K: int, H: int, Hk: int, D: int, Dv: int, elem_bytes: int,
                         rows: int, chunk_bytes: int = None) -> int:
     """Query rows per chunk: the fp32 per-slot contributions [Hk, n, K, D + Dv] and the P and
-    dS buffers [n, H, K] (operand width) within the device's budget
-    (``attention_backward.DEFAULT_CHUNK_BYTES``); a function of the shapes only."""
+    dS buffers [n, H, K] (operand width) within the budget; a function of the shapes only.
+    On a GPU 4 GiB (``HYSCALE_ATTN_CHUNK_BYTES`` overrides it): about 430 rows at the
+    latent's H = 128, so kernel 1's 2 x 430 programs of one SM each are 6.5 waves on 132 SMs
+    (2 GiB would leave a third of the last of 3.2 waves idle)."""
     from .attention_backward import DEFAULT_CHUNK_BYTES
 
     if chunk_bytes is None:
         chunk_bytes = DEFAULT_CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES["cpu"])
+        if device.type == "cuda" and "HYSCALE_ATTN_CHUNK_BYTES" not in os.environ:
+            chunk_bytes = 4 << 30
     per_row = max(1, K) * (4 * Hk * (D + Dv) + 2 * H * elem_bytes + 16) + 4 * H
     return max(1, min(max(rows, 1), chunk_bytes // per_row))
 
 
 def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tensor], out, lse, spec: AttentionSpec,
                               needs=(True, True, True), atomic: bool = False, chunk_bytes: int = None,
-                              config: Optional[BackwardConfig] = None):
+                              config: Optional[BackwardConfig] = None, _launcher=None):
     """(gq, gk, gv) in the operands' dtypes, as ``attention_backward.attention_backward``
     (an input that needs no gradient gets an empty tensor). CUDA tensors, or CPU tensors
-    under TRITON_INTERPRET=1. ``atomic``: dK / dV by fp32 atomics (not reproducible)."""
+    under TRITON_INTERPRET=1. ``atomic``: dK / dV by fp32 atomics (not reproducible).
+    ``_launcher(kernel, args, launch)`` replaces the launches of the first chunk and the
+    call returns their results (an offline sm_90 build: ``bench_attention_backward --inspect``)."""
     from .attention_backward import check_backward_operands, segment_sum_
 
     interp = check_interpreter_mode()
@@ -227,7 +268,7 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     if reason:
         raise SpecError(reason)
     device = q.device
-    if device.type != "cuda" and not interp:
+    if device.type != "cuda" and not interp and _launcher is None:
         raise SpecError(f"the Triton attention backward needs CUDA tensors (got {device}), or TRITON_INTERPRET=1")
     B, S, H, D = q.shape
     T, Hk, Dv, K = k.shape[1], k.shape[2], v.shape[3], idx.shape[-1]
@@ -247,7 +288,8 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     gv = torch.zeros((B, T, Hk, Dv), dtype=f32, device=device) if needs[2] else None
     if K == 0 or B * S * H == 0 or not any(needs):
         return (gq, gk.to(k.dtype) if needs[1] else k.new_empty(0), gv.to(v.dtype) if needs[2] else v.new_empty(0))
-    rows_fn, keys_fn = load_backward_kernels(spec, len(masks))
+    rows_fn, keys_fn, dq_fn = load_backward_kernels(spec, len(masks))
+    fused_dq = cfg.fused_dq and needs[0]
     mask_args = _mask_launch_args(spec, masks, B, S, T, device)
     rows = B * S
     step = backward_chunk_rows(device, K, H, Hk, D, Dv, esize, rows, chunk_bytes)
@@ -264,15 +306,28 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     dq_arg = gq if needs[0] else q  # (not written without NEED_DQ)
     nblk = -(-G // cfg.block_h)
     prec_consts = dict(UPCAST=upcast)
+    built = []
+
+    def launch(fn, grid, args, kw):
+        if _launcher is not None:
+            built.append(_launcher(fn, args, kw))
+        else:
+            fn[grid](*args, **kw)
+
     for r0 in range(0, rows, step):
         n = min(rows, r0 + step) - r0
-        rows_fn[(n * Hk * nblk,)](
+        launch(rows_fn, (n * Hk * nblk,), [
             q, k, v, idx, out, grad_out, lse, dq_arg, pbuf, gbuf, lbuf, *mask_args,
             *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *out.stride(), *grad_out.stride(),
-            *lse.stride(), *dq_arg.stride(), r0, S, G, Hk, K, D, Dv,
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DA=da, DB=db, DBQ=max(db, 16), BLOCK_DV=block_dv,
-            V_FROM_K=v_from_k, NEED_DQ=bool(needs[0]), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **prec_consts)
+            *lse.stride(), *dq_arg.stride(), r0, S, G, Hk, K, D, Dv],
+            dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DA=da, DB=db, DBQ=max(db, 16), BLOCK_DV=block_dv,
+                 V_FROM_K=v_from_k, NEED_DQ=bool(fused_dq), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                 **prec_consts))
+        if needs[0] and not fused_dq:
+            launch(dq_fn, (n * Hk * nblk, -(-D // cfg.dq_block_f)), [
+                gbuf, lbuf, k, idx, gq, *k.stride(), *idx.stride(), *gq.stride(), r0, S, G, Hk, K, D],
+                dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.dq_block_n, BLOCK_F=cfg.dq_block_f, UPCAST=upcast,
+                     num_warps=4, num_stages=2))
         for part, src, x, F, acc in (("k", gbuf, q, D, gk), ("v", pbuf, grad_out, Dv, gv)):
             if acc is None:
                 continue
@@ -283,16 +338,19 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
                 buf = cbuf[part]
                 # [Hk, n, K, F] read as (row, slot, head, feature) strides
                 dst, dst_strides = buf, (buf.stride(1), buf.stride(2), buf.stride(0), buf.stride(3))
-            keys_fn[grid](src, lbuf, x, idx, dst, *x.stride(), *idx.stride(), *dst_strides, r0, S, G, Hk, K, F,
-                          BLOCK_G=cfg.keys_block_g, BLOCK_N=cfg.keys_block_n, BLOCK_F=cfg.keys_block_f,
-                          ATOMIC=atomic, num_warps=cfg.keys_num_warps, num_stages=cfg.keys_num_stages)
-            if not atomic:
+            launch(keys_fn, grid, [src, lbuf, x, idx, dst, *x.stride(), *idx.stride(), *dst_strides, r0, S, G, Hk,
+                                   K, F],
+                   dict(BLOCK_G=cfg.keys_block_g, BLOCK_N=cfg.keys_block_n, BLOCK_F=cfg.keys_block_f,
+                        ATOMIC=atomic, num_warps=cfg.keys_num_warps, num_stages=cfg.keys_num_stages))
+            if not atomic and _launcher is None:
                 # keys of the flattened (b, t): a key belongs to one batch, so (row, slot)
                 # order is each key's order
                 bt = (torch.arange(r0, r0 + n, device=device) // S * T).view(n, 1)
                 keys = (idx_flat[r0:r0 + n].long() + bt).reshape(-1)
                 segment_sum_(acc.view(B * T, Hk, F), keys, cbuf[part][:, :n].reshape(Hk, n * K, F),
                              use_kernel=True)
+        if _launcher is not None:
+            return built
     return (gq, gk.to(k.dtype) if needs[1] else k.new_empty(0), gv.to(v.dtype) if needs[2] else v.new_empty(0))
 
 
@@ -420,6 +478,49 @@ def attn_bwd_rows(
         if DB > 0:
             tl.store(tl.make_block_ptr(qbase, (G, DQK), (stride_dqh, stride_dqd), (g0, DA), (BLOCK_H, DBQ), (1, 0)),
                      (dqb * inv[:, None]).to(DQ.dtype.element_ty), boundary_check=(0, 1))
+
+
+@triton.jit
+def attn_bwd_dq(
+    GB, LB, K, IDX, DQ,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_ib, stride_is, stride_ij,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    R0, S, G, HK, TOPK, DQK,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # dQ[h, f] = (sum_j dS'[h, j] k[t_j, f]) / l[h] for BLOCK_H heads of kv head hk and
+    # BLOCK_F features of one row, from the stored dS' (when kernel 1 does not accumulate it)
+    nblk = tl.cdiv(G, BLOCK_H)
+    pid = tl.program_id(0).to(tl.int64)
+    lrow = pid // (HK * nblk)
+    row = R0 + lrow
+    b = row // S
+    s = row % S
+    hk = (pid % (HK * nblk)) // nblk
+    g0 = ((pid % nblk) * BLOCK_H).to(tl.int32)
+    gs = g0 + tl.arange(0, BLOCK_H)
+    g_ok = gs < G
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    col_ok = cols < DQK
+    offs_n = tl.arange(0, BLOCK_N)
+    hrow = (lrow * (HK * G) + hk * G + gs) * TOPK
+    kbase = K + b * stride_kb + hk * stride_kh
+    ibase = IDX + b * stride_ib + s * stride_is
+    acc = tl.zeros([BLOCK_H, BLOCK_F], dtype=tl.float32)
+    for n0 in range(0, TOPK, BLOCK_N):
+        slots = n0 + offs_n
+        slot_ok = slots < TOPK
+        t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
+        w = tl.load(GB + hrow[:, None] + slots[None, :], mask=g_ok[:, None] & slot_ok[None, :], other=0.0)
+        kt = tl.load(kbase + t[:, None] * stride_kt + cols[None, :] * stride_kd,
+                     mask=slot_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        acc = tl.dot(w.to(kt.dtype), kt, acc=acc, input_precision="{{PRECISION}}", out_dtype=tl.float32)
+    inv = tl.load(LB + lrow * (HK * G) + hk * G + gs, mask=g_ok, other=0.0)
+    dst = DQ + b * stride_dqb + s * stride_dqs + (hk * G + gs)[:, None] * stride_dqh + cols[None, :] * stride_dqd
+    tl.store(dst, (acc * inv[:, None]).to(DQ.dtype.element_ty), mask=g_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
