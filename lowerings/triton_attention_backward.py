@@ -246,7 +246,10 @@ def backward_chunk_rows(device: torch.device, K: int, H: int, Hk: int, D: int, D
         if device.type == "cuda" and "HYSCALE_ATTN_CHUNK_BYTES" not in os.environ:
             chunk_bytes = 4 << 30
     per_row = max(1, K) * (4 * Hk * (D + Dv) + 2 * H * elem_bytes + 16) + 4 * H
-    return max(1, min(max(rows, 1), chunk_bytes // per_row))
+    step = max(1, min(max(rows, 1), chunk_bytes // per_row))
+    # a multiple of 16 where it can be, so every chunk's first row R0 has the same
+    # divisibility: Triton specializes integer arguments on it (one build, not two)
+    return step - step % 16 if 16 <= step < rows else step
 
 
 def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tensor], out, lse, spec: AttentionSpec,
