@@ -117,7 +117,8 @@ def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
     registers, no spills; at 8 warps it spills 168 bytes). H = 16 (BLOCK_H = 16) keeps dQ in
     kernel 1 at 8 warps (231 registers, 72 KiB). Kernel 2 (128 slots x 64 features, 64 heads
     per step): 2 x (64 x 128 + 64 x 64) x 2 = 48 KiB (32 KiB built). fp32 operands at the
-    latent's widths: 16 heads x 16 slots, as the forward. Per head (Dqk 192, Dv 128): 16 x
+    latent's widths: 16 heads x 16 slots, as the forward, 8 warps, dQ apart (106 KiB; 516
+    bytes of spills remain). Per head (Dqk 192, Dv 128): 16 x
     256 + 16 x 128 + 2 x 64 x 256 halves = 76 KiB (55 KiB built, 210 registers)
     (``bench_attention_backward.py --inspect`` prints the build's numbers)."""
     G = H // Hk
@@ -127,7 +128,8 @@ def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
     if interpret:
         cfg = BackwardConfig(block_h, 16, 4, 1, keys_g, 16, 16, 4, 1, dq_block_n=16, dq_block_f=16)
     elif elem_bytes > 2 and max(Dqk, Dv) > 256:
-        cfg = BackwardConfig(16, 16, 4, 2, keys_g, 64, 64, 4, 2)
+        # (q, dO and O fp32 [16, 512] tiles: 8 warps and dQ apart, else the build spills heavily)
+        cfg = BackwardConfig(16, 16, 8, 2, keys_g, 64, 64, 4, 2, fused_dq=False)
     elif form_of(H, Hk) == "mqa" and wide:
         big = block_h >= 64
         cfg = BackwardConfig(block_h, 32, 16 if big else 8, 2, keys_g, 128, 64, 4, 2, fused_dq=not big)
