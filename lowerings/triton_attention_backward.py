@@ -28,7 +28,7 @@ generated kernels and the key-major segment sum, per chunk of query rows:
        C_k[slot] = sum_h dS[h, slot] q[h]     C_v[slot] = sum_h P[h, slot] dO[h]
    written to a [Hk, n, K, F] fp32 chunk buffer (or, ``atomic=True``, added straight into
    dK / dV with fp32 ``tl.atomic_add``: the opt-in variant, not bitwise reproducible).
-3. ``attention_backward.segment_sum_``: each key's contributions added in (row, slot) order
+3. ``attention_backward``'s segment sum: each key's contributions added in (row, slot) order
    onto its running fp32 value, one program per key; chunks run in row order, so the sums
    are the same whatever the chunking (a test checks it).
 
@@ -262,7 +262,7 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     under TRITON_INTERPRET=1. ``atomic``: dK / dV by fp32 atomics (not reproducible).
     ``_launcher(kernel, args, launch)`` replaces the launches of the first chunk and the
     call returns their results (an offline sm_90 build: ``bench_attention_backward --inspect``)."""
-    from .attention_backward import check_backward_operands, segment_sum_
+    from .attention_backward import check_backward_operands, key_order
 
     interp = check_interpreter_mode()
     masks = list(masks)
@@ -333,6 +333,7 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
                 gbuf, lbuf, k, idx, gq, *k.stride(), *idx.stride(), *gq.stride(), r0, S, G, Hk, K, D],
                 dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.dq_block_n, BLOCK_F=cfg.dq_block_f, UPCAST=upcast,
                      num_warps=4, num_stages=2))
+        order = None
         for part, src, x, F, acc in (("k", gbuf, q, D, gk), ("v", pbuf, grad_out, Dv, gv)):
             if acc is None:
                 continue
@@ -348,15 +349,29 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
                    dict(BLOCK_G=cfg.keys_block_g, BLOCK_N=cfg.keys_block_n, BLOCK_F=cfg.keys_block_f,
                         ATOMIC=atomic, num_warps=cfg.keys_num_warps, num_stages=cfg.keys_num_stages))
             if not atomic and _launcher is None:
-                # keys of the flattened (b, t): a key belongs to one batch, so (row, slot)
-                # order is each key's order
-                bt = (torch.arange(r0, r0 + n, device=device) // S * T).view(n, 1)
-                keys = (idx_flat[r0:r0 + n].long() + bt).reshape(-1)
-                segment_sum_(acc.view(B * T, Hk, F), keys, cbuf[part][:, :n].reshape(Hk, n * K, F),
-                             use_kernel=True)
+                if order is None:
+                    # keys of the flattened (b, t): a key belongs to one batch, so (row, slot)
+                    # order is each key's order; one key-major inversion for both parts
+                    bt = (torch.arange(r0, r0 + n, device=device) // S * T).view(n, 1)
+                    order = key_order((idx_flat[r0:r0 + n].long() + bt).reshape(-1))
+                src = cbuf[part][:, :n].reshape(Hk, n * K, F)  # a view unless Hk > 1 in the last chunk
+                segment_sum_sorted_(acc.view(B * T, Hk, F), order, src)
         if _launcher is not None:
             return built
     return (gq, gk.to(k.dtype) if needs[1] else k.new_empty(0), gv.to(v.dtype) if needs[2] else v.new_empty(0))
+
+
+def segment_sum_sorted_(out: torch.Tensor, order, src: torch.Tensor) -> None:
+    """``attention_backward.segment_sum_`` with the key-major inversion ``order`` (its
+    ``key_order``) computed once for the chunk's dK and dV parts."""
+    from .attention_backward import _BLOCK_F, _UNROLL, _segment_sum_kernel
+
+    skeys, perm, end = order
+    Hk, N, F = src.shape
+    assert out.is_contiguous() and out.dtype == torch.float32 and tuple(out.shape[1:]) == (Hk, F)
+    src = src.contiguous()
+    block = min(_BLOCK_F, _next_pow2(F))
+    _segment_sum_kernel[(N, -(-F // block), Hk)](src, perm, skeys, end, out, N, F, Hk, BLOCK_F=block, UNROLL=_UNROLL)
 
 
 # ---------------------------------------------------------------------------------------
