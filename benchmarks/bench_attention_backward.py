@@ -1,8 +1,12 @@
-"""The sparse attention op's reference path on a GPU: ms per call of the forward
-(``hyscale::sparse_attention``) and of the deterministic backward
-(``hyscale::sparse_attention_backward``, lowerings/attention_backward.py).
+"""The sparse attention's backward on a GPU: ms and TFLOP/s of each implementation, measured
+in the same call on the same inputs: the Triton kernels, deterministic (the default) and
+with fp32 atomics (opt-in), and the chunked PyTorch path (lowerings/attention_backward.py).
 
-    python benchmarks/bench_attention_backward.py [--seqs 8192,32768,131072] [--shapes per_head,mqa16,mqa128]
+    python benchmarks/bench_attention_backward.py [--quick] [--long] [--seqs 8192,32768]
+        [--shapes mqa128,mqa16,per_head] [--impls deterministic,atomic,pytorch]
+
+FLOPs: 2 H k (2 d_v + 3 d_qk) per query. "det / atomic rate": the deterministic kernel's
+throughput over the atomic one's (target >= 0.7 at mqa128, S = 32K).
 
 Shapes (k = 2048 selected keys per row, bf16 operands, causal range mask, T = S):
   per_head  H = 16 heads, each with its own keys: d_qk 192, d_v 128 (HF DeepSeek-V3.2 MLA)
@@ -11,13 +15,15 @@ Shapes (k = 2048 selected keys per row, bf16 operands, causal range mask, T = S)
 Selection: row s picks k distinct keys spread over [0, s] with a random offset, in a
 random order (rows s < k pick keys 0..k-1, the ones past s hidden by the causal mask).
 
-Expected from the arithmetic (fp32 after the exact upcast, chunked): per head the
+Expected for the chunked PyTorch path (fp32 after the exact upcast): per head the
 backward is memory-bound (about ten passes over S k Hk D fp32 gathered keys, values and
 their per-slot gradients: ~30 TB at S = 128K, so ~10 s on an H200; a quarter of that
 at 32K); the MQA form is five fp32 GEMMs of 2 S k H 576 FLOPs (~200 TFLOP at
-H = 128, S = 128K: a few seconds at fp32 rates). Columns: median ms over --reps calls
-(CUDA events) after one warm-up, peak extra GiB, and whether two backward calls gave
-the same bits.
+H = 128, S = 128K: a few seconds at fp32 rates). The Triton kernels: bf16 tensor-core dots
+(fp32 accumulation) and an fp32 buffer of per-slot key gradients, S k Hk (d_qk + d_v) x 4
+bytes written and read once by the segment sum (292 GB at mqa128, 32K). Columns: median ms
+over --reps calls (CUDA events) after one warm-up, peak extra GiB, and whether two calls
+gave the same bits.
 """
 from __future__ import annotations
 
@@ -62,7 +68,17 @@ def timed(fn, reps: int):
     return statistics.median(times), out
 
 
-def run(shape: str, S: int, K: int, reps: int):
+def flops(shape: str, S: int, K: int) -> float:
+    """The backward's FLOPs: 2 H k (2 d_v + 3 d_qk) per query (QK^T, dP, dQ, dK over d_qk;
+    dV and dP over d_v)."""
+    H, _, Dq, Dv, _ = SHAPES[shape]
+    return 2.0 * H * K * (2 * Dv + 3 * Dq) * S
+
+
+def run(shape: str, S: int, K: int, reps: int, impls):
+    """{impl: (ms, peak bytes, bitwise repeatable)} of the backward, each impl in this call on
+    the same inputs, and the forward's (ms, peak)."""
+    from hyscale_compile.lowerings.attention_backward import attention_backward
     from hyscale_compile.lowerings.attention_spec import AttentionSpec
     from hyscale_compile.lowerings.spec import MaskTerm
 
@@ -74,8 +90,9 @@ def run(shape: str, S: int, K: int, reps: int):
     v = k[..., :Dv] if view else torch.randn(1, S, Hk, Dv, device=dev, dtype=bf16)
     idx = selection(S, K, dev)
     hi = (torch.arange(S, device=dev) + 1).view(1, S)
-    spec = AttentionSpec(name="bench", post=(("mul", Dq ** -0.5), ("mask", 0)),
-                         masks=(MaskTerm(kind="range", hi=0),), out_dtype="bfloat16").to_json()
+    parsed = AttentionSpec(name="bench", post=(("mul", Dq ** -0.5), ("mask", 0)),
+                           masks=(MaskTerm(kind="range", hi=0),), out_dtype="bfloat16")
+    spec = parsed.to_json()
     fwd = lambda: torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec)  # noqa: E731
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -85,45 +102,118 @@ def run(shape: str, S: int, K: int, reps: int):
     fwd_ms, _ = timed(fwd, reps)
     fwd_peak = torch.cuda.max_memory_allocated() - base
     go = torch.randn_like(out)
-    bwd = lambda: torch.ops.hyscale.sparse_attention_backward(go, q, k, v, idx, [hi], out, lse, spec,  # noqa: E731
-                                                              True, True, True)
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    first = bwd()
-    torch.cuda.synchronize()
-    bwd_ms, again = timed(bwd, reps)
-    bwd_peak = torch.cuda.max_memory_allocated() - base
-    same = all(torch.equal(a, b) for a, b in zip(first, again))
-    return fwd_ms, fwd_peak, bwd_ms, bwd_peak, same
+    res = {}
+    for impl in impls:
+        bwd = lambda: attention_backward(go, q, k, v, idx, [hi], out, lse, parsed, mode=impl)  # noqa: E731
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            first = bwd()
+            torch.cuda.synchronize()
+            ms, again = timed(bwd, reps)
+            peak = torch.cuda.max_memory_allocated() - base
+            res[impl] = (ms, peak, all(torch.equal(a, b) for a, b in zip(first, again)))
+            del first, again
+        except torch.OutOfMemoryError:
+            res[impl] = None
+        torch.cuda.empty_cache()
+    return fwd_ms, fwd_peak, res
+
+
+def inspect_sm90(shapes) -> int:
+    """No GPU needed: compile the Triton backward's kernels for sm_90 (the default
+    configurations) and print ptxas' registers and spills and Triton's shared memory."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("--inspect compiles for the GPU: unset TRITON_INTERPRET")
+    import triton
+    from triton.runtime import driver
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from inspect_hytopk import _Sm90, ptxas_report
+    from hyscale_compile.lowerings.attention_spec import AttentionSpec
+    from hyscale_compile.lowerings.spec import MaskTerm
+    from hyscale_compile.lowerings.triton_attention_backward import attention_backward_triton, default_config
+
+    driver.set_active(_Sm90())
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for shape in shapes:
+        H, Hk, Dq, Dv, view = SHAPES[shape]
+        S, T, K, bf16 = 64, 4096, 2048, torch.bfloat16
+        q = torch.empty(1, S, H, Dq, dtype=bf16)
+        k = torch.empty(1, T, Hk, Dq, dtype=bf16)
+        v = k[..., :Dv] if view else torch.empty(1, T, Hk, Dv, dtype=bf16)
+        idx = torch.zeros(1, S, K, dtype=torch.int64)  # (compiled, not run)
+        hi = torch.arange(1, S + 1).view(1, S)
+        out, go = torch.empty(1, S, H, Dv, dtype=bf16), torch.empty(1, S, H, Dv, dtype=bf16)
+        lse = torch.empty(1, S, H)
+        spec = AttentionSpec(name="bench", post=(("mul", Dq ** -0.5), ("mask", 0)),
+                             masks=(MaskTerm(kind="range", hi=0),), out_dtype="bfloat16")
+        cfg = default_config(H, Hk, Dq, Dv)
+        for atomic in (False, True):
+            built = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, atomic=atomic,
+                                              _launcher=lambda kern, args, kw: (kern.__name__,
+                                                                                kern.warmup(*args, grid=(1,), **kw)))
+            for i, (kname, ck) in enumerate(built):
+                if atomic and kname != "attn_bwd_keys":
+                    continue
+                kname += "(v)" if i == len(built) - 1 and kname == "attn_bwd_keys" else ""
+                rep = ptxas_report(ck.asm["ptx"], bindir)
+                print(f"inspect shape={shape} kernel={kname}{' atomic' if atomic else ''} {cfg} "
+                      f"regs={rep.get('regs', 0)} spill={rep.get('spill_st', 0) + rep.get('spill_ld', 0)} "
+                      f"smem={ck.metadata.shared} wgmma={int('wgmma' in ck.asm['ptx'])}", flush=True)
+    return 0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqs", default="8192,32768,131072")
-    ap.add_argument("--shapes", default="per_head,mqa16,mqa128")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqs", default="8192,32768")
+    ap.add_argument("--shapes", default="mqa128,mqa16,per_head")
+    ap.add_argument("--impls", default="deterministic,atomic,pytorch",
+                    help="backwards to measure in the same call: deterministic and atomic (the Triton kernels, "
+                         "lowerings/triton_attention_backward.py), pytorch (the chunked path)")
+    ap.add_argument("--long", action="store_true", help="also S = 128K, for the Triton kernels only")
+    ap.add_argument("--quick", action="store_true", help="S = 8K, H = 128 and 16, the Triton kernels, one rep")
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--inspect", action="store_true", help="no GPU: compile the Triton kernels for sm_90 and report "
+                                                          "registers, spills and shared memory")
     args = ap.parse_args(argv)
+    if args.inspect:
+        return inspect_sm90(args.shapes.split(","))
+    if args.quick:
+        args.seqs, args.shapes, args.impls, args.reps = "8192", "mqa128,mqa16", "deterministic,atomic", 1
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     import hyscale_compile  # noqa: F401  registers the ops
 
+    impls = args.impls.split(",")
+    seqs = [int(s) for s in args.seqs.split(",")] + ([131072] if args.long else [])
     rows = []
     for shape in args.shapes.split(","):
-        for S in [int(s) for s in args.seqs.split(",")]:
+        for S in seqs:
+            use = [i for i in impls if S < 131072 or i != "pytorch"]
             try:
-                fwd_ms, fwd_peak, bwd_ms, bwd_peak, same = run(shape, S, args.topk, args.reps)
-                row = (shape, S, f"{fwd_ms:.1f}", f"{fwd_peak / 2**30:.2f}", f"{bwd_ms:.1f}",
-                       f"{bwd_peak / 2**30:.2f}", "yes" if same else "NO")
+                fwd_ms, fwd_peak, res = run(shape, S, args.topk, args.reps, use)
             except torch.OutOfMemoryError:
-                row = (shape, S, "-", "-", "-", "-", "out of memory")
+                fwd_ms, fwd_peak, res = None, None, {}
             torch.cuda.empty_cache()
-            rows.append(row)
-            print(*row, file=sys.stderr, flush=True)
-    print(f"\nsparse attention reference path, k={args.topk}, bf16 operands, causal; "
+            for impl in use:
+                r = res.get(impl)
+                if r is None:
+                    row = (shape, S, impl, "-", "-", "-", "-", "out of memory")
+                else:
+                    ms, peak, same = r
+                    ratio = ""
+                    if impl == "deterministic" and res.get("atomic"):
+                        ratio = f"{res['atomic'][0] / ms:.2f}"  # deterministic rate / atomic rate
+                    row = (shape, S, impl, f"{ms:.1f}", f"{flops(shape, S, args.topk) / ms / 1e9:.1f}",
+                           f"{peak / 2**30:.2f}", ratio, "yes" if same else "NO")
+                rows.append(row)
+                print(*row, f"(forward {fwd_ms:.1f} ms)" if fwd_ms else "", file=sys.stderr, flush=True)
+    print(f"\nsparse attention backward, k={args.topk}, bf16 operands, causal; "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| shape | S | forward ms | fwd peak GiB | backward ms | bwd peak GiB | backward bitwise repeatable |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | S | backward | ms | TFLOP/s | peak GiB | det / atomic rate | bitwise repeatable |")
+    print("|---|---|---|---|---|---|---|---|")
     for shape, S, *rest in rows:
         print(f"| {shape} | {S:,} | " + " | ".join(rest) + " |")
     return 0

@@ -19,7 +19,13 @@ HYSCALE_OPTIONS = {
     "sparse_attention": (bool, "rewrite the attention that applies a selection's index mask into "
                                "hyscale.sparse_attention over the k selected keys (default True; False keeps it "
                                "dense, and explain says so for each consumer)"),
+    "attention_backward": (str, "the sparse attention's CUDA backward: \"deterministic\" (default; bitwise "
+                                "reproducible) or \"atomic\" (dK / dV by fp32 atomics: not reproducible, opt-in "
+                                "only); the op takes it as attention_backward's mode (HYSCALE_ATTN_BWD at run "
+                                "time until the attention pass passes it)"),
 }
+# options whose value is one of a few strings
+_CHOICES = {"attention_backward": ("deterministic", "atomic")}
 _MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -47,6 +53,8 @@ def split_options(mode: Optional[str], options: Optional[Dict[str, Any]]) -> Tup
             typ = HYSCALE_OPTIONS[name][0]
             if not isinstance(value, typ):
                 raise TypeError(f"hyscale: option {key!r} must be {typ.__name__}, got {type(value).__name__}")
+            if name in _CHOICES and value not in _CHOICES[name]:
+                raise ValueError(f"hyscale: option {key!r} must be one of {list(_CHOICES[name])}, got {value!r}")
             ours[name] = value
             continue
         name = key.replace("-", "_")

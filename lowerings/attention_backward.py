@@ -22,6 +22,13 @@ the key's running value:
 * CPU: ``index_add_``, whose CPU kernel loops over the index in order, one slice add per
   entry: the same order (``tests/test_attention_op.py`` checks the two agree bit for bit).
 
+On CUDA the op runs the Triton kernels of ``triton_attention_backward`` (the same math,
+the same key-major reduction) for every spec they differentiate; this chunked PyTorch path
+is the CPU's, the oracle, and the CUDA fallback. ``HYSCALE_ATTN_BWD`` (``backward_mode``)
+picks on CUDA: ``deterministic`` (default, the kernels), ``atomic`` (the kernels with fp32
+atomics for dK / dV: faster, not bitwise reproducible; opt-in only) or ``pytorch`` (this path,
+for A/B runs; ``HYSCALE_KERNEL=reference`` also selects it).
+
 Chunks follow each other in row order, so the whole sum is sequential in (row, slot) order
 whatever the chunking. Chunk sizes are a function of the shapes and the device type only
 (``DEFAULT_CHUNK_BYTES``), so the matmuls see the same problem sizes on every run (cuBLAS
@@ -160,11 +167,34 @@ def check_backward_operands(grad_out, q, k, v, idx, out, lse) -> None:
         raise SpecError(f"sparse_attention_backward: grad_out has dtype {grad_out.dtype}; expected a float dtype")
 
 
+BACKWARD_MODES = ("deterministic", "atomic", "pytorch")
+
+
+def backward_mode(mode: str = None) -> str:
+    """The CUDA backward to run: ``mode``, else ``HYSCALE_ATTN_BWD``, else "deterministic"."""
+    mode = mode or os.environ.get("HYSCALE_ATTN_BWD") or "deterministic"
+    if mode not in BACKWARD_MODES:
+        raise SpecError(f"sparse attention backward mode {mode!r} (HYSCALE_ATTN_BWD); expected one of "
+                        f"{', '.join(BACKWARD_MODES)}")
+    return mode
+
+
 def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionSpec, needs=(True, True, True),
-                       chunk_bytes: int = None):
+                       chunk_bytes: int = None, mode: str = None):
     """(gq, gk, gv) in the operands' dtypes; an input that needs no gradient gets an empty
-    tensor. ``out`` is not read (delta comes from the fp32 probabilities)."""
+    tensor. On CUDA the Triton kernels unless ``backward_mode(mode)`` is "pytorch" or the spec
+    has a step they do not differentiate; this path does not read ``out`` (delta comes from
+    the fp32 probabilities)."""
     from .attention_reference import heads_to_rows, gather_heads, rows_to_heads, score_slots
+
+    if q.device.type == "cuda" and os.environ.get("HYSCALE_KERNEL", "triton") != "reference":
+        how = backward_mode(mode)
+        if how != "pytorch":
+            from .triton_attention_backward import attention_backward_triton, unsupported
+
+            if unsupported(spec) is None:
+                return attention_backward_triton(grad_out, q, k, v, idx, masks, out, lse, spec, needs,
+                                                 atomic=how == "atomic", chunk_bytes=chunk_bytes)
 
     B, S, H, D = q.shape
     T, Hk, Dv, K = k.shape[1], k.shape[2], v.shape[3], idx.shape[-1]

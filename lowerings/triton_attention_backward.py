@@ -1,0 +1,593 @@
+"""The sparse attention's backward on Triton: dQ, and dK / dV reduced per key without atomics.
+
+``attention_backward_triton(grad_out, q, k, v, idx, masks, out, lse, spec)`` gives what
+``attention_backward.attention_backward`` gives (its docstring has the math), from two
+generated kernels and the key-major segment sum, per chunk of query rows:
+
+1. ``attn_bwd_rows``, one program per query row (b, s) and BLOCK_H heads of one kv head
+   (MQA: up to 64 of the row's heads are the dots' M dimension over one gathered key tile;
+   per head / GQA: the kv head's G heads, padded to 16), the forward's tiling (dQ' here, or
+   at the latent's widths by ``attn_bwd_dq`` from the stored dS', a GEMM over the slots
+   with the keys gathered again: ``default_config``):
+       delta = sum_d dO * O (fp32, from the saved output)
+       for each block of BLOCK_N slots:
+           y  = post(q . k[t]^T)        the forward's generated ``_post`` (masks identical)
+           P' = exp(y - lse)            0 for a head with lse = -inf (no visible slot)
+           dP = dO . v[t]^T;  dS' = P' (dP - delta), then the post steps' derivatives
+           dQ' += dS' . k[t];           P', dS' stored to the chunk's [n, H, K] buffers
+       l = sum_j P';  dQ = dQ' / l     (stored once), 1 / l stored per head
+   ``P' / l`` is the softmax renormalized over the slots, exactly as the forward's e / sum e:
+   where a finite fill hides every slot (y = finfo.min), fp32 lse = m + log(l) rounds log(l)
+   away and exp(y - lse) is 1 per slot; the correction is a per-head factor, so it applies
+   after the loop (to dQ) and in kernel 2 (to P', dS'). delta from O rather than from the
+   P . dP sum: that would need every slot's dP before the first dS, a second pass over the
+   keys (the FlashAttention kernels use sum dO * O for the same reason); O is the op's output
+   in ``out_dtype``, so delta carries its rounding (within the numerics rule: tested).
+2. ``attn_bwd_keys``, one program per (row, kv head, BLOCK_N slots, BLOCK_F features): the
+   per-slot key-side contributions as a GEMM over the kv head's G query heads,
+       C_k[slot] = sum_h dS[h, slot] q[h]     C_v[slot] = sum_h P[h, slot] dO[h]
+   written to a [Hk, n, K, F] fp32 chunk buffer (or, ``atomic=True``, added straight into
+   dK / dV with fp32 ``tl.atomic_add``: the opt-in variant, not bitwise reproducible).
+3. ``attention_backward``'s segment sum: each key's contributions added in (row, slot) order
+   onto its running fp32 value, one program per key; chunks run in row order, so the sums
+   are the same whatever the chunking (a test checks it).
+
+Deterministic: no atomics (default), every program writes its own outputs, configurations
+are functions of the shapes and dtypes (``default_config``). The dots take the operands'
+16-bit dtype (P and dS rounded to it, as FlashAttention does) with fp32 accumulation; fp32
+operands stay fp32 (``spec.fp32_precision``). Post steps with a derivative here: mul, add,
+div, neg and every mask term; a spec with another step (roundings, relu, sigmoid, registered
+mods) runs the PyTorch path (``unsupported``).
+
+The op's CUDA path runs this; ``HYSCALE_ATTN_BWD=pytorch`` runs the chunked PyTorch path
+instead (A/B), ``=atomic`` the atomic variant (``attention_backward.backward_mode``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from .attention_spec import AttentionSpec
+from .spec import SpecError
+from .triton_attention import (_indent, _mask_args_def, _mask_launch_args, _mask_params, _next_pow2,
+                               _render_row_bounds, check_attention_operands, form_of, render_kernel_source,
+                               split_head_dim)
+from .triton_codegen import _interpreting, _lit, _mod_bodies, check_interpreter_mode, import_source
+
+BWD_TEMPLATE_VERSION = 1
+
+_FN_CACHE: Dict[tuple, object] = {}
+_LINEAR_STEPS = ("mul", "add", "div", "neg")
+SMEM_BYTES = 227 * 1024  # the most shared memory a block may use on an H100 / H200
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """Launch parameters of the two kernels; ``default_config`` picks them from the shapes
+    and dtypes alone, so a shape always runs the same arithmetic in the same order."""
+
+    block_h: int  # kernel 1: query heads per program (the dots' M, >= 16)
+    block_n: int  # kernel 1: slots per tile
+    num_warps: int
+    num_stages: int
+    keys_block_g: int  # kernel 2: heads per step of the reduction (>= 16)
+    keys_block_n: int  # kernel 2: slots per program
+    keys_block_f: int  # kernel 2: features per program
+    keys_num_warps: int = 4
+    keys_num_stages: int = 2
+    # dQ in kernel 1 (its accumulator in registers for the whole slot loop), or by
+    # ``attn_bwd_dq`` from the stored dS (the latent's [64, 576] fp32 accumulator next to the
+    # resident q and dO tiles would spill)
+    fused_dq: bool = True
+    dq_block_n: int = 64  # attn_bwd_dq: slots per step
+    dq_block_f: int = 64  # attn_bwd_dq: features per program
+
+
+def smem_estimate(cfg: BackwardConfig, Dqk: int, Dv: int, elem_bytes: int) -> tuple:
+    """Shared-memory bytes (kernel 1, kernel 2) the configuration asks for, counted as the
+    dots' operand tiles: kernel 1 keeps q [BLOCK_H, DA + DB] and dO [BLOCK_H, Dv] on chip for
+    the whole slot loop and stages each gathered key tile [BLOCK_N, DA + DB] (and a separate
+    value tile unless v is a view of k, counted here) num_stages deep, plus the [BLOCK_H,
+    BLOCK_N] dS operand; kernel 2 stages a [BLOCK_G, BLOCK_N] weight tile and a [BLOCK_G,
+    BLOCK_F] operand tile."""
+    da, db = split_head_dim(Dqk)
+    dv = max(16, _next_pow2(Dv))
+    k1 = elem_bytes * (cfg.block_h * (da + db) + cfg.block_h * dv + cfg.num_stages * cfg.block_n * (da + db)
+                       + cfg.block_h * cfg.block_n)
+    k2 = elem_bytes * cfg.keys_num_stages * (cfg.keys_block_g * cfg.keys_block_n + cfg.keys_block_g * cfg.keys_block_f)
+    return k1, k2
+
+
+def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
+                   elem_bytes: int = 2) -> BackwardConfig:
+    """The fixed configuration of a shape and operand width (``HYSCALE_ATTN_BWD_CONFIG``,
+    e.g. "num_warps=8,block_n=16", overrides fields: benchmarks only).
+
+    Shared memory (sm_90, 227 KiB per block; ``smem_estimate``), at the absorbed MQA shape
+    (Dqk = 576 = 512 + 64, Dv = 512, bf16): kernel 1 with BLOCK_H = 64 keeps q 64 x 576 x 2 =
+    72 KiB and dO 64 x 512 x 2 = 64 KiB resident, and two stages of 32 gathered keys 2 x 32 x
+    576 x 2 = 72 KiB: 212 KiB with the dS tile (4 KiB; the offline sm_90 build reports
+    216 KiB). A 128-head q tile alone would be 144 KiB, so H = 128 runs as two head blocks per
+    row (each gathers the row's keys; the second finds them in L2). Registers: q and dO are
+    also held in registers (136 per thread over 8 warps), so a [64, 576] fp32 dQ accumulator
+    (144 more) does not fit: dQ is ``attn_bwd_dq``'s, and kernel 1 runs 16 warps (128
+    registers, no spills; at 8 warps it spills 168 bytes). H = 16 (BLOCK_H = 16) keeps dQ in
+    kernel 1 at 8 warps (231 registers, 72 KiB). Kernel 2 (128 slots x 64 features, 64 heads
+    per step): 2 x (64 x 128 + 64 x 64) x 2 = 48 KiB (32 KiB built). fp32 operands at the
+    latent's widths: 16 heads x 16 slots, as the forward, 8 warps, dQ apart (106 KiB; 516
+    bytes of spills remain). Per head (Dqk 192, Dv 128): 16 x
+    256 + 16 x 128 + 2 x 64 x 256 halves = 76 KiB (55 KiB built, 210 registers)
+    (``bench_attention_backward.py --inspect`` prints the build's numbers)."""
+    G = H // Hk
+    block_h = max(16, min(64, _next_pow2(G)))
+    keys_g = max(16, min(64, _next_pow2(G)))
+    wide = max(Dqk, Dv) * elem_bytes > 512
+    if interpret:
+        cfg = BackwardConfig(block_h, 16, 4, 1, keys_g, 16, 16, 4, 1, dq_block_n=16, dq_block_f=16)
+    elif elem_bytes > 2 and max(Dqk, Dv) > 256:
+        # (q, dO and O fp32 [16, 512] tiles: 8 warps and dQ apart, else the build spills heavily)
+        cfg = BackwardConfig(16, 16, 8, 2, keys_g, 64, 64, 4, 2, fused_dq=False)
+    elif form_of(H, Hk) == "mqa" and wide:
+        big = block_h >= 64
+        cfg = BackwardConfig(block_h, 32, 16 if big else 8, 2, keys_g, 128, 64, 4, 2, fused_dq=not big)
+    elif form_of(H, Hk) == "mqa":
+        cfg = BackwardConfig(block_h, 64, 8 if block_h >= 64 else 4, 2, keys_g, 128, 64, 4, 2)
+    else:
+        cfg = BackwardConfig(block_h, 32 if wide or elem_bytes > 2 else 64, 4, 2, keys_g, 128, 64, 4, 2)
+    return _config_override(cfg)
+
+
+def _config_override(cfg: BackwardConfig) -> BackwardConfig:
+    text = os.environ.get("HYSCALE_ATTN_BWD_CONFIG", "")
+    if not text:
+        return cfg
+    fields = {f.name: f.type for f in dataclasses.fields(BackwardConfig)}
+    kw = {}
+    for item in text.split(","):
+        name, _, val = item.partition("=")
+        name = name.strip()
+        if name not in fields or not val:
+            raise SpecError(f"HYSCALE_ATTN_BWD_CONFIG: {item!r} is not field=value for a field of {sorted(fields)}")
+        kw[name] = val.strip() in ("1", "true", "True") if name == "fused_dq" else int(val)
+    return dataclasses.replace(cfg, **kw)
+
+
+# ---------------------------------------------------------------------------------------
+# spec -> Triton source
+# ---------------------------------------------------------------------------------------
+def unsupported(spec: AttentionSpec) -> Optional[str]:
+    """Why the kernels cannot differentiate ``spec`` (a post step without a derivative
+    here), or None."""
+    for step in spec.post:
+        if step[0] != "mask" and step[0] not in _LINEAR_STEPS:
+            return f"post step {step!r} has no derivative in the Triton backward"
+    return None
+
+
+def _render_post_grad(spec: AttentionSpec) -> list:
+    """d loss / d x from d loss / d y (``g`` [BLOCK_H, BLOCK_N]) through the post steps in
+    reverse, as ``backward._step_grad`` / ``_mask_grad``: a fill passes nothing to the slots
+    it hides, an additive term passes everything."""
+    lines = []
+    for step in reversed(spec.post):
+        op = step[0]
+        if op == "mul":
+            lines.append(f"g = g * {_lit(step[1])}")
+        elif op == "div":
+            lines.append(f"g = tl.div_rn(g, {_lit(step[1])})")
+        elif op == "neg":
+            lines.append("g = -g")
+        elif op == "add":
+            continue
+        elif op == "mask":
+            j = step[1]
+            term = spec.masks[j]
+            if term.kind == "fill":
+                lines.append(f"m{j} = tl.load(M{j} + b * stride_m{j}_b + s * stride_m{j}_s + t * stride_m{j}_t, "
+                             f"mask=slot_ok, other=0)")
+                cond = f"m{j} != 0" if term.where else f"m{j} == 0"
+                lines.append(f"g = tl.where(({cond})[None, :], 0.0, g)")
+            elif term.kind == "range" and term.mode == "fill":
+                parts = ([f"(t < lo{j})"] if term.lo is not None else []) + \
+                        ([f"(t >= hi{j})"] if term.hi is not None else [])
+                if parts:
+                    lines.append(f"g = tl.where(({' | '.join(parts)})[None, :], 0.0, g)")
+        else:
+            raise SpecError(f"post step {step!r} has no derivative in the Triton backward")
+    return lines
+
+
+def render_backward_source(spec: AttentionSpec, num_masks: int) -> str:
+    """Python source of the forward's module (its ``_post``, ``_load_q``) followed by the
+    backward kernels ``attn_bwd_rows`` and ``attn_bwd_keys``, specialized to ``spec``."""
+    reason = unsupported(spec)
+    if reason:
+        raise SpecError(reason)
+    subs = {
+        "VERSION": str(BWD_TEMPLATE_VERSION),
+        "PRECISION": "tf32" if spec.fp32_precision == "tf32" else "ieee",
+        "POST_GRAD": _indent(_render_post_grad(spec), 4) or "    pass",
+        "MASK_PARAMS": "".join(f"{a}, " for a in _mask_params(spec)),
+        "MASK_ARGS_DEF": "".join(f"    {a},\n" for a in _mask_args_def(spec)),
+        "ROW_BOUNDS": _indent(_render_row_bounds(spec), 4) or "    pass",
+    }
+    src = _TEMPLATE
+    for key, val in subs.items():
+        src = src.replace("{{" + key + "}}", val)
+    assert "{{" not in src, "unfilled template slot"
+    return render_kernel_source(spec, num_masks) + src
+
+
+def load_backward_kernels(spec: AttentionSpec, num_masks: int):
+    """(attn_bwd_rows, attn_bwd_keys, attn_bwd_dq) for ``spec``, cached per (spec, mods, interpreter mode)."""
+    key = (spec.to_json(), num_masks, _interpreting(), _mod_bodies(spec.as_score_spec()))
+    fns = _FN_CACHE.get(key)
+    if fns is None:
+        mod = import_source(render_backward_source(spec, num_masks))
+        fns = _FN_CACHE[key] = (mod.attn_bwd_rows, mod.attn_bwd_keys, mod.attn_bwd_dq)
+    return fns
+
+
+# ---------------------------------------------------------------------------------------
+# launch
+# ---------------------------------------------------------------------------------------
+def backward_chunk_rows(device: torch.device, K: int, H: int, Hk: int, D: int, Dv: int, elem_bytes: int,
+                        rows: int, chunk_bytes: int = None) -> int:
+    """Query rows per chunk: the fp32 per-slot contributions [Hk, n, K, D + Dv] and the P and
+    dS buffers [n, H, K] (operand width) within the budget; a function of the shapes only.
+    On a GPU 4 GiB (``HYSCALE_ATTN_CHUNK_BYTES`` overrides it): about 430 rows at the
+    latent's H = 128, so kernel 1's 2 x 430 programs of one SM each are 6.5 waves on 132 SMs
+    (2 GiB would leave a third of the last of 3.2 waves idle)."""
+    from .attention_backward import DEFAULT_CHUNK_BYTES
+
+    if chunk_bytes is None:
+        chunk_bytes = DEFAULT_CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES["cpu"])
+        if device.type == "cuda" and "HYSCALE_ATTN_CHUNK_BYTES" not in os.environ:
+            chunk_bytes = 4 << 30
+    per_row = max(1, K) * (4 * Hk * (D + Dv) + 2 * H * elem_bytes + 16) + 4 * H
+    step = max(1, min(max(rows, 1), chunk_bytes // per_row))
+    # a multiple of 16 where it can be, so every chunk's first row R0 has the same
+    # divisibility: Triton specializes integer arguments on it (one build, not two)
+    return step - step % 16 if 16 <= step < rows else step
+
+
+def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tensor], out, lse, spec: AttentionSpec,
+                              needs=(True, True, True), atomic: bool = False, chunk_bytes: int = None,
+                              config: Optional[BackwardConfig] = None, _launcher=None):
+    """(gq, gk, gv) in the operands' dtypes, as ``attention_backward.attention_backward``
+    (an input that needs no gradient gets an empty tensor). CUDA tensors, or CPU tensors
+    under TRITON_INTERPRET=1. ``atomic``: dK / dV by fp32 atomics (not reproducible).
+    ``_launcher(kernel, args, launch)`` replaces the launches of the first chunk and the
+    call returns their results (an offline sm_90 build: ``bench_attention_backward --inspect``)."""
+    from .attention_backward import check_backward_operands, key_order
+
+    interp = check_interpreter_mode()
+    masks = list(masks)
+    spec = spec.resolve_operands(masks)
+    check_attention_operands(q, k, v, idx, masks, spec)
+    check_backward_operands(grad_out, q, k, v, idx, out, lse)
+    reason = unsupported(spec)
+    if reason:
+        raise SpecError(reason)
+    device = q.device
+    if device.type != "cuda" and not interp and _launcher is None:
+        raise SpecError(f"the Triton attention backward needs CUDA tensors (got {device}), or TRITON_INTERPRET=1")
+    B, S, H, D = q.shape
+    T, Hk, Dv, K = k.shape[1], k.shape[2], v.shape[3], idx.shape[-1]
+    G = H // Hk
+    f32 = torch.float32
+    upcast = (len({q.dtype, k.dtype, v.dtype}) > 1
+              or (interp and torch.bfloat16 in (q.dtype, k.dtype, v.dtype)))
+    cd = f32 if upcast else q.dtype  # the dots' operand dtype
+    esize = torch.tensor([], dtype=cd).element_size()
+    cfg = config or default_config(H, Hk, D, Dv, interpret=interp, elem_bytes=max(k.element_size(), v.element_size()))
+    da, db = split_head_dim(D)
+    block_dv = max(16, _next_pow2(Dv))
+    v_from_k = (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.dtype == k.dtype
+                and block_dv == da)
+    gq = torch.zeros(q.shape, dtype=q.dtype, device=device) if needs[0] else q.new_empty(0)
+    gk = torch.zeros((B, T, Hk, D), dtype=f32, device=device) if needs[1] else None
+    gv = torch.zeros((B, T, Hk, Dv), dtype=f32, device=device) if needs[2] else None
+    if K == 0 or B * S * H == 0 or not any(needs):
+        return (gq, gk.to(k.dtype) if needs[1] else k.new_empty(0), gv.to(v.dtype) if needs[2] else v.new_empty(0))
+    rows_fn, keys_fn, dq_fn = load_backward_kernels(spec, len(masks))
+    fused_dq = cfg.fused_dq and needs[0]
+    mask_args = _mask_launch_args(spec, masks, B, S, T, device)
+    rows = B * S
+    step = backward_chunk_rows(device, K, H, Hk, D, Dv, esize, rows, chunk_bytes)
+    pbuf = torch.empty((step, H, K), dtype=cd, device=device)
+    gbuf = torch.empty((step, H, K), dtype=cd, device=device)
+    lbuf = torch.empty((step, H), dtype=f32, device=device)
+    cbuf = {}
+    if not atomic:
+        if needs[1]:
+            cbuf["k"] = torch.empty((Hk, step, K, D), dtype=f32, device=device)
+        if needs[2]:
+            cbuf["v"] = torch.empty((Hk, step, K, Dv), dtype=f32, device=device)
+        idx_flat = idx.reshape(rows, K)
+    dq_arg = gq if needs[0] else q  # (not written without NEED_DQ)
+    nblk = -(-G // cfg.block_h)
+    prec_consts = dict(UPCAST=upcast)
+    built = []
+
+    def launch(fn, grid, args, kw):
+        if _launcher is not None:
+            built.append(_launcher(fn, args, kw))
+        else:
+            fn[grid](*args, **kw)
+
+    for r0 in range(0, rows, step):
+        n = min(rows, r0 + step) - r0
+        launch(rows_fn, (n * Hk * nblk,), [
+            q, k, v, idx, out, grad_out, lse, dq_arg, pbuf, gbuf, lbuf, *mask_args,
+            *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *out.stride(), *grad_out.stride(),
+            *lse.stride(), *dq_arg.stride(), r0, S, G, Hk, K, D, Dv],
+            dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DA=da, DB=db, DBQ=max(db, 16), BLOCK_DV=block_dv,
+                 V_FROM_K=v_from_k, NEED_DQ=bool(fused_dq), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                 **prec_consts))
+        if needs[0] and not fused_dq:
+            launch(dq_fn, (n * Hk * nblk, -(-D // cfg.dq_block_f)), [
+                gbuf, lbuf, k, idx, gq, *k.stride(), *idx.stride(), *gq.stride(), r0, S, G, Hk, K, D],
+                dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.dq_block_n, BLOCK_F=cfg.dq_block_f, UPCAST=upcast,
+                     num_warps=4, num_stages=2))
+        order = None
+        for part, src, x, F, acc in (("k", gbuf, q, D, gk), ("v", pbuf, grad_out, Dv, gv)):
+            if acc is None:
+                continue
+            grid = (n * Hk, -(-K // cfg.keys_block_n), -(-F // cfg.keys_block_f))
+            if atomic:
+                dst, dst_strides = acc, acc.stride()
+            else:
+                buf = cbuf[part]
+                # [Hk, n, K, F] read as (row, slot, head, feature) strides
+                dst, dst_strides = buf, (buf.stride(1), buf.stride(2), buf.stride(0), buf.stride(3))
+            launch(keys_fn, grid, [src, lbuf, x, idx, dst, *x.stride(), *idx.stride(), *dst_strides, r0, S, G, Hk,
+                                   K, F],
+                   dict(BLOCK_G=cfg.keys_block_g, BLOCK_N=cfg.keys_block_n, BLOCK_F=cfg.keys_block_f,
+                        ATOMIC=atomic, num_warps=cfg.keys_num_warps, num_stages=cfg.keys_num_stages))
+            if not atomic and _launcher is None:
+                if order is None:
+                    # keys of the flattened (b, t): a key belongs to one batch, so (row, slot)
+                    # order is each key's order; one key-major inversion for both parts
+                    bt = (torch.arange(r0, r0 + n, device=device) // S * T).view(n, 1)
+                    order = key_order((idx_flat[r0:r0 + n].long() + bt).reshape(-1))
+                src = cbuf[part][:, :n].reshape(Hk, n * K, F)  # a view unless Hk > 1 in the last chunk
+                segment_sum_sorted_(acc.view(B * T, Hk, F), order, src)
+        if _launcher is not None:
+            return built
+    return (gq, gk.to(k.dtype) if needs[1] else k.new_empty(0), gv.to(v.dtype) if needs[2] else v.new_empty(0))
+
+
+def segment_sum_sorted_(out: torch.Tensor, order, src: torch.Tensor) -> None:
+    """``attention_backward.segment_sum_`` with the key-major inversion ``order`` (its
+    ``key_order``) computed once for the chunk's dK and dV parts."""
+    from .attention_backward import _BLOCK_F, _UNROLL, _segment_sum_kernel
+
+    skeys, perm, end = order
+    Hk, N, F = src.shape
+    assert out.is_contiguous() and out.dtype == torch.float32 and tuple(out.shape[1:]) == (Hk, F)
+    src = src.contiguous()
+    block = min(_BLOCK_F, _next_pow2(F))
+    _segment_sum_kernel[(N, -(-F // block), Hk)](src, perm, skeys, end, out, N, F, Hk, BLOCK_F=block, UNROLL=_UNROLL)
+
+
+# ---------------------------------------------------------------------------------------
+# the template (appended to the forward's module: ``_post``, ``_load_q`` come from there)
+# ---------------------------------------------------------------------------------------
+_TEMPLATE = r'''
+
+# ---- backward (hyscale_compile.lowerings.triton_attention_backward, template v{{VERSION}}) ----
+@triton.jit
+def _post_grad(g, t, slot_ok, b, s, {{MASK_PARAMS}}):
+    # d loss / d (q . k) from d loss / d y through the post steps, in reverse
+{{POST_GRAD}}
+    return g
+
+
+@triton.jit
+def _bwd_scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
+                BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, UPCAST: tl.constexpr):
+    # the forward's scores y [BLOCK_H, BLOCK_N] (-inf at padding slots) and the key tiles
+    rows = kbase + t[:, None] * stride_kt
+    offs_a = tl.arange(0, DA)
+    ka = tl.load(rows + offs_a[None, :] * stride_kd, mask=slot_ok[:, None] & (offs_a < DQK)[None, :], other=0.0)
+    if UPCAST:
+        ka = ka.to(tl.float32)
+    x = tl.dot(qa, tl.trans(ka), input_precision="{{PRECISION}}", out_dtype=tl.float32)
+    if DB > 0:
+        offs_b = DA + tl.arange(0, DB)
+        kb = tl.load(rows + offs_b[None, :] * stride_kd, mask=slot_ok[:, None] & (offs_b < DQK)[None, :], other=0.0)
+        if UPCAST:
+            kb = kb.to(tl.float32)
+        x = tl.dot(qb, tl.trans(kb), acc=x, input_precision="{{PRECISION}}", out_dtype=tl.float32)
+    else:
+        kb = ka  # (unused)
+    y = _post(x, t, slot_ok, b, s, {{MASK_PARAMS}})
+    return tl.where(slot_ok[None, :], y, float("-inf")), ka, kb
+
+
+@triton.jit
+def attn_bwd_rows(
+    Q, K, V, IDX, OUT, DO, LSE, DQ, PB, GB, LB,
+{{MASK_ARGS_DEF}}    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_ib, stride_is, stride_ij,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_gb, stride_gs, stride_gh, stride_gd,
+    stride_lb, stride_ls, stride_lh,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    R0, S, G, HK, TOPK, DQK, DV,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, DBQ: tl.constexpr,
+    BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr, NEED_DQ: tl.constexpr,
+):
+    # program: row R0 + lrow of the flattened (b, s), kv head hk, heads g0 .. g0 + BLOCK_H of
+    # its G; writes dQ of those heads, P' and dS' [BLOCK_H, TOPK] to PB / GB (the chunk's
+    # [n, HK * G, TOPK] buffers) and 1 / sum_j P' to LB [n, HK * G]
+    nblk = tl.cdiv(G, BLOCK_H)
+    pid = tl.program_id(0).to(tl.int64)
+    lrow = pid // (HK * nblk)
+    row = R0 + lrow
+    b = row // S
+    s = row % S
+    hk = (pid % (HK * nblk)) // nblk
+    g0 = ((pid % nblk) * BLOCK_H).to(tl.int32)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    h_ok = g0 + offs_h < G
+{{ROW_BOUNDS}}
+    qa, qb = _load_q(Q, b, s, hk, g0, G, DQK, stride_qb, stride_qs, stride_qh, stride_qd, BLOCK_H, DA, DB, UPCAST)
+    gbase = DO + b * stride_gb + s * stride_gs + (hk * G) * stride_gh
+    do = tl.load(tl.make_block_ptr(gbase, (G, DV), (stride_gh, stride_gd), (g0, 0), (BLOCK_H, BLOCK_DV), (1, 0)),
+                 boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    obase = OUT + b * stride_ob + s * stride_os + (hk * G) * stride_oh
+    o = tl.load(tl.make_block_ptr(obase, (G, DV), (stride_oh, stride_od), (g0, 0), (BLOCK_H, BLOCK_DV), (1, 0)),
+                boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    lse = tl.load(LSE + b * stride_lb + s * stride_ls + (hk * G + g0 + offs_h) * stride_lh, mask=h_ok,
+                  other=float("-inf"))
+    # a head with no visible slot (lse -inf, out NaN) passes nothing: its dO and O read as 0
+    live = lse > float("-inf")
+    lse_use = tl.where(live, lse, 0.0)
+    do = tl.where(live[:, None], do, 0.0)
+    delta = tl.sum(do * tl.where(live[:, None], o, 0.0), axis=1)
+    do_c = do.to(qa.dtype)
+    kbase = K + b * stride_kb + hk * stride_kh
+    vbase = V + b * stride_vb + hk * stride_vh
+    ibase = IDX + b * stride_ib + s * stride_is
+    pg = (lrow * (HK * G) + hk * G + g0 + offs_h) * TOPK
+    dqa = tl.zeros([BLOCK_H, DA], dtype=tl.float32)
+    dqb = tl.zeros([BLOCK_H, DBQ], dtype=tl.float32)
+    lsum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for n0 in range(0, TOPK, BLOCK_N):
+        slots = n0 + offs_n
+        slot_ok = slots < TOPK
+        t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
+        y, ka, kb = _bwd_scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
+                                BLOCK_N, DA, DB, UPCAST)
+        p = tl.where(live[:, None], tl.exp(y - lse_use[:, None]), 0.0)
+        lsum += tl.sum(p, axis=1)
+        if V_FROM_K:
+            vt = ka  # v is a view of k's first columns: the tile already on chip
+        else:
+            vt = tl.load(vbase + t[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
+                         mask=slot_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+            if UPCAST:
+                vt = vt.to(tl.float32)
+        dp = tl.dot(do_c, tl.trans(vt), input_precision="{{PRECISION}}", out_dtype=tl.float32)
+        g = tl.where(p > 0.0, p * (dp - delta[:, None]), 0.0)
+        g = _post_grad(g, t, slot_ok, b, s, {{MASK_PARAMS}})
+        ok = h_ok[:, None] & slot_ok[None, :]
+        tl.store(PB + pg[:, None] + slots[None, :], p.to(PB.dtype.element_ty), mask=ok)
+        tl.store(GB + pg[:, None] + slots[None, :], g.to(GB.dtype.element_ty), mask=ok)
+        if NEED_DQ:
+            gc = g.to(ka.dtype)
+            dqa = tl.dot(gc, ka, acc=dqa, input_precision="{{PRECISION}}", out_dtype=tl.float32)
+            if DB > 0:
+                dqb = tl.dot(gc, kb, acc=dqb, input_precision="{{PRECISION}}", out_dtype=tl.float32)
+    # 1 / l: the softmax's normalization over the slots (P = P' / l); 0 for a dead head
+    inv = tl.where(live, tl.div_rn(tl.full([BLOCK_H], 1.0, tl.float32), tl.where(live, lsum, 1.0)), 0.0)
+    tl.store(LB + lrow * (HK * G) + hk * G + g0 + offs_h, inv, mask=h_ok)
+    if NEED_DQ:
+        qbase = DQ + b * stride_dqb + s * stride_dqs + (hk * G) * stride_dqh
+        tl.store(tl.make_block_ptr(qbase, (G, DQK), (stride_dqh, stride_dqd), (g0, 0), (BLOCK_H, DA), (1, 0)),
+                 (dqa * inv[:, None]).to(DQ.dtype.element_ty), boundary_check=(0, 1))
+        if DB > 0:
+            tl.store(tl.make_block_ptr(qbase, (G, DQK), (stride_dqh, stride_dqd), (g0, DA), (BLOCK_H, DBQ), (1, 0)),
+                     (dqb * inv[:, None]).to(DQ.dtype.element_ty), boundary_check=(0, 1))
+
+
+@triton.jit
+def attn_bwd_dq(
+    GB, LB, K, IDX, DQ,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_ib, stride_is, stride_ij,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    R0, S, G, HK, TOPK, DQK,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # dQ[h, f] = (sum_j dS'[h, j] k[t_j, f]) / l[h] for BLOCK_H heads of kv head hk and
+    # BLOCK_F features of one row, from the stored dS' (when kernel 1 does not accumulate it)
+    nblk = tl.cdiv(G, BLOCK_H)
+    pid = tl.program_id(0).to(tl.int64)
+    lrow = pid // (HK * nblk)
+    row = R0 + lrow
+    b = row // S
+    s = row % S
+    hk = (pid % (HK * nblk)) // nblk
+    g0 = ((pid % nblk) * BLOCK_H).to(tl.int32)
+    gs = g0 + tl.arange(0, BLOCK_H)
+    g_ok = gs < G
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    col_ok = cols < DQK
+    offs_n = tl.arange(0, BLOCK_N)
+    hrow = (lrow * (HK * G) + hk * G + gs) * TOPK
+    kbase = K + b * stride_kb + hk * stride_kh
+    ibase = IDX + b * stride_ib + s * stride_is
+    acc = tl.zeros([BLOCK_H, BLOCK_F], dtype=tl.float32)
+    for n0 in range(0, TOPK, BLOCK_N):
+        slots = n0 + offs_n
+        slot_ok = slots < TOPK
+        t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
+        w = tl.load(GB + hrow[:, None] + slots[None, :], mask=g_ok[:, None] & slot_ok[None, :], other=0.0)
+        kt = tl.load(kbase + t[:, None] * stride_kt + cols[None, :] * stride_kd,
+                     mask=slot_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        acc = tl.dot(w.to(kt.dtype), kt, acc=acc, input_precision="{{PRECISION}}", out_dtype=tl.float32)
+    inv = tl.load(LB + lrow * (HK * G) + hk * G + gs, mask=g_ok, other=0.0)
+    dst = DQ + b * stride_dqb + s * stride_dqs + (hk * G + gs)[:, None] * stride_dqh + cols[None, :] * stride_dqd
+    tl.store(dst, (acc * inv[:, None]).to(DQ.dtype.element_ty), mask=g_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def attn_bwd_keys(
+    SRC, LB, X, IDX, DST,
+    stride_xb, stride_xs, stride_xh, stride_xd,
+    stride_ib, stride_is, stride_ij,
+    stride_d0, stride_d1, stride_d2, stride_d3,
+    R0, S, G, HK, TOPK, F,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, ATOMIC: tl.constexpr,
+):
+    # C[slot, f] = sum_h (SRC[h, slot] / l[h]) X[h, f] over kv head hk's G heads, for
+    # BLOCK_N slots and BLOCK_F features of one row: SRC = dS' with X = q (the keys' part),
+    # or P' with X = dO (the values'). Stored to the chunk buffer at (row, slot, hk, f), or
+    # (ATOMIC) added to DST at (b, key, hk, f)
+    pid = tl.program_id(0).to(tl.int64)
+    lrow = pid // HK
+    hk = pid % HK
+    row = R0 + lrow
+    b = row // S
+    s = row % S
+    slots = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    slot_ok = slots < TOPK
+    cols = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
+    col_ok = cols < F
+    offs_g = tl.arange(0, BLOCK_G)
+    hbase = lrow * (HK * G) + hk * G
+    xbase = X + b * stride_xb + s * stride_xs + (hk * G) * stride_xh
+    acc = tl.zeros([BLOCK_N, BLOCK_F], dtype=tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        gs = g0 + offs_g
+        g_ok = gs < G
+        inv = tl.load(LB + hbase + gs, mask=g_ok, other=0.0)
+        live = inv != 0.0
+        w = tl.load(SRC + (hbase + gs)[:, None] * TOPK + slots[None, :], mask=g_ok[:, None] & slot_ok[None, :],
+                    other=0.0)
+        w = (w.to(tl.float32) * inv[:, None]).to(SRC.dtype.element_ty)
+        # a dead head's dO may be NaN (its output is): 0 * NaN would reach every slot
+        x = tl.load(xbase + gs[:, None] * stride_xh + cols[None, :] * stride_xd,
+                    mask=(g_ok & live)[:, None] & col_ok[None, :], other=0.0).to(SRC.dtype.element_ty)
+        acc = tl.dot(tl.trans(w), x, acc=acc, input_precision="{{PRECISION}}", out_dtype=tl.float32)
+    ok = slot_ok[:, None] & col_ok[None, :]
+    if ATOMIC:
+        t = tl.load(IDX + b * stride_ib + s * stride_is + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
+        dst = DST + b * stride_d0 + t[:, None] * stride_d1 + hk * stride_d2 + cols[None, :] * stride_d3
+        tl.atomic_add(dst, acc, mask=ok, sem="relaxed")
+    else:
+        dst = DST + lrow * stride_d0 + slots[:, None] * stride_d1 + hk * stride_d2 + cols[None, :] * stride_d3
+        tl.store(dst, acc, mask=ok)
+'''
