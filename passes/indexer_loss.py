@@ -435,7 +435,9 @@ def _emit_backward(graph, tk, idx, x, kl: _KL, fwd, region_bw, g_in: fx.Node, g_
     if val(g).dtype != val(x).dtype:
         g = call(torch.ops.prims.convert_element_type.default, [g, val(x).dtype])
     zeros = call(aten.zeros_like.default, [x], {"memory_format": torch.contiguous_format})
-    dense = call(aten.scatter.src, [zeros, -1, idx, g])
+    # (scatter_add: the indices are distinct within a row; a scatter of the indices would read
+    # as an index mask to the attention pass)
+    dense = call(aten.scatter_add.default, [zeros, -1, idx, g])
     for n in (zeros, dense):
         if tk.meta.get("seq_nr") is not None:
             n.meta["seq_nr"] = tk.meta["seq_nr"]  # the top-k's own backward, for sparse_backward.py
