@@ -234,6 +234,10 @@ def _rewrite_all(graph, topks, sources, graph_kind, enabled, off_reason) -> List
             p = _softmax_of(app)
             kl = _kl_of(facts, p[1]) if p is not None else None
             if kl is None:
+                readers = ", ".join(u.name for u in _forward_users(app))
+                recs.append(LossRecord(idx.name, app.name, False, f"the masked index scores are read by {readers}, "
+                                       "not by a softmax and the KL term t * (log(t + eps) - log(p + eps)) summed "
+                                       "over the keys (other spellings, xlogy or kl_div, are not rewritten)"))
                 continue
             rec = LossRecord(idx.name, kl.rowsum.name, False)
             try:

@@ -295,3 +295,26 @@ def test_option_off_and_undetached_target_stay_dense():
     (gq,) = torch.autograd.grad(out, q)
     (gq_eager,) = torch.autograd.grad(undetached(hs, qr, cos, sin, q, k), q)
     torch.testing.assert_close(gq, gq_eager)
+
+
+def test_other_kl_spelling_stays_dense_with_a_reason():
+    """A term the pass does not recognize (xlogy) runs as written; explain names its readers."""
+    from tests.models import hf_indexer_loss as R
+
+    att, args = _hf_inputs(4)
+    ix = att.indexer
+
+    def fn(hs, qr, cos, sin, q, k):
+        mask = R.causal_mask(ST, ST)
+        scores = R.index_scores(ix, hs.detach(), qr.detach(), (cos, sin), mask)
+        idx = scores.topk(8, dim=-1).indices
+        im = torch.full_like(scores, float("-inf")).scatter(-1, idx, 0.0)
+        t = (torch.matmul(q, k.transpose(-1, -2)) * att.scaling + mask + im.unsqueeze(1)).softmax(-1).sum(1)
+        t = t / t.sum(-1, keepdim=True)
+        p = (scores + im).softmax(-1)
+        return (torch.xlogy(t, t + 1e-10) - t * torch.log(p + 1e-10)).sum(-1).mean()
+
+    c, _ = _compiled(fn)
+    torch.testing.assert_close(c(*args), fn(*args))
+    (rec,) = loss_records()
+    assert not rec.rewritten and "not by a softmax and the KL term" in rec.reason, rec.line()
