@@ -109,8 +109,8 @@ def loss_records() -> List[LossRecord]:
 class _KL:
     target: fx.Node  # L1-normalised head sum [B, S, T]
     p: fx.Node  # the index softmax [B, S, T]
-    c1: float
-    c2: float
+    c1: Optional[float]  # None: not a constant (a 0-d graph input)
+    c2: Optional[float]
     rowsum: fx.Node  # sum(term, [-1]) -> [B, S]
     nodes: List[fx.Node]  # a1, l1, a2, l2, d, term, rowsum
     mul_target_first: bool
@@ -122,7 +122,7 @@ def _only_user(n: fx.Node) -> Optional[fx.Node]:
 
 
 def _const(facts: GraphFacts, x) -> Optional[float]:
-    c = facts.constant(x)
+    c = facts.constant(x) if isinstance(x, (fx.Node, int, float)) else None
     return None if c is None else float(c)
 
 
@@ -134,7 +134,7 @@ def _last_dim(n: fx.Node, dims) -> bool:
 def _kl_of(facts: GraphFacts, p: fx.Node) -> Optional[_KL]:
     """The KL term that reads the index softmax ``p`` as its second distribution, or None."""
     a2 = _only_user(p)
-    if a2 is None or a2.target is not aten.add.Tensor or a2.args[0] is not p or _const(facts, a2.args[1]) is None:
+    if a2 is None or a2.target is not aten.add.Tensor or a2.args[0] is not p:
         return None
     l2 = _only_user(a2)
     if l2 is None or l2.target is not aten.log.default:
@@ -146,7 +146,7 @@ def _kl_of(facts: GraphFacts, p: fx.Node) -> Optional[_KL]:
     if not isinstance(l1, fx.Node) or l1.target is not aten.log.default:
         return None
     a1 = l1.args[0]
-    if a1.target is not aten.add.Tensor or _const(facts, a1.args[1]) is None:
+    if a1.target is not aten.add.Tensor:
         return None
     t = a1.args[0]
     term = _only_user(d)
@@ -326,6 +326,9 @@ def _same_shape_dims(a: fx.Node, b: fx.Node) -> bool:
 def _rewrite_site(graph, facts, tk, idx, x, app_i, kl: _KL, apps, graph_kind, enabled, off_reason,
                   rec: LossRecord) -> None:
     index_sm = _softmax_of(app_i)[2]
+    if kl.c1 is None or kl.c2 is None:
+        raise _Reject("the KL term's log offsets are not constants (a float argument that dynamic=True made a "
+                      "graph input?): the pass cannot prove the term is 0 at an unselected key")
     if not (kl.c1 > 0 and kl.c2 > 0 and math.isfinite(kl.c1) and math.isfinite(kl.c2)):
         raise _Reject(f"the KL term's log offsets ({kl.c1}, {kl.c2}) are not positive: 0 * log 0 at an "
                       "unselected key makes the original NaN")

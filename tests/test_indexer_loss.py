@@ -318,3 +318,47 @@ def test_other_kl_spelling_stays_dense_with_a_reason():
     torch.testing.assert_close(c(*args), fn(*args))
     (rec,) = loss_records()
     assert not rec.rewritten and "not by a softmax and the KL term" in rec.reason, rec.line()
+
+
+def _seq_square(graphs, S):
+    """Node values with two dims that grow with the sequence symbol (test_attention_pass's check)."""
+    seq = None
+    for g in graphs.values():
+        for n in g.graph.nodes:
+            v = n.meta.get("val")
+            if isinstance(v, torch.SymInt) and v.node.hint == S and v.node.expr.is_Symbol:
+                seq = v.node.expr
+    assert seq is not None, "the sequence length is not a symbol"
+    bad = []
+    for kind, g in graphs.items():
+        for n in g.graph.nodes:
+            v = n.meta.get("val")
+            for t in (v if isinstance(v, (tuple, list)) else [v]):
+                if isinstance(t, torch.Tensor):
+                    # (a dim of Min(k, S) is the selection's k, at most k)
+                    dims = [d for d in t.shape if isinstance(d, torch.SymInt) and seq in d.node.expr.free_symbols
+                            and d.node.expr.func.__name__ != "Min"]
+                    if len(dims) >= 2:
+                        bad.append(f"{kind}: {n.name} {n.target} {tuple(t.shape)}")
+    return bad
+
+
+def test_megatron_sparse_loss_dynamic_no_square_tensors(megatron_cpu):
+    """Under dynamic=True (training), no node value of the forward or backward graph has two
+    dims of the sequence length; the loss equals eager's."""
+    M = megatron_cpu
+    att, (query, key, _, _, x, qr) = M.build(2, B=1, S=ST)
+    fn = _megatron_loss_fn(M, att, True)
+    torch._dynamo.reset()
+    diagnostics.clear()
+    cap = []
+    c = torch.compile(fn, backend="hyscale_debug", dynamic=True, options={"hyscale.capture": cap})
+    out, _ = c(x, qr, query, key)
+    out.backward()
+    (rec,) = loss_records()
+    assert rec.rewritten and rec.backward == "sparse", rec.line()
+    graphs = {k: g for k, g in cap if k in ("forward", "backward")}
+    assert set(graphs) == {"forward", "backward"}
+    bad = _seq_square(graphs, ST)
+    assert not bad, "\n".join(bad)
+    torch.testing.assert_close(out, fn(x, qr, query, key)[0])

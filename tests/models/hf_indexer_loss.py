@@ -43,8 +43,7 @@ def index_scores(indexer, hidden_states, q_resid, position_embeddings, mask):
     return (scores * weights.unsqueeze(-1)).sum(2) + mask
 
 
-def sparse_indexer_loss(indexer, hidden_states, q_resid, position_embeddings, query, key, scaling: float,
-                        eps: float = 1e-10):
+def sparse_indexer_loss(indexer, hidden_states, q_resid, position_embeddings, query, key, scaling: float):
     """(loss, indices): the sparse-stage indexer loss of one layer and the indexer's selection.
 
     ``hidden_states`` [B, S, hidden], ``q_resid`` [B, S, q_lora_rank]: the indexer's inputs
@@ -61,5 +60,7 @@ def sparse_indexer_loss(indexer, hidden_states, q_resid, position_embeddings, qu
     target = torch.softmax(attn, dim=-1).sum(1)
     target = target / target.sum(-1, keepdim=True)
     p = torch.softmax(scores + index_mask, dim=-1)
-    kl = target * (torch.log(target + eps) - torch.log(p + eps))
+    # Megatron's offset, a literal: under dynamic=True Dynamo makes a float argument or global a graph
+    # input, whose value the pass cannot read (the loss then stays dense)
+    kl = target * (torch.log(target + 1e-10) - torch.log(p + 1e-10))
     return kl.sum(-1).mean(), idx
