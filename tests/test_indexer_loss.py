@@ -29,7 +29,7 @@ def _inputs(seed):
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(B, S, H, D, generator=g), torch.randn(B, S, H, D, generator=g)
     causal = torch.triu(torch.full((S, S), float("-inf")), diagonal=1)
-    table = (torch.randn(B, S, S, generator=g) * 2 + causal).requires_grad_()
+    table = torch.randn(B, S, S, generator=g) * 2 + causal
     idx = table.detach().topk(K, dim=-1).indices
     return q, k, table, idx, causal
 
@@ -39,14 +39,17 @@ def _megatron_dense(table, idx, q, k, causal, dtype):
     return indexer_kl_reference(q, k, table.to(dtype), idx, SCALE, causal, dtype=dtype)
 
 
-def test_sparse_function_matches_the_dense_original():
-    """sparse_indexer_kl on the op's probs and the table at the slots: loss and the table's
-    gradient within the rule against Megatron's dense formula (fp32 original, float64
-    reference); masked slots (P = 0, score -inf) add exactly 0 and get gradient exactly 0."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sparse_function_matches_the_dense_original(device):
+    """sparse_indexer_kl on the op's probs (the Triton kernel's on CUDA) and the table at the
+    slots: loss and the table's gradient within the rule against Megatron's dense formula
+    (fp32 original, float64 reference); masked slots (P = 0, score -inf) add exactly 0 and
+    get gradient exactly 0."""
     spec = AttentionSpec(post=(("mul", SCALE), ("mask", 0)), masks=(MaskTerm(kind="range", hi=0),)).to_json()
-    hi = (torch.arange(S) + 1).expand(B, S).contiguous()
+    hi = (torch.arange(S, device=device) + 1).expand(B, S).contiguous()
     for case in range(5):
-        q, k, table, idx, causal = _inputs(fresh_seed(f"sparse_indexer_kl {case}"))
+        q, k, table, idx, causal = (t.detach().to(device) for t in _inputs(fresh_seed(f"sparse_indexer_kl {case}")))
+        table.requires_grad_()
         _, _, probs = torch.ops.hyscale.sparse_attention(q, k, k[..., :1], idx, [hi], spec, True)
         vals = table.gather(-1, idx)
         masked = ~torch.isfinite(vals.detach())
