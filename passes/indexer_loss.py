@@ -59,7 +59,7 @@ from ..lowerings.attention_reference import check_attention_operands
 from ..lowerings.spec import SpecError
 from . import diagnostics
 from .attention import MaskWalk, Region, _applications, _chain_back, _forward_users, _Reject, _softmax_of, analyse
-from .canonicalize import _VIEWS, GraphFacts, OperandPlan, Unsupported, is_backward_node, shape_of, val
+from .canonicalize import GraphFacts, OperandPlan, Unsupported, is_backward_node, shape_of, val
 from .rewrite import Emitter
 
 aten = torch.ops.aten
@@ -254,8 +254,9 @@ def _rewrite_all(graph, topks, sources, graph_kind, enabled, off_reason) -> List
 
 
 def _target_region(facts: GraphFacts, kl: _KL, apps, em: Emitter):
-    """(region, head dims, softmax output) of the target: ``target = h / h.sum(-1, keepdim)``,
-    ``h = softmax(chain).sum(heads)``, where the chain applies an index mask of the indices."""
+    """The target's attention region: ``target = h / h.sum(-1, keepdim)``, ``h =
+    softmax(chain).sum(heads)``, where the chain applies an index mask of the indices. Its
+    value contraction is a stand-in built with ``em`` (the caller removes it)."""
     t = kl.target
     if t.target is not aten.div.Tensor or not isinstance(t.args[1], fx.Node):
         raise _Reject("the target is not L1-normalised as h / h.sum(-1, keepdim=True)")
@@ -352,8 +353,9 @@ def _rewrite_site(graph, facts, tk, idx, x, app_i, kl: _KL, apps, graph_kind, en
     try:
         if not enabled:
             raise _Reject(f"{off_reason}; enabled, the pass would rewrite it")
-        seqs, region_bw, g_in, g_out = _backward_region(graph, kl, region, x, app_i, index_sm) if graph_kind == "joint" else (
-            None, [], None, None)
+        region_bw, g_in, g_out = [], None, None
+        if graph_kind == "joint":
+            region_bw, g_in, g_out = _backward_region(graph, kl, x, app_i, index_sm)
         em = Emitter(graph, kl.rowsum)
         fwd = _emit_forward(em, graph, tk, idx, m, kl)
     finally:
@@ -398,17 +400,17 @@ def _emit_forward(em: Emitter, graph, tk, idx, m, kl: _KL) -> Dict[str, fx.Node]
     return {"vals": vals, "vin": vin, "target": target, "p": p, "a2": a2, "rowsum": rowsum}
 
 
-def _backward_region(graph, kl: _KL, region: Region, x: fx.Node, app_i: fx.Node, index_sm: List[fx.Node]):
-    """(seqs, backward nodes of the loss, the gradient entering them (the row sum's), the one
+def _backward_region(graph, kl: _KL, x: fx.Node, app_i: fx.Node, index_sm: List[fx.Node]):
+    """(backward nodes of the loss, the gradient entering them (the row sum's), the one
     leaving them (the index table's)); empty when no gradient reaches the loss."""
     from .sparse_backward import _same_shape, backward_region
 
     # (the target's own nodes are left out: a node that gets no gradient carries the seq_nr
     # of the last one that did)
     index_side = (set(kl.nodes) - {kl.nodes[0], kl.nodes[1]}) | {app_i, *index_sm}
-    seqs, bw = backward_region(graph, index_side)
+    _, bw = backward_region(graph, index_side)
     if not bw:
-        return seqs, [], None, None
+        return [], None, None
     rset = set(bw)
     grads_in = {a for n in bw for a in n.all_input_nodes if a not in rset and is_backward_node(a)}
     if len(grads_in) != 1 or not _same_shape(next(iter(grads_in)), kl.rowsum):
@@ -418,7 +420,7 @@ def _backward_region(graph, kl: _KL, region: Region, x: fx.Node, app_i: fx.Node,
     if len(exits) != 1 or not _same_shape(exits[0], x):
         raise _Reject("training graph: the loss's backward gives gradients to more than the index scores (a "
                       "target that is not detached would train the attention's q and k); the loss stays dense")
-    return seqs, bw, grads_in.pop(), exits[0]
+    return bw, grads_in.pop(), exits[0]
 
 
 def _emit_backward(graph, tk, idx, x, kl: _KL, fwd, region_bw, g_in: fx.Node, g_out: fx.Node) -> None:

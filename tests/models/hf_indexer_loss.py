@@ -3,7 +3,10 @@ in plain PyTorch beside the model (the recipe ``docs/indexer_loss.md`` gives).
 
 HF's ``DeepseekV32Indexer.forward`` runs under ``@torch.no_grad()`` and returns only the
 indices, so training the indexer means recomputing its scores with autograd
-(``index_scores``: the same code, minus the decorator and the top-k) and writing the loss
+(``index_scores``: the same math, minus the decorator and the top-k, with the head-weighted
+sum written as Megatron writes it, an einsum, then the weights and a sum over the heads: the
+selection's sparse backward follows that form, not HF's ``matmul(weights.unsqueeze(-2),
+scores)``, whose backward stays dense) and writing the loss
 (``sparse_indexer_loss``): DeepSeek-V3.2 section 2.1, sparse stage, in Megatron-Core's
 arithmetic (``log(x + 1e-10)``)::
 
@@ -39,7 +42,8 @@ def index_scores(indexer, hidden_states, q_resid, position_embeddings, mask):
     q = torch.cat([q_rot, q_pass], dim=-1)
     k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
     scores = torch.relu(torch.einsum("bshd,btd->bsht", q.float(), k.float()) * indexer.softmax_scale)
-    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads ** -0.5
+    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
+    weights = weights * indexer.n_heads ** -0.5
     return (scores * weights.unsqueeze(-1)).sum(2) + mask
 
 
