@@ -389,7 +389,10 @@ def _emit_forward(em: Emitter, graph, tk, idx, m, kl: _KL) -> Dict[str, fx.Node]
     target = em.call(aten.div.Tensor, [probs, tsum])
     vin = vals if val(vals).dtype == val(kl.p).dtype else em.call(
         torch.ops.prims.convert_element_type.default, [vals, val(kl.p).dtype])
-    p = em.call(aten._softmax.default, [vin, -1, False])
+    # the softmax as the graph spells it after decomposition (Inductor lowers no aten._softmax here)
+    mx = em.call(aten.amax.default, [vin, [-1], True])
+    ex = em.call(aten.exp.default, [em.call(aten.sub.Tensor, [vin, mx])])
+    p = em.call(aten.div.Tensor, [ex, em.call(aten.sum.dim_IntList, [ex, [-1], True])])
     a1 = em.call(aten.add.Tensor, [target, kl.c1])
     l1 = em.call(aten.log.default, [a1])
     a2 = em.call(aten.add.Tensor, [p, kl.c2])
@@ -440,7 +443,9 @@ def _emit_backward(graph, tk, idx, x, kl: _KL, fwd, region_bw, g_in: fx.Node, g_
     g = call(aten.mul.Tensor, [g, fwd["target"]])
     g = call(aten.neg.default, [g])
     g = call(aten.div.Tensor, [g, fwd["a2"]])
-    g = call(aten._softmax_backward_data.default, [g, fwd["p"], -1, val(fwd["vin"]).dtype])
+    # the softmax's backward, decomposed: p * g - p * sum(p * g)
+    pg = call(aten.mul.Tensor, [g, fwd["p"]])
+    g = call(aten.sub.Tensor, [pg, call(aten.mul.Tensor, [fwd["p"], call(aten.sum.dim_IntList, [pg, [-1], True])])])
     if val(g).dtype != val(x).dtype:
         g = call(torch.ops.prims.convert_element_type.default, [g, val(x).dtype])
     zeros = call(aten.zeros_like.default, [x], {"memory_format": torch.contiguous_format})
