@@ -45,9 +45,11 @@ from .lowerings.spec import MaskTerm, ScoreSpec
 from .backend import hyscale_backend, hyscale_debug_backend
 from .explain import ExplainReport, explain
 from .registry import ScoreModError, register_score_mod, registered_score_mods, unregister_score_mod
+from .losses import dense_indexer_kl, sparse_indexer_kl  # the DSA indexer's KL losses (docs/indexer_loss.md)
 
 __all__ = ["hyscale_backend", "hyscale_debug_backend", "explain", "ExplainReport", "ScoreSpec", "MaskTerm",
-           "register_score_mod", "unregister_score_mod", "registered_score_mods", "ScoreModError"]
+           "register_score_mod", "unregister_score_mod", "registered_score_mods", "ScoreModError", "sparse_indexer_kl",
+           "dense_indexer_kl"]
 
 
 def _register_backends():

@@ -20,6 +20,8 @@ class ExplainReport:
     # each consumer of a selection's index mask (passes/attention.py): sparse, with its form,
     # or dense, with the reason
     attention: List[AttentionRecord] = dataclasses.field(default_factory=list)
+    # each indexer KL loss beside a selection (passes/indexer_loss.py): at the k slots, or dense with the reason
+    losses: List[Any] = dataclasses.field(default_factory=list)
     # what the compiled model returned on that run (compare it with eager without compiling again)
     output: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -49,6 +51,7 @@ class ExplainReport:
         )
         lines = [head] + ["  " + s.line() for s in self.sites]
         lines += ["  " + a.line() for a in self.attention]
+        lines += ["  " + r.line() for r in self.losses]
         lines += [f"  [not compiled] {f}: Dynamo ran this frame eagerly, so the backend never saw its top-k "
                   "calls (a graph break inside a loop, e.g. a per-query loop)" for f in self.skipped_frames]
         return "\n".join(lines)
@@ -81,6 +84,7 @@ def explain(model: Callable, *args: Any, dynamic: Any = None, **kwargs: Any) -> 
         if n > unimpl_before.get(msg, 0) and "frame skipped:" in msg:
             skipped.append(msg.split("frame skipped:", 1)[1].splitlines()[0].strip())
     report = ExplainReport(sites=diagnostics.records(), graph_breaks=breaks, skipped_frames=sorted(set(skipped)),
-                           attention=diagnostics.attention_records(), output=output)
+                           attention=diagnostics.attention_records(), output=output,
+                           losses=list(diagnostics._losses))
     torch._dynamo.reset()
     return report

@@ -112,6 +112,7 @@ class AttentionRecord:
 
 
 _attention: List[AttentionRecord] = []
+_losses: List[Any] = []  # indexer_loss.LossRecord: the indexer's KL losses (passes/indexer_loss.py)
 
 
 def record_attention(rec: AttentionRecord) -> None:
@@ -150,6 +151,7 @@ def clear() -> None:
     with _lock:
         _records.clear()
         _attention.clear()
+        _losses.clear()
 
 
 def user_line(node) -> str:

@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from . import diagnostics, score_mods
+from . import diagnostics, indexer_loss, score_mods
 from .canonicalize import GraphFacts, Unsupported, analyse_site, shape_of
 from .table_select import argument_operands, linear_operand, score_contraction, select_from_table
 from ..lowerings.spec import tile_skipping
@@ -113,7 +113,9 @@ def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_ki
             diagnostics.record(rec.disabled())
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     kinds = _input_kinds(param_indices)
-    facts = GraphFacts(graph, sources={placeholders[i].name: kn for i, kn in kinds.items() if i < len(placeholders)})
+    sources = {placeholders[i].name: kn for i, kn in kinds.items() if i < len(placeholders)}
+    indexer_loss.rewrite_indexer_losses(graph, sources, graph_kind, sparse_attention, dry_run)  # before the top-ks
+    facts = GraphFacts(graph, sources=sources)
     topks = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.topk.default]
     if topks:
         canonicalize_noop_views(graph)
