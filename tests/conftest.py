@@ -35,6 +35,15 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 # the repository root on sys.path so tests can import tests.contract / tests.models
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# setuptools before anything imports the standard library's distutils: megatron-core imports
+# torch.utils.cpp_extension, whose setuptools import asserts (``_distutils_hack``) when the
+# standard library's distutils was imported first in the same process (seen when
+# tests/test_packaging.py ran before the Megatron tests in one xdist worker)
+try:
+    import setuptools  # noqa: E402,F401
+except ImportError:
+    pass
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
