@@ -21,8 +21,8 @@ HYSCALE_OPTIONS = {
                                "dense, and explain says so for each consumer)"),
     "attention_backward": (str, "the sparse attention's CUDA backward: \"deterministic\" (default; bitwise "
                                 "reproducible) or \"atomic\" (dK / dV by fp32 atomics: not reproducible, opt-in "
-                                "only); the op takes it as attention_backward's mode (HYSCALE_ATTN_BWD at run "
-                                "time until the attention pass passes it)"),
+                                "only); carried in each sparse_attention's spec (HYSCALE_ATTN_BWD overrides it at "
+                                "run time)"),
 }
 # options whose value is one of a few strings
 _CHOICES = {"attention_backward": ("deterministic", "atomic")}

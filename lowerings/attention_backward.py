@@ -170,9 +170,10 @@ def check_backward_operands(grad_out, q, k, v, idx, out, lse) -> None:
 BACKWARD_MODES = ("deterministic", "atomic", "pytorch")
 
 
-def backward_mode(mode: str = None) -> str:
-    """The CUDA backward to run: ``mode``, else ``HYSCALE_ATTN_BWD``, else "deterministic"."""
-    mode = mode or os.environ.get("HYSCALE_ATTN_BWD") or "deterministic"
+def backward_mode(mode: str = None, spec: AttentionSpec = None) -> str:
+    """The CUDA backward to run: ``mode``, else ``HYSCALE_ATTN_BWD`` (a run-time override, for
+    A/B runs), else the spec's ``backward`` (``hyscale.attention_backward``), else "deterministic"."""
+    mode = mode or os.environ.get("HYSCALE_ATTN_BWD") or (spec.backward if spec is not None else "deterministic")
     if mode not in BACKWARD_MODES:
         raise SpecError(f"sparse attention backward mode {mode!r} (HYSCALE_ATTN_BWD); expected one of "
                         f"{', '.join(BACKWARD_MODES)}")
@@ -188,7 +189,7 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
     from .attention_reference import heads_to_rows, gather_heads, rows_to_heads, score_slots
 
     if q.device.type == "cuda" and os.environ.get("HYSCALE_KERNEL", "triton") != "reference":
-        how = backward_mode(mode)
+        how = backward_mode(mode, spec)
         if how != "pytorch":
             from .triton_attention_backward import attention_backward_triton, unsupported
 

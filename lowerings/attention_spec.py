@@ -53,6 +53,10 @@ FORMS = ("per_head", "mqa")
 # what a row with no visible slot gives; the field is written only when it is not the
 # default, so specs written before it existed parse (and serialize) unchanged
 EMPTY_ROWS = ("nan", "zero")
+# the CUDA backward's key-side reduction (``hyscale.attention_backward``): "deterministic" (a
+# fixed-order segment sum, bitwise reproducible) or "atomic" (fp32 atomics, opt-in only);
+# written only when not the default, as ``empty_row``
+BACKWARDS = ("deterministic", "atomic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +70,7 @@ class AttentionSpec:
     # Dot precision for fp32 operands: "ieee" or "tf32" (docs/contract.md, dtype rule 3).
     fp32_precision: str = "ieee"
     empty_row: str = "nan"  # EMPTY_ROWS
+    backward: str = "deterministic"  # BACKWARDS
 
     def to_json(self) -> str:
         d = {
@@ -78,6 +83,8 @@ class AttentionSpec:
         }
         if self.empty_row != "nan":
             d["empty_row"] = self.empty_row
+        if self.backward != "deterministic":
+            d["backward"] = self.backward
         return json.dumps(d, separators=(",", ":"))
 
     @staticmethod
@@ -88,8 +95,8 @@ class AttentionSpec:
             raise SpecError(f"attention spec is not valid JSON: {e}") from None
         if not isinstance(d, dict) or d.pop("v", None) != ATTENTION_SPEC_VERSION:
             raise SpecError(f"attention spec version mismatch (expected {ATTENTION_SPEC_VERSION}): {text[:80]}")
-        fields = {"name", "post", "masks", "out_dtype", "fp32_precision", "empty_row"}
-        missing = sorted(fields - {"fp32_precision", "empty_row"} - set(d))
+        fields = {"name", "post", "masks", "out_dtype", "fp32_precision", "empty_row", "backward"}
+        missing = sorted(fields - {"fp32_precision", "empty_row", "backward"} - set(d))
         if missing:
             raise SpecError(f"attention spec is missing {', '.join(repr(m) for m in missing)}: {text[:80]}")
         if set(d) - fields:
@@ -105,7 +112,8 @@ class AttentionSpec:
             except TypeError as e:
                 raise SpecError(f"attention spec's mask term {i} ({m!r}) is not a MaskTerm: {e}") from None
         spec = AttentionSpec(name=d["name"], post=post, masks=tuple(masks), out_dtype=d["out_dtype"],
-                             fp32_precision=d.get("fp32_precision", "ieee"), empty_row=d.get("empty_row", "nan"))
+                             fp32_precision=d.get("fp32_precision", "ieee"), empty_row=d.get("empty_row", "nan"),
+                             backward=d.get("backward", "deterministic"))
         return spec.validate()
 
     def as_score_spec(self) -> ScoreSpec:
@@ -119,6 +127,8 @@ class AttentionSpec:
         dtype_of(self.out_dtype)
         if self.empty_row not in EMPTY_ROWS:
             raise SpecError(f"attention spec's empty_row is {self.empty_row!r}; expected one of {EMPTY_ROWS}")
+        if self.backward not in BACKWARDS:
+            raise SpecError(f"attention spec's backward is {self.backward!r}; expected one of {BACKWARDS}")
         self.as_score_spec().validate(num_mask_operands=num_mask_operands)
         return self
 

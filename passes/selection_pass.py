@@ -94,7 +94,7 @@ def _input_kinds(inputs: InputKinds) -> Dict[int, Tuple[str, str]]:
 
 def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_kind: str = "", replay: bool = True,
                        elide_sort: bool = True, cudagraphs: bool = False, dry_run: bool = False,
-                       sparse_attention: bool = True) -> int:
+                       sparse_attention: bool = True, attention_backward: str = "deterministic") -> int:
     """Rewrite every selection top-k in ``graph``; returns how many were rewritten.
     ``param_indices``: what the graph's inputs are, by position (``backend._input_kinds``:
     position -> (kind, Dynamo source name)), or the positions of parameters and buffers.
@@ -102,7 +102,9 @@ def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_ki
     ``cudagraphs``: the graphs will be captured as CUDA graphs, so no site may become an
     op that reads a device value on the host.
     ``dry_run`` (``hyscale.enable=False``): rewrite a copy and leave ``graph`` as it is; the
-    diagnostics record every site as left alone, with what the pass would have done."""
+    diagnostics record every site as left alone, with what the pass would have done.
+    ``attention_backward``: the sparse attention's CUDA backward ("deterministic" or "atomic"),
+    set in the spec of every sparse-attention call the rewrite emits."""
     record = diagnostics.record
     if dry_run:
         copy = fx.Graph(owning_module=graph.owning_module)
@@ -201,6 +203,7 @@ def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_ki
     if count or topks:
         count += _rewrite_attention(graph, facts.sources, graph_kind, replay, sparse_attention and not dry_run,
                                     "hyscale.enable=False" if dry_run else "hyscale.sparse_attention=False")
+        _set_attention_backward(graph, attention_backward)
     if dry_run:
         return 0
     if count:
@@ -228,6 +231,24 @@ def _rewrite_attention(graph: fx.Graph, sources, graph_kind: str, replay: bool, 
     return sum(r.rewritten for r in recs)
 
 
+def _set_attention_backward(graph: fx.Graph, mode: str) -> None:
+    """``hyscale.attention_backward`` into the spec of every sparse-attention forward and
+    backward call in ``graph`` (both read it: the forward's spec is what a replayed backward
+    gets), so the choice is fixed at compile time and shows in the graph."""
+    if mode == "deterministic":
+        return
+    import dataclasses
+
+    from ..lowerings.attention_spec import AttentionSpec
+
+    ops = (torch.ops.hyscale.sparse_attention.default, torch.ops.hyscale.sparse_attention_backward.default)
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target in ops:
+            i = next(j for j, a in enumerate(n.args) if isinstance(a, str))  # the spec: the op's one string
+            spec = dataclasses.replace(AttentionSpec.from_json(n.args[i]), backward=mode)
+            n.args = n.args[:i] + (spec.to_json(),) + n.args[i + 1:]
+
+
 class HyScaleJointPass(CustomGraphPass):
     """The selection rewrite as an Inductor custom graph pass (chains a prior pass)."""
 
@@ -243,7 +264,8 @@ class HyScaleJointPass(CustomGraphPass):
         try:
             rewrite_selections(graph, dict(self.param_indices), kind, replay=self.options.get("replay", True),
                                elide_sort=self.options.get("elide_sort", True), cudagraphs=_cudagraphs(),
-                               dry_run=not enable, sparse_attention=self.options.get("sparse_attention", True))
+                               dry_run=not enable, sparse_attention=self.options.get("sparse_attention", True),
+                               attention_backward=self.options.get("attention_backward", "deterministic"))
         except Exception:
             if enable:
                 raise

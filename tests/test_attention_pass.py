@@ -73,6 +73,32 @@ def test_option_off_keeps_attention_dense():
     assert len(recs) == 1 and not recs[0].rewritten and "hyscale.sparse_attention=False" in recs[0].reason
 
 
+def test_attention_backward_option_reaches_both_ops_spec():
+    """``hyscale.attention_backward="atomic"`` is written into the spec of the forward and the
+    backward call (what the CUDA backward reads, lowerings/attention_backward.backward_mode);
+    the default leaves the specs as they were (no field), and HYSCALE_ATTN_BWD still overrides."""
+    import json
+
+    from hyscale_compile.lowerings.attention_backward import backward_mode
+    from hyscale_compile.lowerings.attention_spec import AttentionSpec
+
+    def specs(options):
+        fn, cap = compiled(af.official_v32, options)
+        args = af.make_inputs(0, requires_grad=True)
+        fn(*args).sum().backward()
+        got = [json.loads(n.args[5] if n.target is OP else n.args[8]) for kind, g in cap
+               if kind in ("forward", "backward") for n in g.graph.nodes if n.target in (OP, BWD)]
+        assert len(got) == 2, got  # the forward call and the backward call
+        return got
+
+    assert all("backward" not in d for d in specs(None))
+    atomic = specs({"hyscale.attention_backward": "atomic"})
+    assert all(d["backward"] == "atomic" for d in atomic), atomic
+    spec = AttentionSpec.from_json(json.dumps(atomic[0]))
+    assert backward_mode(None, spec) == "atomic" and backward_mode(None, AttentionSpec()) == "deterministic"
+    assert backward_mode("pytorch", spec) == "pytorch"
+
+
 def test_explain_reports_the_consumer_and_its_form():
     args = af.make_inputs(0)
     with torch.no_grad():
