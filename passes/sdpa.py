@@ -102,7 +102,10 @@ def safe_softmax_output(eq: fx.Node, div: fx.Node, dim: int, ndim: int,
 # * the CPU flash kernel and the math composite: 0 (``_safe_softmax``; the CPU kernel checked
 #   in tests/test_attention_pass.py);
 # * cuDNN, and the out-of-tree "overrideable" backends: not established here, so those nodes
-#   stay fused, with the reason in explain.
+#   stay fused, with the reason in explain. (Probed on an H200, torch 2.11, bf16: cuDNN gave a
+#   fully masked row a finite non-zero output under a bool mask and 0 under a -inf float mask,
+#   so no one empty_row matches it; only a proof that no row is empty would admit it. It is
+#   the dispatcher's pick for HF V3.2 sdpa in bf16 there, so that model stays dense on the GPU.)
 # (``_scaled_dot_product_flash_attention`` takes no mask, so no index mask reaches it.)
 FUSED = {
     aten._scaled_dot_product_efficient_attention.default: ("efficient attention", "attn_bias", "zero"),
