@@ -2,11 +2,10 @@
 
 Each chunk of query rows gathers its k selected keys and values, scores them with the
 spec's steps and masks (each mask kind's reference piece, ``mask_kinds``, at the gathered
-key indices), and runs
-the softmax over the k slots. Memory is O(rows x k + one chunk of gathered keys): no
-[S, T] tensor. ``dtype=torch.float64`` gives the float64 reference the tests compare to.
-The backward is ``attention_backward``; chunk sizes (``attention_backward.chunk_rows``)
-depend only on the shapes and the device type.
+key indices), and runs the softmax over the k slots. Memory is O(rows x k + one chunk of
+gathered keys): no [S, T] tensor. ``dtype=torch.float64`` gives the float64 reference the
+tests compare to. The backward is ``attention_backward``; chunk sizes
+(``attention_backward.chunk_rows``) depend only on the shapes and the device type.
 """
 from __future__ import annotations
 
