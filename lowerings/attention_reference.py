@@ -1,11 +1,11 @@
 """The sparse attention's CPU path and oracle: the ``AttentionSpec`` in plain PyTorch.
 
 Each chunk of query rows gathers its k selected keys and values, scores them with the
-spec's steps and masks (``reference._apply_mask`` at the gathered key indices), and runs
-the softmax over the k slots. Memory is O(rows x k + one chunk of gathered keys): no
-[S, T] tensor. ``dtype=torch.float64`` gives the float64 reference the tests compare to.
-The backward is ``attention_backward``; chunk sizes (``attention_backward.chunk_rows``)
-depend only on the shapes and the device type.
+spec's steps and masks (each mask kind's reference piece, ``mask_kinds``, at the gathered
+key indices), and runs the softmax over the k slots. Memory is O(rows x k + one chunk of
+gathered keys): no [S, T] tensor. ``dtype=torch.float64`` gives the float64 reference the
+tests compare to. The backward is ``attention_backward``; chunk sizes
+(``attention_backward.chunk_rows``) depend only on the shapes and the device type.
 """
 from __future__ import annotations
 
@@ -15,33 +15,21 @@ import torch
 
 from .attention_backward import chunk_rows
 from .attention_spec import AttentionSpec
-from .reference import _apply_elementwise, _apply_mask, check_mask_shapes
+from .mask_kinds import check_mask_operands, mask_kinds
+from .reference import _apply_elementwise
 from .spec import SpecError, dtype_of
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_mask_operands(masks, spec: AttentionSpec, B: int, S: int, T: int, device) -> None:
-    """Each operand as its mask terms read it (the selection's rules): shapes that
-    broadcast (``reference.check_mask_shapes``), bool fills, numeric additive masks,
-    integer range bounds, on q's device (a scale's 0-d operand may live on the host)."""
+    """Each operand as its mask terms read it (the selection's rules, each kind's in
+    ``mask_kinds.check_mask_operands``), on q's device (a scale's 0-d operand may live on
+    the host)."""
     for i, t in enumerate(masks):
         if not isinstance(t, torch.Tensor):
             raise SpecError(f"mask operand {i} is a {type(t).__name__}, not a tensor")
-    check_mask_shapes(masks, spec.as_score_spec(), B, S, T)
-    for j, term in enumerate(spec.masks):
-        for i in term.operands:
-            t = masks[i]
-            if t.device != device:
-                raise SpecError(f"mask term {j} ({term.kind}): operand {i} is on {t.device}, q on {device}")
-            if term.kind == "add" and (t.dtype == torch.bool or t.is_complex()):
-                raise SpecError(f"mask term {j} (add): operand {i} has dtype {t.dtype}; expected a real, non-bool "
-                                "dtype")
-            if term.kind == "fill" and t.dtype != torch.bool:
-                raise SpecError(f"mask term {j} (fill): operand {i} has dtype {t.dtype}; expected bool")
-            if term.kind == "range" and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
-                raise SpecError(f"mask term {j} (range): bound operand {i} has dtype {t.dtype}; expected an "
-                                "integer dtype")
+    check_mask_operands(spec.masks, masks, B, S, T, device)
 
 
 def check_attention_operands(q, k, v, idx, masks, spec: AttentionSpec) -> None:
@@ -112,12 +100,11 @@ def score_slots(q, k, idx, masks, spec: AttentionSpec, b, s0, s1, dtype):
     kb = gather_heads(k[b], keys, dtype)
     x = heads_to_rows(torch.matmul(qh, kb.transpose(-1, -2)), H)
     mkeys = keys.unsqueeze(0)
-    sspec = spec.as_score_spec()
+    kinds = mask_kinds(spec.masks)
     outs = [x]
-    for st in sspec.post:
+    for st in spec.post:
         if st[0] == "mask":
-            outs.append(_apply_mask(outs[-1], sspec.masks[st[1]], masks, b, b + 1, s0, s1, 0, T, B, S, T,
-                                    keys=mkeys))
+            outs.append(kinds[st[1]].reference(outs[-1], masks, b, b + 1, s0, s1, 0, T, B, S, T, keys=mkeys))
         else:
             outs.append(_apply_elementwise(outs[-1], st))
     return outs, kb, mkeys

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .mask_kinds import check_mask_operands, kind_of
 from .spec import MaskTerm, ScoreSpec, SpecError, dtype_of, kernel_plan
 
 # Bytes of fp32 per-head logits one step may hold: rows x heads x keys x 4.
@@ -29,12 +30,6 @@ def _known(cond) -> bool:
     """``cond`` holds: a plain bool when the op runs; on the rewrite's fake operands (symbolic
     sizes) only where the shape environment proves it for every size the graph admits."""
     return statically_known_true(cond)
-
-
-def _broadcasts(shape, target) -> bool:
-    if len(shape) > len(target):
-        return False
-    return all(_known(s == 1) or _known(s == t) for s, t in zip(reversed(tuple(shape)), reversed(tuple(target))))
 
 
 def check_operands(q, k, w, masks, topk, spec: ScoreSpec, dtypes: bool = True):
@@ -64,20 +59,7 @@ def check_operands(q, k, w, masks, topk, spec: ScoreSpec, dtypes: bool = True):
     spec.validate(num_mask_operands=len(masks))
     if dtypes:
         check_operand_dtypes(q, k, w)
-    check_mask_shapes(masks, spec, B, S, T)
-    for term in spec.masks:
-        if term.kind in ("add", "fill"):
-            m = masks[term.operand]
-            if term.kind == "fill" and m.dtype != torch.bool:
-                raise SpecError(f"fill mask operand {term.operand} must be bool, got {m.dtype}")
-            if term.kind == "add" and (m.dtype == torch.bool or m.is_complex()):
-                raise SpecError(f"additive mask operand {term.operand} has dtype {m.dtype}")
-        else:
-            for bound in (term.lo, term.hi):
-                if bound is not None:
-                    m = masks[bound]
-                    if m.dtype.is_floating_point or m.dtype == torch.bool or m.is_complex():
-                        raise SpecError(f"range bound operand {bound} must be an integer tensor, got {m.dtype}")
+    check_mask_operands(spec.masks, masks, B, S, T)  # each kind's shape and dtype rules
     # run-time scalars (``resolve_operands`` reads them; at run time they are constants already)
     for st in tuple(spec.epilogue) + tuple(spec.post):
         if st[0] in ("mul_operand", "div_operand"):
@@ -101,22 +83,6 @@ def check_operand_dtypes(q, k, w) -> None:
         if t is not None and t.dtype not in OPERAND_DTYPES:
             raise SpecError(f"{name} has dtype {t.dtype}; the op scores in fp32 from float32, bfloat16 or float16 "
                             "operands (float64 and integer operands are not part of any score description)")
-
-
-def check_mask_shapes(masks, spec: ScoreSpec, B: int, S: int, T: int) -> None:
-    """Each mask operand must broadcast to what its term reads: [B, S, T] for a mask tensor,
-    [B, S] for a range term's bounds."""
-    for term in spec.masks:
-        if term.kind == "range":
-            named = [(term.lo, "the range term's lo bound"), (term.hi, "the range term's hi bound")]
-            target, text = (B, S), "[B, S]"
-        else:
-            named = [(term.operand, "an additive mask" if term.kind == "add" else "a fill mask")]
-            target, text = (B, S, T), "[B, S, T]"
-        for i, what in named:
-            if i is not None and not _broadcasts(tuple(masks[i].shape), target):
-                raise SpecError(f"mask operand {i} ({what}) has shape {tuple(masks[i].shape)}; it must broadcast "
-                                f"to {text} = {target}")
 
 
 def _apply_elementwise(x: torch.Tensor, step, inplace: bool = False) -> torch.Tensor:
@@ -147,31 +113,11 @@ def _apply_elementwise(x: torch.Tensor, step, inplace: bool = False) -> torch.Te
     raise SpecError(f"unknown step {step!r}")
 
 
-def _bcast_rows(t: torch.Tensor, B: int, S: int) -> torch.Tensor:
-    """A per-row operand (broadcastable to [B, S]) as [B, S, 1]."""
-    return torch.broadcast_to(t, (B, S)).unsqueeze(-1)
-
-
 def _apply_mask(y, term: MaskTerm, masks, b0, b1, s0, s1, t0, t1, B, S, T, keys=None):
     """y: [b1-b0, s1-s0, n] fp32 scores of keys [t0, t1), or of the key indices ``keys``
-    ([b1-b0, s1-s0, n] int64) when given (the sparse backward scores selected keys)."""
-    if term.kind == "range":
-        t = torch.arange(t0, t1, device=y.device) if keys is None else keys
-        hidden = torch.zeros(y.shape, dtype=torch.bool, device=y.device)
-        if term.lo is not None:
-            lo = _bcast_rows(masks[term.lo], B, S)[b0:b1, s0:s1]
-            hidden |= t < lo
-        if term.hi is not None:
-            hi = _bcast_rows(masks[term.hi], B, S)[b0:b1, s0:s1]
-            hidden |= t >= hi
-        if term.mode == "fill":
-            return y.masked_fill(hidden, term.value)
-        return y + torch.where(hidden, term.value, 0.0)
-    m = torch.broadcast_to(masks[term.operand], (B, S, T))[b0:b1, s0:s1]
-    m = m[..., t0:t1] if keys is None else m.gather(-1, keys)
-    if term.kind == "add":
-        return y + m  # promotes like the graph's add: fp32 + bf16 -> fp32 (exact upcast)
-    return y.masked_fill(m == term.where, term.value)
+    ([b1-b0, s1-s0, n] int64) when given (the sparse backward scores selected keys): the
+    term's kind's reference piece (``mask_kinds``)."""
+    return kind_of(term).reference(y, masks, b0, b1, s0, s1, t0, t1, B, S, T, keys=keys)
 
 
 def finish_scores(x, wb, spec: ScoreSpec, apply_mask) -> torch.Tensor:
@@ -224,15 +170,7 @@ def _hidden_everywhere(spec: ScoreSpec, masks, b0, b1, s0, s1, t0, t1, B, S, ter
     for j in terms:
         if guard is not None and j in guard.terms and not proven():
             continue
-        term = spec.masks[j]
-        hidden = torch.zeros((), dtype=torch.bool)
-        if term.hi is not None:
-            hi = _bcast_rows(masks[term.hi], B, S)[b0:b1, s0:s1]
-            hidden = hidden | (hi <= t0).all()
-        if term.lo is not None:
-            lo = _bcast_rows(masks[term.lo], B, S)[b0:b1, s0:s1]
-            hidden = hidden | (lo >= t1).all()
-        if bool(hidden):
+        if kind_of(spec.masks[j]).hides_block(masks, b0, b1, s0, s1, t0, t1, B, S):
             return True
     return False
 

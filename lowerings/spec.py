@@ -67,7 +67,7 @@ ELEMENTWISE_OPS = {
     "mod": 1,
 }
 REDUCTIONS = ("weighted_sum", "sum", "none")
-MASK_KINDS = ("add", "fill", "range")
+# (the mask kinds: ``mask_kinds.KINDS``, one class each)
 
 
 class SpecError(ValueError):
@@ -90,7 +90,9 @@ def dtype_of(name: str) -> torch.dtype:
 
 @dataclasses.dataclass(frozen=True)
 class MaskTerm:
-    """One mask step, applied to the reduced score in ``post`` order.
+    """One mask step, applied to the reduced score in ``post`` order. What the op does with
+    a term of each kind (reference, skip rule, kernel pieces, operand checks) is that
+    kind's class in ``mask_kinds``.
 
     kind="add":   y = y + masks[operand]                 (any float tensor, bcast to [B,S,T])
     kind="fill":  y = where(masks[operand] == where, value, y)   (bool tensor, bcast to [B,S,T])
@@ -112,14 +114,7 @@ class MaskTerm:
     mode: str = "fill"
 
     def to_json(self):
-        d = {"kind": self.kind}
-        if self.kind == "add":
-            d["operand"] = self.operand
-        elif self.kind == "fill":
-            d.update(operand=self.operand, where=self.where, value=self.value)
-        else:
-            d.update(lo=self.lo, hi=self.hi, mode=self.mode, value=self.value)
-        return d
+        return _kind(self).to_json()
 
     @staticmethod
     def from_json(d) -> "MaskTerm":
@@ -223,12 +218,7 @@ class ScoreSpec:
         if sorted(used) != list(range(len(self.masks))):
             raise SpecError("every mask term must be applied exactly once in post")
         for m in self.masks:
-            if m.kind not in MASK_KINDS:
-                raise SpecError(f"mask kind {m.kind!r}; expected one of {MASK_KINDS}")
-            if m.kind in ("add", "fill") and m.operand is None:
-                raise SpecError(f"{m.kind} mask needs an operand")
-            if m.kind == "range" and m.mode not in ("fill", "add"):
-                raise SpecError(f"range mask mode {m.mode!r}")
+            _kind(m).validate()  # (an unknown kind raises, naming the known ones)
             if num_mask_operands is not None:
                 for i in m.operands:
                     if not (0 <= i < num_mask_operands):
@@ -286,6 +276,13 @@ class ScoreSpec:
         return " -> ".join(parts)
 
 
+def _kind(term: MaskTerm):
+    """The term's kind object (``mask_kinds``: its reference, skip rule and kernel pieces)."""
+    from .mask_kinds import kind_of  # (mask_kinds imports this module)
+
+    return kind_of(term)
+
+
 def _fmt_step(step) -> str:
     op, *args = step
     if op == "mod":  # the name, without the content digest
@@ -312,14 +309,7 @@ def _preserves_neg_inf(step, spec: ScoreSpec) -> bool:
 
         return mods.get(step[1]).keeps_neg_inf
     if op == "mask":
-        term = spec.masks[step[1]]
-        if term.kind == "add":
-            return True  # -inf + finite (or -inf) stays -inf
-        if term.kind == "fill":
-            return term.value == -math.inf
-        if term.mode == "fill":
-            return term.value == -math.inf
-        return term.value != math.inf and not math.isnan(term.value)
+        return _kind(spec.masks[step[1]]).keeps_neg_inf()
     return False
 
 
@@ -377,9 +367,8 @@ def _skip_terms(spec: ScoreSpec) -> tuple:
         if step[0] != "mask" or step[1] not in neg_inf:
             continue
         j = step[1]
-        later = [spec.masks[s[1]].operand for s in spec.post[pos + 1:]
-                 if s[0] == "mask" and spec.masks[s[1]].kind == "add"]
-        adds = spec.masks[j].mode == "add"
+        later = [i for s in spec.post[pos + 1:] if s[0] == "mask" for i in _kind(spec.masks[s[1]]).added_operands()]
+        adds = _kind(spec.masks[j]).adds_to_score
         if adds:
             steps = _bounded_steps_before(spec, pos, neg_inf)
             if steps is None:
@@ -404,8 +393,7 @@ def _bounded_steps_before(spec: ScoreSpec, pos: int, neg_inf) -> Optional[tuple]
     out = []
     for s in spec.post[:pos]:
         if s[0] == "mask":
-            term = spec.masks[s[1]]
-            if s[1] in neg_inf or (term.kind == "range" and term.lo is None and term.hi is None):
+            if s[1] in neg_inf or _kind(spec.masks[s[1]]).hides_nothing():
                 continue
             return None
         if s[0] not in _BOUNDED_STEPS:
@@ -415,15 +403,11 @@ def _bounded_steps_before(spec: ScoreSpec, pos: int, neg_inf) -> Optional[tuple]
 
 
 def _neg_inf_terms(spec: ScoreSpec) -> List[int]:
-    """Range terms whose hidden value is -inf with every later post step keeping -inf."""
+    """Terms hiding keys by position with -inf (``MaskKind.skips_neg_inf``: range terms)
+    with every later post step keeping -inf."""
     out = []
     for pos, step in enumerate(spec.post):
-        if step[0] != "mask":
-            continue
-        term = spec.masks[step[1]]
-        if term.kind != "range" or term.value != -math.inf:
-            continue
-        if term.lo is None and term.hi is None:
+        if step[0] != "mask" or not _kind(spec.masks[step[1]]).skips_neg_inf():
             continue
         if all(_preserves_neg_inf(s, spec) for s in spec.post[pos + 1:]):
             out.append(step[1])
@@ -465,15 +449,12 @@ def _finite_range_term(spec: ScoreSpec, skippable) -> Optional[tuple]:
     j = _sole_last_mask(spec)
     if j is None or skippable:
         return None
-    term = spec.masks[j]
-    if term.kind != "range" or not math.isfinite(term.value) or (term.lo is None and term.hi is None):
+    skip = _kind(spec.masks[j]).finite_skip()  # (v, limit), v < 0 finite, or None
+    if skip is None:
         return None
     if any(s[0] not in _BOUNDED_STEPS for s in (*spec.epilogue, *spec.post[:-1])):
         return None
-    v = float(term.value)
-    if v >= 0:  # (hidden keys must lie below every visible score: past a row's range they
-        return None  # are offered only as fillers, the smallest indices first)
-    return (j, v, -v / 2) if term.mode == "fill" else (j, v, add_limit(v))
+    return (j, *skip)
 
 
 def add_limit(v: float) -> float:
@@ -498,16 +479,14 @@ def tensor_mask_term(spec: ScoreSpec) -> Optional[tuple]:
     ``add_limit(v_h)``.
     """
     j = _sole_last_mask(spec)
-    if j is None or any(t.kind == "range" for t in spec.masks):
+    if j is None or any(_kind(t).positional for t in spec.masks):
         return None
-    term = spec.masks[j]
-    if term.kind == "fill" and term.value == -math.inf:
-        return j, False
-    if term.kind == "fill" and not (math.isfinite(term.value) and term.value < 0):
+    needs_bound = _kind(spec.masks[j]).table_ranges()
+    if needs_bound is None:
         return None
-    if any(s[0] not in _BOUNDED_STEPS for s in (*spec.epilogue, *spec.post[:-1])):
+    if needs_bound and any(s[0] not in _BOUNDED_STEPS for s in (*spec.epilogue, *spec.post[:-1])):
         return None
-    return j, True
+    return j, needs_bound
 
 
 @dataclasses.dataclass(frozen=True)

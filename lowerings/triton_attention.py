@@ -46,11 +46,12 @@ import torch
 
 from .attention_reference import check_attention_operands
 from .attention_spec import AttentionSpec, form_of
+from .mask_kinds import mask_kinds, mask_launch_args
 from .spec import SpecError, dtype_of
 # Small, stable pieces of the selection kernel's code generation (docs/kernel.md): the
-# elementwise step lines (registered score mods included), float literals, the interpreter
-# mode checks, and the kernel cache's file writer.
-from .triton_codegen import _elementwise_lines, _interpreting, _lit, _mod_bodies, check_interpreter_mode, import_source
+# elementwise step lines (registered score mods included), the interpreter mode checks, and
+# the kernel cache's file writer.
+from .triton_codegen import _elementwise_lines, _interpreting, _mod_bodies, check_interpreter_mode, import_source
 
 TEMPLATE_VERSION = 1
 
@@ -112,71 +113,30 @@ def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
 # ---------------------------------------------------------------------------------------
 def _mask_params(spec: AttentionSpec) -> List[str]:
     """Names ``_post`` takes for the mask terms: a pointer and (b, s, t) strides per tensor
-    term, the row's loaded bounds per range term."""
-    names = []
-    for j, term in enumerate(spec.masks):
-        if term.kind in ("add", "fill"):
-            names += [f"M{j}", f"stride_m{j}_b", f"stride_m{j}_s", f"stride_m{j}_t"]
-        else:
-            names += [f"lo{j}"] if term.lo is not None else []
-            names += [f"hi{j}"] if term.hi is not None else []
-    return names
+    term, the row's loaded bounds per range term (each kind's ``slot_params``)."""
+    return [a for piece in mask_kinds(spec.masks) for a in piece.slot_params()]
 
 
 def _mask_args_def(spec: AttentionSpec) -> List[str]:
     """Kernel arguments for the mask terms: tensors as in ``_mask_params``, range bounds as
     a pointer and (b, s) strides each."""
-    args = []
-    for j, term in enumerate(spec.masks):
-        if term.kind in ("add", "fill"):
-            args += [f"M{j}", f"stride_m{j}_b", f"stride_m{j}_s", f"stride_m{j}_t"]
-        else:
-            for role, bound in (("lo", term.lo), ("hi", term.hi)):
-                if bound is not None:
-                    args += [f"{role.upper()}{j}", f"stride_{role}{j}_b", f"stride_{role}{j}_s"]
-    return args
+    return [a for piece in mask_kinds(spec.masks) for a in piece.args()]
 
 
 def _render_row_bounds(spec: AttentionSpec) -> List[str]:
     """The row's range bounds, loaded once per program (int64 scalars)."""
-    lines = []
-    for j, term in enumerate(spec.masks):
-        if term.kind != "range":
-            continue
-        for role, bound in (("lo", term.lo), ("hi", term.hi)):
-            if bound is not None:
-                P = f"{role.upper()}{j}"
-                lines.append(f"{role}{j} = tl.load({P} + b * stride_{role}{j}_b + s * stride_{role}{j}_s).to(tl.int64)")
-    return lines
+    return [ln for piece in mask_kinds(spec.masks) for ln in piece.slot_row_loads()]
 
 
 def _render_post(spec: AttentionSpec) -> List[str]:
     """The post steps on y [BLOCK_H, BLOCK_N] (heads x slots) at the slots' keys t [BLOCK_N]."""
     lines = []
+    pieces = mask_kinds(spec.masks)
     for step in spec.post:
         if step[0] != "mask":
             lines += _elementwise_lines("y", step)
             continue
-        j = step[1]
-        term = spec.masks[j]
-        if term.kind in ("add", "fill"):
-            lines.append(f"m{j} = tl.load(M{j} + b * stride_m{j}_b + s * stride_m{j}_s + t * stride_m{j}_t, "
-                         f"mask=slot_ok, other=0)")
-            if term.kind == "add":
-                lines.append(f"y = y + m{j}.to(tl.float32)[None, :]  # fp32 + a 16-bit mask: exact upcast, as torch")
-            else:
-                cond = f"m{j} != 0" if term.where else f"m{j} == 0"
-                lines.append(f"y = tl.where(({cond})[None, :], {_lit(term.value)}, y)")
-            continue
-        parts = ([f"(t < lo{j})"] if term.lo is not None else []) + ([f"(t >= hi{j})"] if term.hi is not None else [])
-        if not parts:
-            lines.append(f"# mask term {j}: a range with neither bound hides nothing")
-            continue
-        lines.append(f"hidden{j} = " + " | ".join(parts))
-        if term.mode == "fill":
-            lines.append(f"y = tl.where(hidden{j}[None, :], {_lit(term.value)}, y)")
-        else:
-            lines.append(f"y = y + tl.where(hidden{j}, {_lit(term.value)}, 0.0)[None, :]")
+        lines += pieces[step[1]].slot_lines(keys="t", ok="slot_ok")
     return lines
 
 
@@ -229,41 +189,9 @@ def load_kernels(spec: AttentionSpec, num_masks: int):
 # launch
 # ---------------------------------------------------------------------------------------
 def _mask_launch_args(spec: AttentionSpec, masks: Sequence[torch.Tensor], B: int, S: int, T: int, device) -> list:
-    """Pointer/stride arguments in ``_mask_args_def``'s order: broadcast views, never copies."""
-    args = []
-    for j, term in enumerate(spec.masks):
-        for i in term.operands:
-            if masks[i].device != device:
-                raise SpecError(f"mask operand {i} is on {masks[i].device}, expected {device}")
-        if term.kind in ("add", "fill"):
-            m = masks[term.operand]
-            if term.kind == "add" and (m.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
-                raise SpecError(f"additive mask operand {term.operand} has dtype {m.dtype}; the kernel adds "
-                                "fp32, bf16 or fp16 masks to its fp32 scores")
-            if term.kind == "fill" and m.dtype != torch.bool:
-                raise SpecError(f"fill mask operand {term.operand} must be bool, got {m.dtype}")
-            try:
-                m = torch.broadcast_to(m, (B, S, T))
-            except RuntimeError:
-                raise SpecError(f"mask operand {term.operand} of shape {tuple(masks[term.operand].shape)} does not "
-                                f"broadcast to [B, S, T] = {(B, S, T)}") from None
-            if m.dtype == torch.bool:
-                m = m.view(torch.uint8)  # same bytes; Triton's i1 pointers are awkward
-            args += [m, m.stride(0), m.stride(1), m.stride(2)]
-        else:
-            for bound in (term.lo, term.hi):
-                if bound is None:
-                    continue
-                m = masks[bound]
-                if m.dtype.is_floating_point or m.dtype == torch.bool or m.is_complex():
-                    raise SpecError(f"range bound operand {bound} must be an integer tensor, got {m.dtype}")
-                try:
-                    m = torch.broadcast_to(m, (B, S))
-                except RuntimeError:
-                    raise SpecError(f"range bound operand {bound} of shape {tuple(masks[bound].shape)} does not "
-                                    f"broadcast to [B, S] = {(B, S)}") from None
-                args += [m, m.stride(0), m.stride(1)]
-    return args
+    """Pointer/stride arguments in ``_mask_args_def``'s order: broadcast views, never copies
+    (the kernel adds fp32, bf16 or fp16 masks)."""
+    return mask_launch_args(spec.masks, masks, B, S, T, device, float_adds=True)
 
 
 def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: AttentionSpec,

@@ -37,6 +37,9 @@ import tempfile
 import threading
 from typing import Dict, List, Optional, Tuple
 
+from .mask_kinds import mask_kinds
+from .mask_kinds import row_load as _row_load
+from .mask_kinds import triton_literal as _lit
 from .spec import KernelPlan, ScoreSpec, SpecError, kernel_plan
 
 _MODULE_CACHE: Dict[Tuple[str, bool], object] = {}
@@ -47,16 +50,6 @@ _LOCK = threading.Lock()
 # ---------------------------------------------------------------------------------------
 # spec -> Triton expressions
 # ---------------------------------------------------------------------------------------
-def _lit(v) -> str:
-    """A float literal Triton understands (inf/nan are spelled through float())."""
-    v = float(v)
-    if math.isnan(v):
-        return 'float("nan")'
-    if math.isinf(v):
-        return 'float("inf")' if v > 0 else '(-float("inf"))'
-    return repr(v)
-
-
 def _round_expr(var: str, dtype: str) -> str:
     if dtype in ("float32", "float64"):
         return var  # fp32 -> fp32 / fp64 -> fp32 round trips are the identity
@@ -99,103 +92,10 @@ def _elementwise_lines(var: str, step, fast_relu: bool = False) -> List[str]:
     raise SpecError(f"unknown elementwise step {step!r}")
 
 
-class TableMaskPieces:
-    """A mask tensor term (kind "add" or "fill") as kernel code: a [B, S, T] table read per
-    (row, key), its pointer and strides the kernel's arguments. ``apply_lines`` takes the
-    consumer's index expressions (keys x rows here; a kernel over gathered key indices
-    passes its own), so another kernel family can apply the same term."""
-
-    def __init__(self, j: int, term):
-        self.j, self.term = j, term
-
-    def args(self) -> List[str]:
-        j = self.j
-        return [f"M{j}", f"stride_m{j}_b", f"stride_m{j}_s", f"stride_m{j}_t"]
-
-    def tile_args(self) -> List[str]:
-        return self.args()  # read inside the score tile
-
-    def row_loads(self) -> List[str]:
-        return []
-
-    def row_values(self) -> List[str]:
-        return []
-
-    def apply_lines(self, keys: str = "keys[:, None]", per_row: str = "[None, :]", ok: str = "ok",
-                    neutral_run: bool = False) -> List[str]:
-        """Lines applying the term to ``y``; ``neutral_run``: the row block's first run of
-        neutral keys [mlo, mhi) (triton_mask_ranges) is not read, where it changes nothing."""
-        j, term = self.j, self.term
-        lines, load_ok, other = [], ok, "0"
-        if neutral_run:
-            # not read on the row's first neutral run, where it would change nothing:
-            # the load's "other" is the neutral value (an additive 0, a fill's visible side)
-            lines.append(f"mread{j} = {ok} & (({keys} < mlo{j}) | ({keys} >= mhi{j}))")
-            load_ok, other = f"mread{j}", "0" if term.kind == "add" or term.where else "1"
-        lines.append(
-            f"m{j} = tl.load(M{j} + (b64 * stride_m{j}_b + rows64{per_row} * stride_m{j}_s "
-            f"+ {keys}.to(tl.int64) * stride_m{j}_t), mask={load_ok}, other={other})"
-        )
-        if term.kind == "add":
-            lines.append(f"y = y + m{j}.to(tl.float32)  # fp32 + bf16/fp16 mask: exact upcast, as torch promotes")
-        else:
-            cond = f"m{j} != 0" if term.where else f"m{j} == 0"
-            lines.append(f"y = tl.where({cond}, {_lit(term.value)}, y)")
-        return lines
-
-
-class RangeMaskPieces:
-    """A range term (kind "range") as kernel code: per-row [B, S] bounds lo / hi, loaded once
-    per row block (``row_loads``) and compared with key positions (``apply_lines``, which
-    takes the consumer's key expression and how a per-row value broadcasts against it)."""
-
-    def __init__(self, j: int, term):
-        self.j, self.term = j, term
-
-    def _bounds(self):
-        return [(role, ptr, default) for role, ptr, default, bound in
-                (("lo", f"LO{self.j}", "0", self.term.lo), ("hi", f"HI{self.j}", "T", self.term.hi))
-                if bound is not None]
-
-    def args(self) -> List[str]:
-        j = self.j
-        return [a for role, ptr, _ in self._bounds() for a in (ptr, f"stride_{role}{j}_b", f"stride_{role}{j}_s")]
-
-    def tile_args(self) -> List[str]:
-        return []  # the bounds reach the score tile already loaded (row_values)
-
-    def row_loads(self) -> List[str]:
-        return [_row_load(f"{role}{self.j}", ptr, f"stride_{role}{self.j}", default)
-                for role, ptr, default in self._bounds()]
-
-    def row_values(self) -> List[str]:
-        return [f"{role}{self.j}" for role, _, _ in self._bounds()]
-
-    def apply_lines(self, keys: str = "keys[:, None]", per_row: str = "[None, :]", ok: str = "ok",
-                    neutral_run: bool = False) -> List[str]:
-        j, term = self.j, self.term
-        parts = []
-        if term.lo is not None:
-            parts.append(f"({keys} < lo{j}{per_row})")
-        if term.hi is not None:
-            parts.append(f"({keys} >= hi{j}{per_row})")
-        if not parts:
-            return []  # a range with neither bound hides nothing
-        lines = [f"hidden{j} = " + " | ".join(parts)]
-        if term.mode == "fill":
-            lines.append(f"y = tl.where(hidden{j}, {_lit(term.value)}, y)")
-        else:
-            lines.append(f"y = y + tl.where(hidden{j}, {_lit(term.value)}, 0.0)")
-        return lines
-
-
-# one class per MaskTerm kind: what a kernel reads and runs for a term of that kind
-MASK_PIECES = {"add": TableMaskPieces, "fill": TableMaskPieces, "range": RangeMaskPieces}
-
-
 def mask_pieces(spec: ScoreSpec) -> list:
-    """The kernel pieces of each of the spec's mask terms, in ``spec.masks`` order."""
-    return [MASK_PIECES[term.kind](j, term) for j, term in enumerate(spec.masks)]
+    """The kernel pieces of each of the spec's mask terms, in ``spec.masks`` order (their
+    kinds' objects, ``mask_kinds``)."""
+    return mask_kinds(spec.masks)
 
 
 def _mask_args(spec: ScoreSpec, plan: KernelPlan) -> List[str]:
@@ -210,7 +110,7 @@ def _mask_args(spec: ScoreSpec, plan: KernelPlan) -> List[str]:
         args += ["RLO", "stride_rlo_b", "stride_rlo_s", "RHI", "stride_rhi_b", "stride_rhi_s"]
         # and its first run of neutral keys, where the tile loop does not read the tensor
         args += ["NLO", "stride_nlo_b", "stride_nlo_s", "NHI", "stride_nhi_b", "stride_nhi_s"]
-        if spec.masks[tmt[0]].kind == "add":
+        if mask_pieces(spec)[tmt[0]].adds_to_score:
             args.append("FILLV")  # the additive tensor's hidden value (its smallest)
         if tmt[1]:
             args.append("SKIPF")  # the bound's verdict
@@ -221,7 +121,7 @@ def _filler(spec: ScoreSpec, plan: KernelPlan) -> tuple:
     """(value literal, packed high word) of the keys that skipped tiles stand for: -inf, or
     the finite value of ``plan.finite_range``. The high word is ``_pack``'s, in Python."""
     tmt = plan.tensor_mask
-    if tmt is not None and spec.masks[tmt[0]].kind == "add":
+    if tmt is not None and mask_pieces(spec)[tmt[0]].adds_to_score:
         return "fill_v", "fill_hi"  # an additive mask tensor's smallest value, loaded per launch
     fin = plan.finite_range
     if tmt is not None:
@@ -287,13 +187,6 @@ def _render_epilogue(spec: ScoreSpec) -> str:
     return "\n".join(lines)
 
 
-def _row_load(var: str, ptr: str, stride: str, other: str) -> str:
-    """``var`` = the block's rows of a per-row [B, S] operand ``ptr`` (strides
-    ``{stride}_b``, ``{stride}_s``), int64, ``other`` for padding rows."""
-    return (f"{var} = tl.load({ptr} + b64 * {stride}_b + rows64 * {stride}_s, "
-            f"mask=row_ok, other={other}).to(tl.int64)")
-
-
 def _render_row_bounds(spec: ScoreSpec) -> str:
     """Per-row lo/hi bounds of range terms, loaded once per row block."""
     return "\n".join(ln for piece in mask_pieces(spec) for ln in piece.row_loads())
@@ -331,14 +224,13 @@ def _render_skip_bounds(spec: ScoreSpec, plan: KernelPlan) -> str:
     ``plan.finite_range``) for every row of the block;
     key_hi: every key t >= key_hi is hidden for every row of the block.
     """
+    pieces = mask_pieces(spec)
     lines = ["key_lo = tl.zeros([], dtype=tl.int64)", "key_hi = tl.zeros([], dtype=tl.int64) + T"]
     for j in plan.skippable:
-        term = spec.masks[j]
         # a term of plan.guard (s + -inf is NaN where s is NaN or +inf, and NaN ranks
         # first): its tiles are skipped only where SKIPF proves the operands finite
         ok = "(tl.load(SKIPF) != 0)" if plan.guarded(j) else ""
-        lines += _narrow_lines(f"lo{j}" if term.lo is not None else None, f"hi{j}" if term.hi is not None else None,
-                               ok)
+        lines += _narrow_lines(*pieces[j].bound_vars(), ok)
     tmt = plan.tensor_mask
     if tmt is not None:
         # a mask tensor: each row's visible key range, read off the tensor before the launch
@@ -348,7 +240,7 @@ def _render_skip_bounds(spec: ScoreSpec, plan: KernelPlan) -> str:
         lines.append(_row_load("rlo", "RLO", "stride_rlo", "T"))
         lines.append(_row_load("rhi", "RHI", "stride_rhi", "0"))
         lines += _narrow_lines("rlo", "rhi", "(tl.load(SKIPF) != 0)" if tmt[1] else "")
-        if spec.masks[tmt[0]].kind == "add":
+        if pieces[tmt[0]].adds_to_score:
             lines.append("fill_v = tl.load(FILLV)")
             lines.append("fill_hi = _pack(fill_v, tl.zeros([], dtype=tl.int64)) >> 32")
     fin = plan.finite_range
@@ -356,17 +248,11 @@ def _render_skip_bounds(spec: ScoreSpec, plan: KernelPlan) -> str:
         # hidden keys all hold one finite value below every visible score (a fill, or
         # an add: fl(s + v) == v) when the run-time bound on |score|, SKIPF, says so:
         # skipped like -inf ones, fillers of value v
-        j = fin[0]
-        term = spec.masks[j]
-        lines += _narrow_lines(f"lo{j}" if term.lo is not None else None, f"hi{j}" if term.hi is not None else None,
-                               "(tl.load(SKIPF) != 0)")
+        lines += _narrow_lines(*pieces[fin[0]].bound_vars(), "(tl.load(SKIPF) != 0)")
     # the per-element compares in the tile loop use the key type (int32 when T allows);
     # clamping to [0, T] keeps every compare with a key in [0, T) the same
-    for j, term in enumerate(spec.masks):
-        if term.kind == "range":
-            for role, bound in (("lo", term.lo), ("hi", term.hi)):
-                if bound is not None:
-                    lines.append(f"{role}{j} = _as_key({role}{j}, T, IDX32)")
+    for piece in pieces:
+        lines += piece.key_clamp_lines()
     if tmt is not None:
         # the mask tensor's first neutral run (triton_mask_ranges) every row of the block
         # shares, where the tile loop does not read it; scalars, because per-row vectors held

@@ -15,6 +15,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from .mask_kinds import mask_launch_args, table_view as _table_view
 from .reference import check_operands, index_dtype
 from .spec import KernelPlan, ScoreSpec, SpecError, dtype_of, kernel_plan
 from .triton_codegen import _interpreting, check_interpreter_mode, load_kernel, weight_scale
@@ -183,20 +184,6 @@ def _block_m(cfg: HyTopKConfig, gp: int, interpret: bool) -> int:
     return max(1, min(64, 256 // gp), -(-16 // gp))
 
 
-def _row_view(t: torch.Tensor, B: int, S: int, what: str) -> torch.Tensor:
-    try:
-        return torch.broadcast_to(t, (B, S))
-    except RuntimeError:
-        raise SpecError(f"{what} of shape {tuple(t.shape)} does not broadcast to [B, S] = {(B, S)}") from None
-
-
-def _table_view(t: torch.Tensor, B: int, S: int, T: int, what: str) -> torch.Tensor:
-    try:
-        return torch.broadcast_to(t, (B, S, T))
-    except RuntimeError:
-        raise SpecError(f"{what} of shape {tuple(t.shape)} does not broadcast to [B, S, T] = {(B, S, T)}") from None
-
-
 def hidden_value_flag(spec: ScoreSpec, q: torch.Tensor, k: torch.Tensor, w: Optional[torch.Tensor],
                       plan: Optional[KernelPlan] = None) -> torch.Tensor:
     """``score_bound_flag`` for the spec's finite range term (``KernelPlan.finite_range``): 1 when
@@ -214,38 +201,7 @@ def _mask_launch_args(spec: ScoreSpec, masks: Sequence[torch.Tensor], B: int, S:
     ranges (``triton_mask_ranges.mask_key_ranges``, all rows), when the spec reads them."""
     rows = slice(r0, S if r1 is None else r1)
     plan = kernel_plan(spec) if plan is None else plan
-    args = []
-    for j, term in enumerate(spec.masks):
-        if term.kind in ("add", "fill"):
-            m = masks[term.operand]
-            if m.device != device:
-                raise SpecError(f"mask operand {term.operand} is on {m.device}, expected {device}")
-            if term.kind == "add":
-                if m.dtype == torch.float64:
-                    raise SpecError(
-                        f"additive mask operand {term.operand} is float64: the Triton kernel scores in fp32 "
-                        "(the graph would have promoted the scores to float64)"
-                    )
-                if m.dtype == torch.bool or m.is_complex():
-                    raise SpecError(f"additive mask operand {term.operand} has dtype {m.dtype}")
-            else:
-                if m.dtype != torch.bool:
-                    raise SpecError(f"fill mask operand {term.operand} must be bool, got {m.dtype}")
-            v = _table_view(m, B, S, T, f"mask operand {term.operand}")[:, rows]
-            if v.dtype == torch.bool:
-                v = v.view(torch.uint8)  # same bytes; Triton's i1 pointers are awkward
-            args += [v, v.stride(0), v.stride(1), v.stride(2)]
-        else:
-            for bound in (term.lo, term.hi):
-                if bound is None:
-                    continue
-                m = masks[bound]
-                if m.device != device:
-                    raise SpecError(f"mask operand {bound} is on {m.device}, expected {device}")
-                if m.dtype.is_floating_point or m.dtype == torch.bool or m.is_complex():
-                    raise SpecError(f"range bound operand {bound} must be an integer tensor, got {m.dtype}")
-                v = _row_view(m, B, S, f"range bound operand {bound}")[:, rows]
-                args += [v, v.stride(0), v.stride(1)]
+    args = mask_launch_args(spec.masks, masks, B, S, T, device, rows)
     if plan.skip_flag:
         if skip_flag is None:
             raise SpecError("internal: the spec's hidden tiles need hidden_value_flag or finite_flag")

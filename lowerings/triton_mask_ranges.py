@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .mask_kinds import kind_of
 from .spec import ScoreSpec, SpecError, tensor_mask_term
 
 
@@ -132,7 +133,7 @@ def mask_key_ranges(spec: ScoreSpec, m: torch.Tensor, bound_flag: Callable[..., 
     j, needs_bound = tensor_mask_term(spec) if term_of_plan is None else term_of_plan
     term = spec.masks[j]
     B, S, T = m.shape
-    add = term.kind == "add"
+    add = kind_of(term).adds_to_score  # an additive tensor's hidden value is its smallest, read here
     rlo = torch.empty((B, S), dtype=torch.int32, device=m.device)
     rhi = torch.empty((B, S), dtype=torch.int32, device=m.device)
     nlo = torch.empty((B, S), dtype=torch.int32, device=m.device)

@@ -36,6 +36,7 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` (see above)
 
+from hyscale_compile.lowerings import mask_kinds
 from hyscale_compile.lowerings import reference as ref
 from hyscale_compile.lowerings import triton_codegen as cg
 from hyscale_compile.lowerings.spec import (MaskTerm, ScoreSpec, SpecError, add_limit, dtype_of, finite_range_term,
@@ -1486,13 +1487,13 @@ def test_generated_kernels_differ_only_in_the_mask_term():
 
 
 def test_mask_pieces_for_another_kernel():
-    # each MaskTerm kind's kernel pieces (triton_codegen.MASK_PIECES) take the consumer's
+    # each MaskTerm kind's kernel pieces (its class in mask_kinds) take the consumer's
     # index expressions: a kernel over gathered key indices idx [rows, k] gets the same
     # term applied at idx, its per-row values broadcast along its own axis
     spec = ScoreSpec(post=(("mask", 0), ("mask", 1)), reduce="sum",
                      masks=(MaskTerm(kind="range", lo=0, hi=1, mode="add"), MaskTerm(kind="fill", operand=2)))
     rng, table = cg.mask_pieces(spec)
-    assert type(rng) is cg.RangeMaskPieces and type(table) is cg.TableMaskPieces
+    assert type(rng) is mask_kinds.RangeMask and type(table) is mask_kinds.FillMask
     assert rng.apply_lines(keys="idx", per_row="[:, None]") == [
         "hidden0 = (idx < lo0[:, None]) | (idx >= hi0[:, None])",
         'y = y + tl.where(hidden0, (-float("inf")), 0.0)']
