@@ -55,7 +55,7 @@ from ..lowerings.attention_reference import check_attention_operands
 from ..lowerings.attention_spec import AttentionSpec, form_of
 from ..lowerings.spec import SpecError, dtype_name
 from . import layout as L
-from . import mla
+from . import mla, visible_rows
 from .diagnostics import AttentionRecord
 from .canonicalize import (CONTRACTIONS, _AND, _CASTS, _NOT, _OR, _VIEWS, GraphFacts, OperandPlan, SiteAnalysis,
                            Unsupported, analyse_operand, dtype_of_node, is_backward_node, place_mask_operands,
@@ -736,10 +736,7 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
     em = Emitter(graph, app)
     rec = AttentionRecord(sel.name, app.name, False)
     try:
-        if app.target is aten.add.Tensor and masked.uns != -math.inf:
-            raise _Reject(f"the index mask hides the unselected keys with a finite value ({masked.uns}): a row "
-                          "with no visible selected key would average every key in the original, and no such "
-                          "row is proven not to occur")
+        finite = app.target is aten.add.Tensor and masked.uns != -math.inf
         if app.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
             if i != 1 or masked.uns is not True or facts.constant(app.args[2]) != -math.inf:
                 raise _Reject("the index mask is applied by a masked_fill that does not hide the unselected keys "
@@ -749,6 +746,14 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
         r = find_region(facts, sel, app, i, masked)
         rec.consumer = r.pv.name
         m = analyse(facts, em, r)
+        if finite:  # rewritten only where no row is left without a visible selected key
+            try:
+                rec.rows = visible_rows.prove(sel, masked.uns, r.chain, app, m.spec.masks, m.mask_operands,
+                                              m.sizes["S"], m.sizes["T"])
+            except visible_rows.NotProven as e:
+                raise _Reject(f"the index mask hides the unselected keys with a finite value ({masked.uns}): a row "
+                              "with no visible selected key would average every key in the original, and no such "
+                              f"row is proven not to occur ({e})") from None
         rec.form, rec.spec, rec.sizes = m.form, m.spec.describe(), dict(m.sizes)
         if not enabled:
             em.rollback()
@@ -814,7 +819,7 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     out at most one gradient per operand, each matched to its operand through the forward
     op that shares its ``seq_nr``. Anything else (a gradient into a mask, a second reader of
     the scores' gradient, q and k one tensor) keeps the whole site dense."""
-    from .sparse_backward import KeepDense, _invert_views, _same_shape, _site_nodes, backward_region
+    from .sparse_backward import KeepDense, _invert_views, _same_shape, _site_nodes, backward_region, same_value
 
     r = m.region
     sources = {"q": m.q.node, "k": m.k.node, "v": m.v.node}
@@ -838,12 +843,13 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     if not _same_shape(g_in, r.pv):
         raise _Reject(f"training graph: the gradient entering the attention's backward ({g_in.name}) is not "
                       "shaped like its output; the attention stays dense")
+    same = {role: same_value(x, site) for role, x in sources.items()}
     by_source: Dict[str, fx.Node] = {}
     for e in region:
         if all(u in rset for u in e.users):
             continue
         owners = {role for f in seqs.get(e.meta.get("seq_nr"), ()) for role, x in sources.items()
-                  if x in f.all_input_nodes and _same_shape(e, x)}
+                  if same[role] & set(f.all_input_nodes) and _same_shape(e, x)}
         if len(owners) != 1:
             raise _Reject(f"training graph: cannot tell which operand the gradient {e.name} of the attention "
                           "belongs to (a gradient into a mask or an operand used twice); the attention stays dense")
