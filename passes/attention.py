@@ -33,9 +33,10 @@ Why the result is the original's: at an unselected key the original's logit is `
 (or hidden by a ``False`` keep mask, which sdpa and the graphs spell as ``-inf``), so its
 softmax weight is exactly 0 and its value is never read; at a selected key the logit is
 the score with the remaining masks, which is what the op computes. A row whose selected
-keys are all hidden is NaN in both. Masks that hide with a finite value (``finfo.min``)
-are not rewritten: a row with no visible selected key would average over every key in
-the original, and the pass does not prove that no such row occurs. Left dense too, each
+keys are all hidden is NaN in both. An index mask that hides with a finite value
+(``finfo.min``, HF's eager attention) is rewritten only where ``visible_rows.prove`` shows
+that every row keeps a visible selected key: a row without one would average over every
+key in the original. Left dense too, each
 with its reason: dropout with p > 0 (a random op after the softmax), attention weights
 read elsewhere (``output_attentions``), anything else the walk does not recognize.
 """

@@ -318,10 +318,10 @@ def prove(idx: fx.Node, hidden: float, chain, app: fx.Node, attention_masks, att
     shown = _some_key_visible([b for b, _ in s_los], [b for b, _ in s_his], S, T)
     # (1): each of the attention's hidden half-lines is one of the selection's
     a_los, a_his = _ranges(attention_masks, attention_operands, "the attention")
-    for side, mine, theirs in (("lower", a_los, s_los), ("upper", a_his, s_his)):
+    for side, mine, theirs in (("a lower", a_los, s_los), ("an upper", a_his, s_his)):
         keys = {_bound_key(b) for b, _ in theirs}
         for b, _ in mine:
             if _bound_key(b) not in keys:
-                raise NotProven(f"the attention hides keys by a {side} bound that the selection's mask does not "
+                raise NotProven(f"the attention hides keys by {side} bound that the selection's mask does not "
                                 "share, so its top-k may pick only keys the attention hides")
     return f"every row keeps a visible selected key ({shown}, in the selection's and the attention's masks)"
