@@ -35,9 +35,10 @@ softmax weight is exactly 0 and its value is never read; at a selected key the l
 the score with the remaining masks, which is what the op computes. A row whose selected
 keys are all hidden is NaN in both (0 in both under sdpa's safe softmax, which the op then
 runs as ``empty_row="zero"``; fused sdpa nodes are first written out as their math by
-``passes/sdpa.py``). Masks that hide with a finite value (``finfo.min``)
-are not rewritten: a row with no visible selected key would average over every key in
-the original, and the pass does not prove that no such row occurs. Left dense too, each
+``passes/sdpa.py``). An index mask that hides with a finite value
+(``finfo.min``, HF's eager attention) is rewritten only where ``visible_rows.prove`` shows
+that every row keeps a visible selected key: a row without one would average over every
+key in the original. Left dense too, each
 with its reason: dropout with p > 0 (a random op after the softmax), attention weights
 read elsewhere (``output_attentions``), anything else the walk does not recognize.
 """
@@ -57,7 +58,7 @@ from ..lowerings.attention_reference import check_attention_operands
 from ..lowerings.attention_spec import AttentionSpec, form_of
 from ..lowerings.spec import SpecError, dtype_name
 from . import layout as L
-from . import mla, sdpa
+from . import mla, sdpa, visible_rows
 from .diagnostics import AttentionRecord
 from .canonicalize import (CONTRACTIONS, _AND, _CASTS, _NOT, _OR, _VIEWS, GraphFacts, OperandPlan, SiteAnalysis,
                            Unsupported, analyse_operand, dtype_of_node, is_backward_node, place_mask_operands,
@@ -755,10 +756,7 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
     try:
         if app.target in sdpa.FUSED:
             raise _Reject(sdpa.dense_reason(app))
-        if app.target is aten.add.Tensor and masked.uns != -math.inf:
-            raise _Reject(f"the index mask hides the unselected keys with a finite value ({masked.uns}): a row "
-                          "with no visible selected key would average every key in the original, and no such "
-                          "row is proven not to occur")
+        finite = app.target is aten.add.Tensor and masked.uns != -math.inf
         if app.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
             if i != 1 or masked.uns is not True or facts.constant(app.args[2]) != -math.inf:
                 raise _Reject("the index mask is applied by a masked_fill that does not hide the unselected keys "
@@ -768,6 +766,14 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
         r = find_region(facts, sel, app, i, masked)
         rec.consumer = r.pv.name
         m = analyse(facts, em, r)
+        if finite:  # rewritten only where no row is left without a visible selected key
+            try:
+                rec.rows = visible_rows.prove(sel, masked.uns, r.chain, app, m.spec.masks, m.mask_operands,
+                                              m.sizes["S"], m.sizes["T"])
+            except visible_rows.NotProven as e:
+                raise _Reject(f"the index mask hides the unselected keys with a finite value ({masked.uns}): a row "
+                              "with no visible selected key would average every key in the original, and no such "
+                              f"row is proven not to occur ({e})") from None
         rec.form, rec.spec, rec.sizes = m.form, m.spec.describe(), dict(m.sizes)
         if not enabled:
             em.rollback()
@@ -833,7 +839,7 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     out at most one gradient per operand, each matched to its operand through the forward
     op that shares its ``seq_nr``. Anything else (a gradient into a mask, a second reader of
     the scores' gradient, q and k one tensor) keeps the whole site dense."""
-    from .sparse_backward import KeepDense, _invert_views, _same_shape, _site_nodes, backward_region
+    from .sparse_backward import KeepDense, _invert_views, _same_shape, _site_nodes, backward_region, same_value
 
     r = m.region
     sources = {"q": m.q.node, "k": m.k.node, "v": m.v.node}
@@ -858,12 +864,13 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     if g_like is None:
         raise _Reject(f"training graph: the gradient entering the attention's backward ({g_in.name}) is not "
                       "shaped like its output; the attention stays dense")
+    same = {role: same_value(x, site) for role, x in sources.items()}
     by_source: Dict[str, fx.Node] = {}
     for e in region:
         if all(u in rset for u in e.users):
             continue
         owners = {role for f in seqs.get(e.meta.get("seq_nr"), ()) for role, x in sources.items()
-                  if x in _inputs_through_identities(f) and _same_shape(e, x)}
+                  if same[role] & set(f.all_input_nodes) and _same_shape(e, x)}
         if len(owners) != 1:
             raise _Reject(f"training graph: cannot tell which operand the gradient {e.name} of the attention "
                           "belongs to (a gradient into a mask or an operand used twice); the attention stays dense")
@@ -916,20 +923,6 @@ def _through_views(pv: fx.Node, g: fx.Node) -> Optional[fx.Node]:
             return None
         n = us[0]
     return None
-
-
-def _inputs_through_identities(f: fx.Node) -> List[fx.Node]:
-    """``f``'s inputs, and through each that is an identity with no backward node of its own
-    (a clone, or an expand to the same shape: sdpa's math path writes v that way), that
-    one's input: the same gradient reaches them all."""
-    out, stack = [], list(f.all_input_nodes)
-    while stack:
-        a = stack.pop()
-        out.append(a)
-        if a.target in (aten.clone.default, aten.alias.default, aten.expand.default) and \
-                isinstance(a.args[0], fx.Node) and _same_shape(a, a.args[0]):
-            stack.append(a.args[0])
-    return out
 
 
 def _same_shape(a: fx.Node, b: fx.Node) -> bool:

@@ -1189,7 +1189,7 @@ def _iota_source(n, size) -> Optional[fx.Node]:
     """The ``iota(size)`` (start 0, step 1) that ``n`` is an unsqueezed view of, else None."""
     n = _strip_index_views(n)
     if (isinstance(n, fx.Node) and n.target is prims.iota.default and n.kwargs.get("start", 0) == 0
-            and n.kwargs.get("step", 1) == 1 and L.same_size(n.args[0], size)):
+            and n.kwargs.get("step", 1) == 1 and L.same_size(shape_of(n)[0], size)):  # (its size arg may be a node)
         return n
     return None
 

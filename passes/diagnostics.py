@@ -101,13 +101,15 @@ class AttentionRecord:
     graph: str = ""
     # the order the op reads the indices in (passes/order.py)
     order: str = "any deterministic order (the selection may stay unsorted)"
+    # an index mask that hides with a finite value: what passes/visible_rows.py proved
+    rows: str = ""
 
     def line(self) -> str:
         if self.rewritten:
             sz = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
             bw = "; backward: sparse_attention_backward" if self.backward == "sparse" else ""
             return (f"[attention: sparse] {self.consumer} (indices of {self.selection}): form {self.form} {sz} | "
-                    f"{self.spec}{bw}; index order: {self.order}")
+                    f"{self.spec}{bw}; index order: {self.order}" + (f"; {self.rows}" if self.rows else ""))
         return f"[attention: dense] {self.consumer} (indices of {self.selection}): {self.reason}"
 
 

@@ -436,7 +436,7 @@ def _region(graph: fx.Graph, pv: fx.Node, sources: dict):
     forward node carries, so the region is found by the gradient's flow). Unsupported where
     another gradient enters the region or a node of it is read outside."""
     from .canonicalize import is_backward_node
-    from .sparse_backward import _same_shape, _site_nodes
+    from .sparse_backward import _same_shape, _site_nodes, same_value
 
     site = _site_nodes(pv, set(sources.values())) - {u for u in pv.users if u.target is operator.getitem}
     bw = [n for n in graph.nodes if is_backward_node(n)]
@@ -451,12 +451,16 @@ def _region(graph: fx.Graph, pv: fx.Node, sources: dict):
     desc, stack = set(), [g_in]
     while stack:
         for u in stack.pop().users:
-            if u not in desc and is_backward_node(u):
+            # (a node a pass wrote without autograd's tags, e.g. a dynamic scale's product, is
+            # the backward's too: no forward node reads a gradient)
+            if u not in desc and (is_backward_node(u) or (u.op == "call_function" and "seq_nr" not in u.meta
+                                                          and "partitioner_tag" not in u.meta)):
                 desc.add(u)
                 stack.append(u)
     outs = {}
     for role, x in sources.items():
-        seqs = {f.meta.get("seq_nr") for f in site if x in f.all_input_nodes} - {None}
+        xs = same_value(x, site)
+        seqs = {f.meta.get("seq_nr") for f in site if f not in xs and xs & set(f.all_input_nodes)} - {None}
         cands = [e for e in desc if e.meta.get("seq_nr") in seqs and _same_shape(e, x)
                  and any(u.meta.get("seq_nr") not in seqs for u in e.users)]
         if len(cands) > 1:

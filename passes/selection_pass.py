@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from . import diagnostics, indexer_loss, score_mods
+from . import diagnostics, indexer_loss, score_mods, visible_rows
 from .canonicalize import GraphFacts, Unsupported, analyse_site, shape_of
 from .table_select import argument_operands, linear_operand, score_contraction, select_from_table
 from ..lowerings.spec import tile_skipping
@@ -28,6 +28,7 @@ from .sparse_backward import rewrite_backward
 
 aten = torch.ops.aten
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_INT64_MAX = 2**63 - 1
 
 
 def _source_files():
@@ -51,7 +52,10 @@ def canonicalize_noop_views(graph: fx.Graph) -> None:
         shape = v.shape
         if n.target is aten.slice.Tensor:
             dim, start, end, step = (list(n.args[1:]) + [0, None, None, 1][len(n.args) - 1 :])[:4]
-            if start in (0, None) and step == 1 and (end is None or (isinstance(end, int) and statically_known_true(end >= shape[dim]))):
+            # (end == 2**63 - 1 is Python's "to the end": under dynamic shapes a size symbol has no
+            # upper bound, so ``end >= size`` is not provable for it, but no dim is larger)
+            if start in (0, None) and step == 1 and (end is None or (isinstance(end, int) and (
+                    end >= _INT64_MAX or statically_known_true(end >= shape[dim])))):
                 n.replace_all_uses_with(n.args[0])
                 graph.erase_node(n)
         elif n.target is aten.select.int and statically_known_true(shape[n.args[1]] == 1):
@@ -143,6 +147,7 @@ def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_ki
                 if unread:
                     m.sorted, m.sort_elided = False, uses
             applied = apply_match(graph, m, replay=replay)  # rolls its own nodes back if it fails
+            visible_rows.record(applied.call, m)  # the attention pass's proof reads the selection's mask
         except Unsupported as e:
             # no query-key score upstream (a router, a sampler): not a selection, and the
             # hint (what a user could register) does not apply
@@ -204,6 +209,7 @@ def rewrite_selections(graph: fx.Graph, param_indices: InputKinds = (), graph_ki
         count += _rewrite_attention(graph, facts.sources, graph_kind, replay, sparse_attention and not dry_run,
                                     "hyscale.enable=False" if dry_run else "hyscale.sparse_attention=False")
         _set_attention_backward(graph, attention_backward)
+    visible_rows.forget(graph)
     if dry_run:
         return 0
     if count:

@@ -151,6 +151,24 @@ def _site_nodes(topk: fx.Node, sources: Set[fx.Node]) -> Set[fx.Node]:
     return below | {topk} | {u for u in topk.users if u.target is operator.getitem}
 
 
+_IDENTITY = {torch.ops.aten.expand.default, torch.ops.aten.clone.default, torch.ops.aten.alias.default,
+             torch.ops.aten.contiguous.default}
+
+
+def same_value(x: fx.Node, site) -> Set[fx.Node]:
+    """``x`` and the site's nodes that are ``x`` itself under another name: an expand to its
+    own shape, a clone, an alias (``matmul`` emits ``expand(v, v.shape)`` and a clone before
+    its ``bmm``). Their backward is the identity, so autograd records no node for them and
+    the gradient of ``x`` carries the ``seq_nr`` of the op that reads the copy."""
+    out, stack = {x}, [x]
+    while stack:
+        for u in stack.pop().users:
+            if u in site and u not in out and u.target in _IDENTITY and _same_shape(u, x):
+                out.add(u)
+                stack.append(u)
+    return out
+
+
 def _same_shape(a: fx.Node, b: fx.Node) -> bool:
     va, vb = val(a), val(b)
     if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):

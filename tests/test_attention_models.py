@@ -164,16 +164,13 @@ def check_numerics(r):
 
 # --- HF DeepSeek-V3.2 and GLM-5 ----------------------------------------------------------------
 
-FINFO_MIN = ("pass does not rewrite {}'s finfo.min index mask yet: masked_fill(scatter(new_ones, idx, False), "
-             "finfo.min) is left dense unless no row without a visible selected key is proven (the selection's own "
-             "mask is the attention's causal mask, so its top-1 is visible: see the report)")
-NOT_YET = {("deepseek_v32", "eager"): FINFO_MIN.format("HF V3.2 eager"),
-           ("glm_moe_dsa", "eager"): FINFO_MIN.format("GLM-5 eager (transformers 5.24 builds it as V3.2 does)")}
-# rewritten: HF V3.2 sdpa (its math path's safe softmax runs as the op's empty_row="zero")
-DONE = [("deepseek_v32", "sdpa")]
-CASES = [pytest.param(name, attn, marks=pytest.mark.xfail(strict=True, reason=NOT_YET[(name, attn)]))
-         for name, attn in NOT_YET] + DONE
-NUMERIC_CASES = list(NOT_YET) + DONE
+# the finfo.min index masks (masked_fill(scatter(new_ones, idx, False), finfo.min)): rewritten where
+# passes/visible_rows.py proves every row keeps a visible selected key (the indexer adds the
+# attention's own causal mask to its scores, so its top-1 is visible); HF V3.2 sdpa: its math
+# path's safe softmax runs as the op's empty_row="zero"
+REWRITTEN = [("deepseek_v32", "eager"), ("glm_moe_dsa", "eager"), ("deepseek_v32", "sdpa")]
+CASES = REWRITTEN
+NUMERIC_CASES = REWRITTEN
 # the layers whose attention applies an index mask: two per model (GLM: one selection, two layers)
 EXPECTED_ATTENTION = {"deepseek_v32": 2, "glm_moe_dsa": 2}
 
@@ -272,8 +269,6 @@ def test_v4_csa_dense_reason_in_explain():
         assert ln.startswith("[attention: dense]") and any(w in ln for w in ("sink", "cat", "window", "where")), ln
 
 
-@pytest.mark.xfail(strict=True, reason="V3.2's finfo.min index mask is rejected before the weights are looked at: "
-                   "explain gives the finfo.min reason, not output_attentions'")
 def test_v32_returned_attention_weights_stay_dense_with_reason():
     """``output_attentions=True`` returns the dense probabilities: the site stays dense and
     explain says why; the logits are eager's."""
@@ -295,8 +290,6 @@ def test_v32_returned_attention_weights_stay_dense_with_reason():
 DYN_SEQ = 36  # no dim of the tiny model is 36 (40 is kv_lora + rope)
 
 
-@pytest.mark.xfail(strict=True, reason="pass does not rewrite HF V3.2 eager yet (finfo.min), and the selection's "
-                   "causal mask enters hytopk as a dense [B, S, T] add term (attention_mask[:, 0]), not a range")
 def test_v32_dynamic_training_step_has_no_square_tensor():
     """Under dynamic=True the tiny V3.2 training step's forward and backward graphs hold no
     node value, saved tensor or buffer with two sequence-length dims."""

@@ -5,6 +5,8 @@ Numerics (docs/contract.md): the reference is the consumer evaluated in float64 
 own indices (the selection's, recomputed in eager: the inputs' selections are unique); for
 each output, err(op) <= 2 err(orig) + 2 eps(dtype), err = max |x - ref| / max |ref|, orig =
 the original graph run in eager in the same dtype."""
+import functools
+
 import pytest
 import torch
 
@@ -251,6 +253,10 @@ FORMS = {
     "megatron_absorbed": (af.megatron_absorbed, af.megatron_absorbed_attention, _mqa_args, (3, 4), 1, "mqa"),
     "hf_v32_sdpa": (af.hf_v32_sdpa, lambda idx, q, k, v, m: _sdpa_at(idx, q, k, v, m.bool()), _sdpa_args,
                     (3, 4, 5), 1, "per_head"),
+    # finfo.min index mask, rewritten by the visible-row proof (passes/visible_rows.py)
+    "hf_v32_eager_finfo": (af.hf_v32_eager_in_graph_mask, lambda idx, q, k, v: af.hf_v32_eager_finfo_attention(
+        idx, q, k, v, af.finfo_causal(q.shape[1], q.dtype)[None, None].expand(q.shape[0], 1, -1, -1)),
+        af.make_inputs, (3, 4, 5), 1, "per_head"),
 }
 
 
@@ -339,8 +345,9 @@ def _dense_case(fn, args, reason):
 
 
 def test_dense_finfo_min_index_mask():
-    """HF V3.2 eager's masked_fill(index_mask, finfo.min): a row with no visible selected key
-    would average every key in the original; not proven not to occur, so it stays dense."""
+    """HF V3.2 eager's masked_fill(index_mask, finfo.min) over a mask passed in (a tensor whose
+    hidden keys are not known): a row with no visible selected key would average every key in
+    the original; not proven not to occur (passes/visible_rows.py), so it stays dense."""
     _dense_case(af.hf_v32_eager, _hf_args(0), "finite value")
 
 
@@ -526,3 +533,45 @@ def test_inductor_end_to_end():
         out = torch.compile(af.official_v32, backend="hyscale")(*args)
         torch.testing.assert_close(out, af.official_v32(*args), rtol=1e-5, atol=1e-5)
     assert [r.rewritten for r in attention_records()] == [True]
+
+
+# ------------------------------------------- finfo.min index masks: rows proven visible
+
+@pytest.mark.parametrize("i", range(5))
+def test_finfo_min_index_mask_rewritten_where_every_row_keeps_a_visible_key(i):
+    """The indexer adds the attention's own causal mask (finfo.min above the diagonal) to
+    its scores: its top-1 is visible in every row, so the finfo.min index mask is rewritten
+    and the output is within the numerics rule (rows 0..k-2 select hidden keys too)."""
+    seed = fresh_seed(f"finfo_min_rewritten[{i}]")
+    args = af.make_inputs(seed)
+    fn = af.hf_v32_eager_in_graph_mask
+    c, cap = compiled(fn)
+    with torch.no_grad():
+        out, orig = c(*args), fn(*args)
+        qi, ki, w, q, k, v = args
+        s = (torch.einsum("bshd,btd->bsht", qi, ki).relu() * w.unsqueeze(-1)).sum(dim=2) + af.finfo_causal(16)
+        mask64 = af.finfo_causal(16, torch.float64)[None, None].expand(2, 1, 16, 16)
+        ref = af.hf_v32_eager_finfo_attention(s.topk(4, dim=-1)[1], q.double(), k.double(), v.double(), mask64)
+    assert OP in targets(cap, "inference") and aten_bmm_count(cap, "inference") == 0
+    recs = attention_records()
+    assert len(recs) == 1 and recs[0].rewritten, [r.line() for r in recs]
+    assert "every row keeps a visible selected key (the diagonal key" in recs[0].line()
+    assert_numerics(out, orig, ref, torch.float32, "out")
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("no selection mask", "an upper bound that the selection's mask does not share"),
+    ("padding on the attention side", "reads a tensor"),
+])
+def test_finfo_min_index_mask_dense_where_a_row_may_lose_every_key(case, reason):
+    """Not proven, so dense with the reason: an indexer that does not hide the causally
+    hidden keys may select only keys the attention hides (the original then averages every
+    key); a padding mask only the attention applies may hide a row's every selected key."""
+    if case == "no selection mask":
+        args = af.make_inputs(0)
+        rec = _dense_case(functools.partial(af.hf_v32_eager_in_graph_mask, selection_mask=False), args, reason)
+    else:
+        keep = torch.ones(2, 16, dtype=torch.bool)
+        keep[0, :5] = False  # left padding of the first sequence: its rows 0..4 see no key
+        rec = _dense_case(af.hf_v32_eager_in_graph_mask, af.make_inputs(0) + (keep,), reason)
+    assert "finite value" in rec.reason and "no such row is proven not to occur" in rec.reason

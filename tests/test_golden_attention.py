@@ -1,5 +1,6 @@
 """Graph-diff golden tests of the attention pass: the inference graph after the pass for the
-official V3.2 form (per head) and Megatron's absorbed MQA (normalized by
+official V3.2 form (per head), Megatron's absorbed MQA and HF V3.2 eager's finfo.min index
+mask over its in-graph causal mask (normalized by
 ``hyscale_compile.testing.graph_text``). Regenerate with
 ``EXPECTTEST_ACCEPT=1 pytest tests/test_golden_attention.py``."""
 import expecttest
@@ -113,3 +114,51 @@ v36: f32[2, 8, 8] = aten.permute(v35, [1, 0, 2])
 v37: f32[1, 2, 8, 8] = aten.view(v36, [1, 2, 8, 8])
 v38: f32[8, 1, 2, 8] = aten.permute(v37, [2, 0, 1, 3])
 return (v38,)""")
+
+    def test_hf_v32_eager_finfo_min(self):
+        """HF V3.2 eager's finfo.min index mask over its in-graph causal mask, which the
+        indexer adds too (passes/visible_rows.py): the op reads the causal range (add
+        finfo.min) the selection reads, and no index mask is left."""
+        self.assertExpectedInline(after(af.hf_v32_eager_in_graph_mask,
+                                        *af.make_inputs(0, B=1, S=8, H=2, D=8, Dv=4, Hi=2, Di=8)), """\
+in0: f32[1, 8, 2, 8]
+in1: f32[1, 8, 2, 8]
+in2: f32[1, 8, 8]
+in3: f32[1, 8, 2]
+in4: f32[1, 8, 2, 8]
+in5: f32[1, 8, 2, 4]
+v0: i64[8] = prims.iota(8, start=0, step=1, dtype=i64)
+v1: f32[1, 8, 2, 1] = aten.unsqueeze(in3, -1)
+v2: f32[8, 2, 8, 1] = aten.permute(in1, [1, 2, 3, 0])
+v3: f32[8, 2, 8] = aten.squeeze.dim(v2, -1)
+v4: f32[1, 8, 2, 8] = aten.unsqueeze(v3, 0)
+v5: f32[8, 8, 1] = aten.permute(in2, [1, 2, 0])
+v6: f32[8, 8] = aten.squeeze.dim(v5, -1)
+v7: f32[1, 8, 8] = aten.unsqueeze(v6, 0)
+v8: f32[1, 8, 1, 8] = aten.unsqueeze(v7, 2)
+v9: f32[8, 2, 1, 1] = aten.permute(v1, [1, 2, 0, 3])
+v10: f32[8, 2, 1] = aten.squeeze.dim(v9, -1)
+v11: f32[8, 2] = aten.squeeze.dim(v10, -1)
+v12: f32[1, 8, 2] = aten.unsqueeze(v11, 0)
+v13: i64[1, 8] = aten.unsqueeze(v0, 0)
+v14: i64[1, 8] = aten.add.Tensor(v13, 1)
+v15: i32[1, 8, 4] = hyscale.hytopk(v4, v8, v12, [v14], 4, {"v":1,"name":"dsa","logit_dtype":"float32","epilogue":[["relu"]],"reduce":"weighted_sum","post":[["mask",0]],"masks":[{"kind":"range","lo":null,"hi":0,"mode":"add","value":-3.4028234663852886e+38}],"score_dtype":"float32","fp32_precision":"ieee"}, False)
+v16: f32[8, 2, 8, 1] = aten.permute(in0, [1, 2, 3, 0])
+v17: f32[8, 2, 8] = aten.squeeze.dim(v16, -1)
+v18: f32[1, 8, 2, 8] = aten.unsqueeze(v17, 0)
+v19: f32[8, 2, 8, 1] = aten.permute(in4, [1, 2, 3, 0])
+v20: f32[8, 2, 8] = aten.squeeze.dim(v19, -1)
+v21: f32[1, 8, 2, 8] = aten.unsqueeze(v20, 0)
+v22: f32[8, 2, 4, 1] = aten.permute(in5, [1, 2, 3, 0])
+v23: f32[8, 2, 4] = aten.squeeze.dim(v22, -1)
+v24: f32[1, 8, 2, 4] = aten.unsqueeze(v23, 0)
+v25: i64[1, 8] = aten.unsqueeze(v0, 0)
+v26: i64[1, 8] = aten.add.Tensor(v25, 1)
+v27: (f32[1, 8, 2, 4], f32[1, 8, 2], f32[0]) = hyscale.sparse_attention(v18, v21, v24, v15, [v26], {"v":1,"name":"attention","post":[["mul",0.3535533905932738],["mask",0]],"masks":[{"kind":"range","lo":null,"hi":0,"mode":"add","value":-3.4028234663852886e+38}],"out_dtype":"float32","fp32_precision":"ieee"})
+v28: f32[1, 8, 2, 4] = getitem(v27, 0)
+v29: f32[8, 2, 4] = aten.reshape(v28, [8, 2, 4])
+v30: f32[2, 8, 4] = aten.permute(v29, [1, 0, 2])
+v31: f32[1, 2, 8, 4] = aten.view(v30, [1, 2, 8, 4])
+v32: f32[1, 8, 2, 4] = aten.permute(v31, [0, 2, 1, 3])
+v33: f32[1, 8, 2, 4] = aten.clone(v32)
+return (v33,)""")

@@ -225,3 +225,35 @@ def official_v32_chunk_attention(idx, q, kk, v):
     index_mask += offset_causal(S, T, q.device).to(acc)
     scores += index_mask.unsqueeze(2)
     return torch.einsum("bsht,bthd->bshd", scores.softmax(dim=-1, dtype=acc).type_as(q), v)
+
+
+def finfo_causal(S: int, dtype=torch.float32) -> torch.Tensor:
+    """HF's eager causal mask built in the graph: 0 on and below the diagonal, finfo.min above."""
+    return torch.full((S, S), torch.finfo(dtype).min, dtype=dtype).triu(1)
+
+
+def hf_v32_eager_in_graph_mask(qi, ki, w, q, kk, v, *keep, k: int = 4, selection_mask: bool = True):
+    """HF V3.2 eager's ``masked_fill(ones(bool).scatter(idx, False), finfo.min)`` over an
+    attention mask built in the graph (``finfo_causal``) that the indexer adds to its scores,
+    as HF's adds ``attention_mask[:, 0]`` (the site passes/visible_rows.py proves).
+    ``selection_mask=False``: the indexer without it. ``keep`` [B, T] (True = a real token):
+    a padding condition in the attention's mask only, as HF's mask builder puts it there
+    (the indexer then adds the causal mask alone)."""
+    B, S = q.shape[0], q.shape[1]
+    mask = finfo_causal(S)[None, None].expand(B, 1, S, S)
+    if keep:
+        visible = torch.ones(S, S, dtype=torch.bool).tril()[None, None] & keep[0][:, None, None, :]
+        mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)
+    s = (torch.einsum("bshd,btd->bsht", qi, ki).relu() * w.unsqueeze(-1)).sum(dim=2)
+    if selection_mask:
+        s = s + (finfo_causal(S)[None].expand(B, S, S) if keep else mask[:, 0])
+    return hf_v32_eager_finfo_attention(s.topk(min(k, S), dim=-1)[1], q, kk, v, mask)
+
+
+def hf_v32_eager_finfo_attention(idx, q, kk, v, mask):
+    """The consumer of ``hf_v32_eager_in_graph_mask`` at given indices (mask [B, 1, S, T])."""
+    B, S = q.shape[0], q.shape[1]
+    q, kk, v = q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2)
+    index_mask = idx.new_ones((B, S, kk.shape[2]), dtype=torch.bool).scatter(-1, idx, False).unsqueeze(1)
+    attention_mask = mask.masked_fill(index_mask, torch.finfo(mask.dtype).min)
+    return _hf_eager_attention(q, kk, v, attention_mask, q.shape[-1] ** -0.5)[0]
