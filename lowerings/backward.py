@@ -40,6 +40,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .mask_kinds import kind_of
 from .reference import _apply_elementwise, _apply_mask, check_operands
 from .spec import ScoreSpec, SpecError, dtype_of
 
@@ -96,7 +97,7 @@ def _steps_backward(g: torch.Tensor, steps, outs: List[torch.Tensor]) -> torch.T
 
 def _mask_grad(g, term, masks, b0, b1, s0, s1, keys, B, S, T) -> torch.Tensor:
     """Gradient through one mask term: fills stop it at hidden slots, additions pass it."""
-    if term.kind == "add" or (term.kind == "range" and term.mode == "add"):
+    if kind_of(term).adds_to_score:
         return g
     # the fill's hidden slots: apply the term to zeros and see which slots changed
     probe = _apply_mask(torch.zeros_like(g), term, masks, b0, b1, s0, s1, 0, T, B, S, T, keys=keys)

@@ -215,6 +215,12 @@ class MaskKind(abc.ABC):
     def slot_lines(self, keys: str = "t", ok: str = "slot_ok") -> List[str]:
         """Lines applying the term to ``y`` [heads, slots] at the slots' keys ``keys`` [slots]."""
 
+    def slot_grad_lines(self, keys: str = "t", ok: str = "slot_ok") -> List[str]:
+        """Lines taking the gradient ``g`` [heads, slots] of the term's output back to its
+        input (the sparse attention's backward): an addition passes it, a fill passes nothing
+        to the slots it overwrites."""
+        return []
+
     # -- launch --------------------------------------------------------------------------
     @abc.abstractmethod
     def launch_args(self, masks, B, S, T, device, rows=slice(None), float_adds: bool = False) -> list:
@@ -391,6 +397,10 @@ class FillMask(TableMask):
     def slot_apply_line(self) -> str:
         return f"y = tl.where(({self._cond()})[None, :], {triton_literal(self.term.value)}, y)"
 
+    def slot_grad_lines(self, keys: str = "t", ok: str = "slot_ok") -> List[str]:
+        load = TableMask.slot_lines(self, keys, ok)[0]  # the forward's load of m{j} at the slots
+        return [load, f"g = tl.where(({self._cond()})[None, :], 0.0, g)"]
+
     def check_kernel_dtype(self, m, float_adds):
         if m.dtype != torch.bool:
             raise SpecError(f"fill mask operand {self.term.operand} must be bool, got {m.dtype}")
@@ -527,6 +537,12 @@ class RangeMask(MaskKind):
         if term.mode == "fill":
             return [f"hidden{j} = {hidden}", f"y = tl.where(hidden{j}[None, :], {v}, y)"]
         return [f"hidden{j} = {hidden}", f"y = y + tl.where(hidden{j}, {v}, 0.0)[None, :]"]
+
+    def slot_grad_lines(self, keys: str = "t", ok: str = "slot_ok") -> List[str]:
+        hidden = self._hidden_expr(keys, "")
+        if self.term.mode != "fill" or hidden is None:
+            return []
+        return [f"g = tl.where(({hidden})[None, :], 0.0, g)"]
 
     def launch_args(self, masks, B, S, T, device, rows=slice(None), float_adds: bool = False) -> list:
         args = []

@@ -51,6 +51,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from .attention_spec import AttentionSpec
+from .mask_kinds import kind_of
 from .spec import SpecError
 from .triton_attention import (_indent, _mask_args_def, _mask_launch_args, _mask_params, _next_pow2,
                                _render_row_bounds, check_attention_operands, form_of, render_kernel_source,
@@ -183,18 +184,7 @@ def _render_post_grad(spec: AttentionSpec) -> list:
         elif op == "add":
             continue
         elif op == "mask":
-            j = step[1]
-            term = spec.masks[j]
-            if term.kind == "fill":
-                lines.append(f"m{j} = tl.load(M{j} + b * stride_m{j}_b + s * stride_m{j}_s + t * stride_m{j}_t, "
-                             f"mask=slot_ok, other=0)")
-                cond = f"m{j} != 0" if term.where else f"m{j} == 0"
-                lines.append(f"g = tl.where(({cond})[None, :], 0.0, g)")
-            elif term.kind == "range" and term.mode == "fill":
-                parts = ([f"(t < lo{j})"] if term.lo is not None else []) + \
-                        ([f"(t >= hi{j})"] if term.hi is not None else [])
-                if parts:
-                    lines.append(f"g = tl.where(({' | '.join(parts)})[None, :], 0.0, g)")
+            lines.extend(kind_of(spec.masks[step[1]], step[1]).slot_grad_lines())
         else:
             raise SpecError(f"post step {step!r} has no derivative in the Triton backward")
     return lines
