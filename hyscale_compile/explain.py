@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -57,10 +57,15 @@ class ExplainReport:
         return "\n".join(lines)
 
 
-def explain(model: Callable, *args: Any, dynamic: Any = None, **kwargs: Any) -> ExplainReport:
+def explain(model: Callable, *args: Any, dynamic: Any = None, options: Optional[dict] = None,
+            **kwargs: Any) -> ExplainReport:
     """Compile ``model`` with the hyscale pass (debug backend: no Inductor codegen), run it
     once on ``args``/``kwargs``, and report every top-k site it saw (and, as ``output``,
     what that run returned).
+
+    ``options``: what ``torch.compile(..., options=...)`` would get (the ``hyscale.*`` keys
+    take effect, e.g. ``{"hyscale.sparse_attention": False}``; Inductor's are accepted and
+    ignored), so the report describes the compile you run.
 
     The model runs under the grad mode you call this in; call it under ``torch.no_grad()``
     to see the inference graph, or with grad enabled to see the training (joint) graph.
@@ -75,7 +80,7 @@ def explain(model: Callable, *args: Any, dynamic: Any = None, **kwargs: Any) -> 
     counters = torch._dynamo.utils.counters
     before = dict(counters["graph_break"])
     unimpl_before = dict(counters["unimplemented"])
-    compiled = torch.compile(model, backend=hyscale_debug_backend, dynamic=dynamic)
+    compiled = torch.compile(model, backend=hyscale_debug_backend, dynamic=dynamic, options=options)
     output = compiled(*args, **kwargs)
     after = counters["graph_break"]
     breaks = sum(after.values()) - sum(before.values())

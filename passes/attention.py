@@ -696,7 +696,10 @@ def _applications(walk: MaskWalk, sc: fx.Node) -> List[Tuple[fx.Node, int, Maske
             seen.add(u)
             if is_backward_node(u) or u.target in _SHAPE_QUERIES or sdpa.is_lowered(u) or sdpa.feeds_only_lowered(u):
                 continue  # (a lowered fused sdpa: its math, written beside it, reads the index mask)
-            i = next(j for j, a in enumerate(u.args) if a is n)
+            i = next((j for j, a in enumerate(u.args) if a is n), -1)
+            if i < 0:  # read as a keyword argument (a fused sdpa's attn_mask): an application the walk stops at
+                out.append((u, i, walk.values[n]))
+                continue
             m = None if _scores_side(walk.facts, u, i) else walk.step(u)
             if m is None:
                 out.append((u, i, walk.values[n]))
@@ -756,6 +759,9 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
     try:
         if app.target in sdpa.FUSED:
             raise _Reject(sdpa.dense_reason(app))
+        if i < 0:
+            raise _Reject(f"the index mask reaches {app.target} as a keyword argument, which the rewrite does not "
+                          "handle")
         finite = app.target is aten.add.Tensor and masked.uns != -math.inf
         if app.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
             if i != 1 or masked.uns is not True or facts.constant(app.args[2]) != -math.inf:

@@ -213,6 +213,7 @@ def lower_fused(graph: fx.Graph, Emitter) -> List[Lowered]:
         em = Emitter(graph, n)
         try:
             res, pv = _emit_math(em, a, _unpadded(bias), FUSED[n.target][2])
+            res = _like_strides(em, res, readers[0].meta.get("val") if readers else None)
         except Exception as e:  # (nothing reads the new nodes yet: the node stays as it was)
             em.rollback()
             n.meta[_META] = f"{FUSED[n.target][0]}: its math could not be written out ({type(e).__name__}: {e})"
@@ -228,6 +229,23 @@ def lower_fused(graph: fx.Graph, Emitter) -> List[Lowered]:
         n.meta[_META] = "lowered"
         out.append(Lowered(n, res, pv, readers, list(em.created)))
     return out
+
+
+def _like_strides(em, out: fx.Node, like) -> fx.Node:
+    """``out`` laid out in memory as ``like`` (the fused kernel's output), when that is not
+    contiguous: the graph's views of the output were traced on its strides (the CPU flash
+    kernel returns [B, H, S, D] over a [B, S, H, D] buffer, and the model's
+    ``transpose(1, 2).reshape(...)`` became a plain view of it)."""
+    if not isinstance(like, torch.Tensor) or like.is_contiguous():
+        return out
+    st = like.stride()
+    if not all(isinstance(x, int) for x in st):
+        return out
+    order = sorted(range(like.dim()), key=lambda d: (-st[d], d))  # the buffer's dims, outermost first
+    inv = [order.index(d) for d in range(like.dim())]
+    x = em.call(aten.clone.default, [em.call(aten.permute.default, [out, order])],
+                {"memory_format": torch.contiguous_format})
+    return em.call(aten.permute.default, [x, inv])
 
 
 def _is_bwd(u: fx.Node) -> bool:

@@ -41,7 +41,9 @@ def compiled(fn, **kw):
 def test_form_is_rewritten_and_matches_eager(name):
     case = FORMS[name](fresh_seed(name) % 1000)
     with torch.no_grad():
-        report = hyscale_compile.explain(case.fn, *case.args)
+        # the selection's rewrite alone (exact: the output equals eager's); a rewritten
+        # attention consumer follows its own numerics rule, tested in test_attention_*.py
+        report = hyscale_compile.explain(case.fn, *case.args, options={"hyscale.sparse_attention": False})
         assert len(report.rewritten) == case.num_selections, str(report)
         assert len(report.left_alone) == case.num_other_topk, str(report)
         for site in report.left_alone:

@@ -17,9 +17,9 @@ from tests.test_canonicalize import _as_tuple, assert_same_outputs
 pytestmark = pytest.mark.inductor
 
 
-def compiled_code(fn, *args):
+def compiled_code(fn, *args, options=None):
     torch._dynamo.reset()
-    out, code = run_and_get_code(torch.compile(fn, backend="hyscale"), *args)
+    out, code = run_and_get_code(torch.compile(fn, backend="hyscale", options=options), *args)
     return out, "\n".join(code)
 
 
@@ -28,7 +28,9 @@ def compiled_code(fn, *args):
 def test_forms_through_inductor(name):
     case = FORMS[name](fresh_seed(name) % 1000)
     with torch.no_grad():
-        out, code = compiled_code(case.fn, *case.args)
+        # the selection's rewrite alone (exact); a rewritten attention consumer has its own
+        # numerics rule (tests/test_attention_pass.py::test_inductor_end_to_end)
+        out, code = compiled_code(case.fn, *case.args, options={"hyscale.sparse_attention": False})
         ref = case.fn(*case.args)
         if any(o.dtype in (torch.bfloat16, torch.float16) for o in _as_tuple(ref)):
             # Inductor itself rounds low-precision math differently from eager: compare
