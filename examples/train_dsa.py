@@ -44,7 +44,7 @@ indexer still has to find one position among hundreds.) The indexer selects k <=
 query. recall@k is the fraction of queries whose selection contains the answer's value position,
 printed per layer beside the random baseline (k / number of visible keys).
 
-Sizes. The default runs on a CPU: fp32, seq 256, k 16, batch 16, dim 64. For a GPU::
+Sizes. The default runs on a CPU: fp32, seq 128, k 8, batch 16, dim 64 (``--seq 256`` needs more dense steps). For a GPU::
 
     python examples/train_dsa.py --device cuda --seq 8192      # up to --seq 32768
 
@@ -102,10 +102,11 @@ class Setup:
                 f"{str(self.dtype).replace('torch.', '')} on {self.device}")
 
 
-def make_setup(seq: int, device: str, dtype: Optional[torch.dtype], batch: Optional[int]) -> Setup:
+def make_setup(seq: int, device: str, dtype: Optional[torch.dtype], batch: Optional[int],
+               topk: Optional[int] = None) -> Setup:
     """Up to S = 512: the CPU-sized model; longer: dim 256 and 16 indexer heads of dim 64. k = S/16
-    (at most 2048, as DeepSeek-V3.2)."""
-    k = max(1, min(2048, seq // 16))
+    (at most 2048, as DeepSeek-V3.2) unless ``topk``."""
+    k = topk or max(1, min(2048, seq // 16))
     if seq <= 512:
         cfg = DSAConfig(vocab=128, dim=64, layers=2, heads=4, index_heads=16, index_head_dim=16, index_topk=k,
                         max_seq=seq, q_lora_rank=32, mlp_hidden=128)
@@ -113,7 +114,7 @@ def make_setup(seq: int, device: str, dtype: Optional[torch.dtype], batch: Optio
                      dtype=dtype or torch.float32)
     cfg = DSAConfig(vocab=256, dim=256, layers=2, heads=4, index_heads=16, index_head_dim=64, index_topk=k,
                     max_seq=seq, q_lora_rank=128, mlp_hidden=512)
-    return Setup(cfg=cfg, seq=seq, batch=batch or 4, pairs=16, queries=16, device=device,
+    return Setup(cfg=cfg, seq=seq, batch=batch or max(1, 32768 // seq), pairs=16, queries=16, device=device,
                  dtype=dtype or (torch.bfloat16 if device == "cuda" else torch.float32))
 
 
@@ -446,10 +447,10 @@ def parse_args(argv=None):
                                             "dense warm-up, then sparse training with the KL loss) on associative "
                                             "recall with torch.compile(backend='hyscale').")
     p.add_argument("--dense-steps", type=int, default=None,
-                   help="steps of dense training before the recipe (default 600 at S <= 512, 1000 longer)")
+                   help="steps of dense training before the recipe (default 400 at S <= 512, 1000 longer)")
     p.add_argument("--warmup-steps", type=int, default=None,
-                   help="steps of the indexer's dense warm-up, model frozen (default 100)")
-    p.add_argument("--steps", type=int, default=None, help="steps of sparse training (default 200)")
+                   help="steps of the indexer's dense warm-up, model frozen (default 60)")
+    p.add_argument("--steps", type=int, default=None, help="steps of sparse training (default 100)")
     p.add_argument("--compare-steps", type=int, default=None,
                    help="sparse steps also run under --reference and compared (default: all at S <= 512, else 50; 0 skips)")
     p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
@@ -461,8 +462,9 @@ def parse_args(argv=None):
     p.add_argument("--reference", default=None,
                    help="backend the sparse stage is compared with (default: inductor; aot_eager with --backend hyscale_debug)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--seq", type=int, default=256, help="sequence length (default 256); k = seq / 16")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default 16 at S <= 512, else 4)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    p.add_argument("--topk", type=int, default=None, help="keys the indexer selects per query (default seq / 16, at most 2048)")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default 16 at S <= 512, else 32768 // seq)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                    help="weights/activations dtype (default fp32 on CPU, bf16 weights on CUDA beyond S = 512)")
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate of the model (default 3e-3, 1e-3 beyond S = 512)")
@@ -477,13 +479,15 @@ def parse_args(argv=None):
     if a.seq < 64:
         p.error(f"--seq must be at least 64 (16 pairs, 16 queries, and the pairs at distance >= S/2), got {a.seq}")
     long = a.seq > 512
-    a.dense_steps = (1000 if long else 600) if a.dense_steps is None else a.dense_steps
-    a.warmup_steps = 100 if a.warmup_steps is None else a.warmup_steps
-    a.steps = 200 if a.steps is None else a.steps
+    a.dense_steps = (1000 if long else 400) if a.dense_steps is None else a.dense_steps
+    a.warmup_steps = 60 if a.warmup_steps is None else a.warmup_steps
+    a.steps = 100 if a.steps is None else a.steps
     for name in ("dense_steps", "warmup_steps", "steps"):
         if getattr(a, name) < 0 or (name == "steps" and a.steps < 1):
             p.error(f"--{name.replace('_', '-')} must be {'at least 1' if name == 'steps' else '>= 0'}, "
                     f"got {getattr(a, name)}")
+    if a.topk is not None and not 1 <= a.topk <= a.seq:
+        p.error(f"--topk must be in 1..--seq, got {a.topk}")
     if a.compare_steps is None:
         a.compare_steps = 50 if long else a.steps
     if a.compare_steps < 0:
@@ -503,7 +507,7 @@ def main(argv=None) -> int:
     from torch._dynamo.utils import counters
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[args.dtype]
-    s = make_setup(args.seq, args.device, dtype, args.batch)
+    s = make_setup(args.seq, args.device, dtype, args.batch, args.topk)
     c = s.cfg
     say("=" * 80)
     say(f"train_dsa: DSA indexer recipe on associative recall, torch.compile(backend={args.backend!r}), "
