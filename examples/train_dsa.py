@@ -56,8 +56,11 @@ Sizes. The default runs on a CPU: fp32, seq 128, k 8, batch 16, dim 64 (``--seq 
     python examples/train_dsa.py --device cuda --seq 8192      # up to --seq 32768
 
 which trains dim 256, 16 indexer heads of dim 64, k = seq / 16 (capped at 2048), in bf16 weights
-(the indexer and the losses compute in fp32). At a long ``--seq`` the step-for-step comparison
-runs ``--compare-steps`` (default 50) steps.
+(the indexer and the losses compute in fp32), with 2000 dense steps. At a long ``--seq`` the
+step-for-step comparison runs ``--compare-steps`` (default 50) steps. The dense stage is the part
+that gets harder with S (at init each query spreads its attention over S keys): at S = 128 it
+learns the lookup in ~300 steps, while at S = 256 it had not started after 400, so a long ``--seq``
+may need more ``--dense-steps``; watch its accuracy before the warm-up.
 """
 from __future__ import annotations
 
@@ -454,7 +457,7 @@ def parse_args(argv=None):
                                             "dense warm-up, then sparse training with the KL loss) on associative "
                                             "recall with torch.compile(backend='hyscale').")
     p.add_argument("--dense-steps", type=int, default=None,
-                   help="steps of dense training before the recipe (default 400 at S <= 512, 1000 longer)")
+                   help="steps of dense training before the recipe (default 400 at S <= 512, 2000 longer)")
     p.add_argument("--warmup-steps", type=int, default=None,
                    help="steps of the indexer's dense warm-up, model frozen (default 60)")
     p.add_argument("--steps", type=int, default=None, help="steps of sparse training (default 100)")
@@ -474,7 +477,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=None, help="batch size (default 16 at S <= 512, else 32768 // seq)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                    help="weights/activations dtype (default fp32 on CPU, bf16 weights on CUDA beyond S = 512)")
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate of the model (default 3e-3, 1e-3 beyond S = 512)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate of the model (default 3e-3)")
     p.add_argument("--indexer-lr", type=float, default=1e-3, help="AdamW learning rate of the indexer (default 1e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join("out", "train_dsa_loss.png"), help="loss-curve PNG")
@@ -486,7 +489,7 @@ def parse_args(argv=None):
     if a.seq < 64:
         p.error(f"--seq must be at least 64 (16 pairs, 16 queries, and the pairs at distance >= S/2), got {a.seq}")
     long = a.seq > 512
-    a.dense_steps = (1000 if long else 400) if a.dense_steps is None else a.dense_steps
+    a.dense_steps = (2000 if long else 400) if a.dense_steps is None else a.dense_steps
     a.warmup_steps = 60 if a.warmup_steps is None else a.warmup_steps
     a.steps = 100 if a.steps is None else a.steps
     for name in ("dense_steps", "warmup_steps", "steps"):
@@ -502,8 +505,6 @@ def parse_args(argv=None):
     a.compare_steps = min(a.compare_steps, a.steps)
     if a.reference is None:
         a.reference = "aot_eager" if a.backend == "hyscale_debug" else "inductor"
-    if a.lr is None:
-        a.lr = 1e-3 if long else 3e-3
     return a
 
 
