@@ -175,6 +175,7 @@ class DSALanguageModel(nn.Module):
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         h = self.embed(input_ids) + self.pos_embed(pos)
         mask = causal_mask(input_ids.shape[1], input_ids.device)
+        # only the flags that are on: an attention whose forward takes just (x, mask) keeps working
         kw = {k: True for k, on in (("dense", dense), ("return_aux", return_aux)) if on}
         auxes = []
         for block in self.blocks:

@@ -336,8 +336,8 @@ class Log:
         n = max(1, len(xs) // int(1 / frac))
         return sum(xs[-n:]) / n
 
-    def recall_tail(self, first=False):
-        rs = self.recall[:max(1, len(self.recall) // 10)] if first else self.recall[-max(1, len(self.recall) // 10):]
+    def recall_tail(self):
+        rs = self.recall[-max(1, len(self.recall) // 10):]
         return [sum(r[i] for r in rs) / len(rs) for i in range(len(rs[0]))]
 
 
