@@ -59,8 +59,8 @@ which trains dim 256, 16 indexer heads of dim 64, k = seq / 16 (capped at 2048),
 (the indexer and the losses compute in fp32), with 2000 dense steps. At a long ``--seq`` the
 step-for-step comparison runs ``--compare-steps`` (default 50) steps. The dense stage is the part
 that gets harder with S (at init each query spreads its attention over S keys): at S = 128 it
-learns the lookup in ~300 steps, while at S = 256 it had not started after 400, so a long ``--seq``
-may need more ``--dense-steps``; watch its accuracy before the warm-up.
+learns the lookup in ~300 steps, at S = 256 it starts only after ~850 (measured on the CPU), so a
+long ``--seq`` may need many more ``--dense-steps``; watch its accuracy before the warm-up.
 """
 from __future__ import annotations
 
