@@ -84,6 +84,15 @@ class LightningIndexer(nn.Module):
         index_scores = index_scores + mask
         return index_scores.topk(min(self.topk, index_scores.shape[-1]), dim=-1).indices.to(torch.int32)
 
+    def projections(self, x: torch.Tensor, q_resid: torch.Tensor):
+        """``forward``'s projections with grad, in fp32: ``q [B, S, H, D]``, ``k [B, T, D]`` and the
+        head weights ``w [B, S, H]``. A training loop that trains the indexer (DeepSeek-V3.2's KL
+        loss) computes its index scores from these."""
+        b, s, _ = x.shape
+        q = self.wq_b(q_resid).view(b, s, self.n_heads, self.head_dim).float()
+        k = self.k_norm(self.wk(x)).float()
+        return q, k, self.weights_proj(x).float() * self.n_heads**-0.5
+
 
 class SparseAttention(nn.Module):
     """Multi-head attention restricted to the indexer's keys (HF eager mask form)."""
@@ -98,19 +107,26 @@ class SparseAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.indexer = LightningIndexer(cfg)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, dense: bool = False, return_aux: bool = False):
+        """``dense``: attend to every causal key (the dense model DSA starts from; the indexer is not
+        run). ``return_aux``: also return what the indexer's training loss needs, the tuple
+        ``(q [B, heads, S, d], k [B, heads, T, d], x, q_resid)`` plus, unless dense, the selection."""
         b, s, d = x.shape
         q_resid = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k, v = self.kv_proj(x).view(b, s, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        topk_indices = self.indexer(x, q_resid, mask)  # [B, S, k]
-        # True = key not selected; masked with finfo.min on top of the causal mask.
-        index_mask = torch.ones(b, s, s, dtype=torch.bool, device=x.device).scatter(-1, topk_indices.long(), False)
-        attn_mask = mask.expand(b, s, s).masked_fill(index_mask, torch.finfo(x.dtype).min).unsqueeze(1)
+        if dense:
+            attn_mask, aux = mask, (q, k, x, q_resid)
+        else:
+            topk_indices = self.indexer(x, q_resid, mask)  # [B, S, k]
+            # True = key not selected; masked with finfo.min on top of the causal mask.
+            index_mask = torch.ones(b, s, s, dtype=torch.bool, device=x.device).scatter(-1, topk_indices.long(), False)
+            attn_mask = mask.expand(b, s, s).masked_fill(index_mask, torch.finfo(x.dtype).min).unsqueeze(1)
+            aux = (q, k, x, q_resid, topk_indices)
         attn = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5 + attn_mask
         attn = F.softmax(attn, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(attn, v).transpose(1, 2).reshape(b, s, d)
-        return self.o_proj(out)
+        out = self.o_proj(torch.matmul(attn, v).transpose(1, 2).reshape(b, s, d))
+        return (out, aux) if return_aux else out
 
 
 class MLP(nn.Module):
@@ -132,9 +148,13 @@ class Block(nn.Module):
         self.attn_norm, self.attn = RMSNorm(cfg.dim), SparseAttention(cfg)
         self.mlp_norm, self.mlp = RMSNorm(cfg.dim), MLP(cfg)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), mask)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, **attn_kwargs):
+        """``attn_kwargs``: ``SparseAttention``'s ``dense`` / ``return_aux`` (then ``(x, aux)``)."""
+        a = self.attn(self.attn_norm(x), mask, **attn_kwargs)
+        a, aux = a if attn_kwargs.get("return_aux") else (a, None)
+        x = x + a
+        x = x + self.mlp(self.mlp_norm(x))
+        return (x, aux) if attn_kwargs.get("return_aux") else x
 
 
 class DSALanguageModel(nn.Module):
@@ -147,16 +167,24 @@ class DSALanguageModel(nn.Module):
         self.norm = RMSNorm(cfg.dim)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``input_ids [B, S]`` -> logits ``[B, S, vocab]``."""
+    def forward(self, input_ids: torch.Tensor, dense: bool = False, return_aux: bool = False):
+        """``input_ids [B, S]`` -> logits ``[B, S, vocab]``; with ``return_aux``, ``(logits, [aux of
+        each layer])`` (see ``SparseAttention.forward``); ``dense``: dense attention in every layer."""
         if input_ids.shape[1] > self.cfg.max_seq:
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds max_seq={self.cfg.max_seq}")
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         h = self.embed(input_ids) + self.pos_embed(pos)
         mask = causal_mask(input_ids.shape[1], input_ids.device)
+        # only the flags that are on: an attention whose forward takes just (x, mask) keeps working
+        kw = {k: True for k, on in (("dense", dense), ("return_aux", return_aux)) if on}
+        auxes = []
         for block in self.blocks:
-            h = block(h, mask)
-        return self.lm_head(self.norm(h))
+            h = block(h, mask, **kw)
+            if return_aux:
+                h, aux = h
+                auxes.append(aux)
+        logits = self.lm_head(self.norm(h))
+        return (logits, auxes) if return_aux else logits
 
 
 def make_model(config: DSAConfig | None = None) -> DSALanguageModel:
