@@ -17,6 +17,7 @@ from hyscale_compile.passes import diagnostics
 from hyscale_compile.passes.indexer_loss import loss_records
 from hyscale_compile.testing import assert_consumer_close, square_tensors
 from tests.contract import fresh_seed
+from tests.test_attention_pass import sequence_square_nodes
 
 # Dynamo traces through Megatron's own lru_cache-wrapped helpers and says so once per call site
 pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`-wrapped function")
@@ -323,29 +324,6 @@ def test_other_kl_spelling_stays_dense_with_a_reason():
     assert not rec.rewritten and "not by a softmax and the KL term" in rec.reason, rec.line()
 
 
-def _seq_square(graphs, S):
-    """Node values with two dims that grow with the sequence symbol (test_attention_pass's check)."""
-    seq = None
-    for g in graphs.values():
-        for n in g.graph.nodes:
-            v = n.meta.get("val")
-            if isinstance(v, torch.SymInt) and v.node.hint == S and v.node.expr.is_Symbol:
-                seq = v.node.expr
-    assert seq is not None, "the sequence length is not a symbol"
-    bad = []
-    for kind, g in graphs.items():
-        for n in g.graph.nodes:
-            v = n.meta.get("val")
-            for t in (v if isinstance(v, (tuple, list)) else [v]):
-                if isinstance(t, torch.Tensor):
-                    # (a dim of Min(k, S) is the selection's k, at most k)
-                    dims = [d for d in t.shape if isinstance(d, torch.SymInt) and seq in d.node.expr.free_symbols
-                            and d.node.expr.func.__name__ != "Min"]
-                    if len(dims) >= 2:
-                        bad.append(f"{kind}: {n.name} {n.target} {tuple(t.shape)}")
-    return bad
-
-
 def test_megatron_sparse_loss_dynamic_no_square_tensors(megatron_cpu):
     """Under dynamic=True (training), no node value of the forward or backward graph has two
     dims of the sequence length; the loss equals eager's."""
@@ -362,7 +340,7 @@ def test_megatron_sparse_loss_dynamic_no_square_tensors(megatron_cpu):
     assert rec.rewritten and rec.backward == "sparse", rec.line()
     graphs = {k: g for k, g in cap if k in ("forward", "backward")}
     assert set(graphs) == {"forward", "backward"}
-    bad = _seq_square(graphs, ST)
+    bad = sequence_square_nodes(graphs, ST)
     assert not bad, "\n".join(bad)
     torch.testing.assert_close(out, fn(x, qr, query, key)[0])
 
