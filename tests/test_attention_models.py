@@ -208,6 +208,20 @@ def test_hf_attention_rewritten(name, attn, train):
         assert count(cap, SELECTION, ("backward",)) == 0  # nothing re-selects
 
 
+@pytest.mark.parametrize("name, attn, train", [*((n, a, False) for n, a in REWRITTEN), ("deepseek_v32", "eager", True)])
+def test_hf_batch_one_is_rewritten(name, attn, train):
+    """Batch 1, the long-context case: HF then detects packed sequences from the positions
+    (``find_packed_sequence_indices``), so the causal mask is ``causal & doc[q] == doc[t]``
+    with a batch dim of size 1; both the selection's mask and the attention's canonicalize to
+    ranges (no [S, T] mask operand), and the numerics rule holds."""
+    r = run_hf(name, attn, train, batch=1)
+    kinds = ("forward",) if train else ("inference",)
+    assert count(r["cap"], ATTENTION, kinds) == EXPECTED_ATTENTION[name], [x.line() for x in r["records"]]
+    for x in r["records"]:
+        assert "mask:range" in x.line() and "mask:add" not in x.line(), x.line()
+    check_numerics(r)
+
+
 @pytest.mark.parametrize("name, attn", NUMERIC_CASES)
 def test_hf_every_consumer_is_reported(name, attn):
     """Each layer's index mask has one explain record: sparse (and then the op is in the

@@ -171,9 +171,9 @@ def _dsa_common(index_topk: int, first_k_dense_replace: int = 1) -> dict[str, An
     )
 
 
-def _ids(seed: int, seq: int) -> torch.Tensor:
+def _ids(seed: int, seq: int, batch: int = BATCH) -> torch.Tensor:
     g = torch.Generator().manual_seed(10_000 + seed)
-    return torch.randint(0, VOCAB, (BATCH, seq), generator=g)
+    return torch.randint(0, VOCAB, (batch, seq), generator=g)
 
 
 def _finish(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -189,6 +189,7 @@ def build_deepseek_v32(
     attn_implementation: str = "eager",
     experts_implementation: str = "grouped_mm",
     seq: int = SEQ,
+    batch: int = BATCH,
     index_topk: int = 8,
     first_k_dense_replace: int = 1,
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -208,7 +209,7 @@ def build_deepseek_v32(
         experts_implementation=experts_implementation,
     )
     model = _finish(DeepseekV32ForCausalLM(cfg), dtype)
-    return model, {"input_ids": _ids(seed, seq), "use_cache": False}
+    return model, {"input_ids": _ids(seed, seq, batch), "use_cache": False}
 
 
 def build_glm_moe_dsa(
@@ -219,6 +220,7 @@ def build_glm_moe_dsa(
     experts_implementation: str = "grouped_mm",
     indexer_types: tuple[str, ...] = ("full", "shared"),
     seq: int = SEQ,
+    batch: int = BATCH,
     index_topk: int = 8,
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """GlmMoeDsaForCausalLM: 2 layers; by default layer 1 reuses layer 0's indices (IndexCache).
@@ -238,7 +240,7 @@ def build_glm_moe_dsa(
         experts_implementation=experts_implementation,
     )
     model = _finish(GlmMoeDsaForCausalLM(cfg), dtype)
-    return model, {"input_ids": _ids(seed, seq), "use_cache": False}
+    return model, {"input_ids": _ids(seed, seq, batch), "use_cache": False}
 
 
 def build_deepseek_v4(
