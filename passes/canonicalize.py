@@ -971,6 +971,10 @@ class SiteAnalysis:
             raise Unsupported("mask equality picks id rows by something other than the batch index")
         row_dims = [d for d in L.broadcast_align(shape_of(rows), lay) if d]
         key_dims = [d for d in L.broadcast_align(shape_of(keys), lay) if d]
+        if not row_dims and L.is_one(shape_of(doc)[0]):
+            # batch 1 (HF detects packed sequences only then): the id row's unit batch dim
+            # carries no axis, like every unit dim of a layout
+            row_dims = [()]
         if len(row_dims) != 1 or len(key_dims) != 1 or not L.same_size(L.dim_size(key_dims[0]), shape_of(doc)[1]):
             raise Unsupported("mask equality over an id row that is not [batch, keys]")
         doc_plan = OperandPlan(doc, [row_dims[0], key_dims[0]])
@@ -1169,7 +1173,9 @@ def place_mask_operands(u, mask_operands, B, S, T) -> None:
                 if isinstance(p, SearchBound):
                     p.sorted.layout = u.apply(p.sorted.layout)
                     p.sorted.groups = [B, T]
-                    if not p.sorted.layout[0] or p.sorted.layout[0][0].label not in B:
+                    # (a unit batch dim carries no axis: batch 1)
+                    lead = p.sorted.layout[0]
+                    if (lead[0].label not in B) if lead else not L.is_one(shape_of(p.sorted.node)[0]):
                         raise Unsupported("a mask's id rows are not picked by the batch index")
                     p = p.values
                 p.layout = u.apply(p.layout)
