@@ -211,6 +211,72 @@ def test_fused_sdpa_restored_when_not_rewritten():
     assert FLASH_CPU in got and aten.bmm.default not in got and aten.amax.default not in got
 
 
+# ------------------------------------------- HF V3.2 sdpa as a CUDA trace holds it, on the CPU
+
+def cuda_dispatch(backend):
+    """``F.scaled_dot_product_attention`` as torch's composite runs it on CUDA once its
+    dispatcher has picked ``backend`` (aten/.../transformers/attention.cpp): the bool mask
+    made additive (-inf, or for cuDNN ``convert_boolean_attn_mask_cudnn``'s finite -65504),
+    efficient attention's bias padded to an aligned last dim and expanded
+    (``preprocess_mask``), the log-sum-exp asked for when a gradient is wanted. On CPU
+    tensors the fused nodes trace (meta kernels) but do not run: a compiled step runs only
+    where the pass rewrote every one of them, forward and backward."""
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        assert not enable_gqa
+        lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        m = attn_mask
+        if m is not None and m.dtype == torch.bool:
+            fill = -65504.0 if backend == "cudnn" else -math.inf
+            m = torch.where(m.logical_not(), fill, torch.scalar_tensor(0.0, dtype=q.dtype))
+        if backend == "cudnn":
+            return CUDNN(q, k, v, m, lse, dropout_p, is_causal, False, scale=scale)[0]
+        if m is not None:
+            T = m.shape[-1]
+            if T % 16:
+                m = F.pad(m, (0, 16 - T % 16))[..., :T]
+            m = m.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        return EFFICIENT(q, k, v, m, lse, dropout_p, is_causal, scale=scale)[0]
+    return sdpa
+
+
+def run_hf_v32_dispatched(backend, dtype, train, monkeypatch):
+    """The tiny HF V3.2 (sdpa) compiled (debug backend) with sdpa dispatched to ``backend``
+    as on CUDA, on the CPU; returns ``test_attention_models.run_hf``'s dict (its reference
+    and ``orig`` run with the CPU's own sdpa, which stands for the kernel)."""
+    from tests import test_attention_models as M
+
+    build = {"first_k_dense_replace": 2} if dtype == torch.bfloat16 else {}
+    with monkeypatch.context() as mp:
+        mp.setattr(F, "scaled_dot_product_attention", cuda_dispatch(backend))
+        mp.setattr(M, "_RUNS", {})
+        try:
+            r = M.run_hf("deepseek_v32", "sdpa", train, dtype, **build)
+        except NotImplementedError as e:  # a fused node left in a graph that ran
+            lines = [x.line() for x in M.selection_consumers(diagnostics.attention_records())]
+            raise AssertionError(f"a fused sdpa node was left: {lines} ({str(e)[:80]})") from None
+    for x in r["records"]:
+        print(x.line())
+    return r
+
+
+def test_hf_v32_efficient_training_is_rewritten(monkeypatch):
+    """fp32 training on CUDA runs efficient attention: its backward node hands out the
+    gradients of q, k and v as its outputs 0, 1, 2, and q and k have one shape (S == T,
+    Dqk); the owner of each is its position, so both layers' forward and backward are
+    rewritten (the compiled step ran on the CPU, where neither fused kernel has a kernel),
+    within the numerics rule for the logits and every gradient."""
+    from tests import test_attention_models as M
+
+    r = run_hf_v32_dispatched("efficient", torch.float32, True, monkeypatch)
+    recs = r["records"]
+    assert len(recs) == 2 and all(x.rewritten and x.backward == "sparse" for x in recs), [x.line() for x in recs]
+    assert M.count(r["cap"], OP, ("forward",)) == 2
+    assert M.count(r["cap"], torch.ops.hyscale.sparse_attention_backward.default, ("backward",)) == 2
+    assert M.count(r["cap"], (EFFICIENT, aten._scaled_dot_product_efficient_attention_backward.default),
+                   ("forward", "backward")) == 0
+    M.check_numerics(r)
+
+
 # ----------------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
