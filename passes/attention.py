@@ -875,8 +875,12 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     for e in region:
         if all(u in rset for u in e.users):
             continue
-        owners = {role for f in seqs.get(e.meta.get("seq_nr"), ()) for role, x in sources.items()
-                  if same[role] & set(f.all_input_nodes) and _same_shape(e, x)}
+        op = sdpa.gradient_operand(e)
+        if op is not None:  # an output of a fused sdpa's backward: the gradient of the operand at its position
+            owners = {role for role, x in sources.items() if op in same[role] and _same_shape(e, x)}
+        else:
+            owners = {role for f in seqs.get(e.meta.get("seq_nr"), ()) for role, x in sources.items()
+                      if same[role] & set(f.all_input_nodes) and _same_shape(e, x)}
         if len(owners) != 1:
             raise _Reject(f"training graph: cannot tell which operand the gradient {e.name} of the attention "
                           "belongs to (a gradient into a mask or an operand used twice); the attention stays dense")
@@ -903,7 +907,10 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
         for i, role in enumerate(("q", "k", "v")):
             if role in by_source:
                 gi = em.call(operator.getitem, [call, i])
-                replace[by_source[role]] = _invert_views(em, gi, canonical[role], sources[role])
+                gi = _invert_views(em, gi, canonical[role], sources[role])
+                if sdpa.gradient_operand(by_source[role]) is not None:  # laid out as the fused backward's
+                    gi = sdpa.like_strides(em, gi, val(by_source[role]))  # (the graph's views were traced on it)
+                replace[by_source[role]] = gi
     except KeepDense as e:
         em.rollback()
         raise _Reject(f"training graph: {e}") from None

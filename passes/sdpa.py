@@ -117,6 +117,16 @@ FUSED = {
 }
 _META = "hyscale_sdpa"  # node.meta key: "lowered", or the reason the node stays fused
 
+# Each fused node's backward (autograd's formula for it, one node in a joint graph) takes the
+# forward's query, key and value (and efficient attention's bias) as arguments of those names,
+# and returns their gradients as its outputs in that order. q and k often have one shape
+# (S == T), so only the position tells the gradient of q from that of k.
+BACKWARD = {
+    aten._scaled_dot_product_efficient_attention_backward.default: ("query", "key", "value", "attn_bias"),
+    aten._scaled_dot_product_cudnn_attention_backward.default: ("query", "key", "value"),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: ("query", "key", "value"),
+}
+
 
 def call_args(n: fx.Node) -> dict:
     """``n``'s arguments by schema name, defaults filled in."""
@@ -129,6 +139,19 @@ def call_args(n: fx.Node) -> dict:
         else:
             out[a.name] = a.default_value if a.has_default_value() else None
     return out
+
+
+def gradient_operand(e: fx.Node) -> Optional[fx.Node]:
+    """The forward operand whose gradient ``e`` is, when ``e`` is an output of a fused node's
+    backward (``BACKWARD``); else None."""
+    if e.op != "call_function" or e.target is not operator.getitem:
+        return None
+    bw, i = e.args
+    if not isinstance(bw, fx.Node) or bw.target not in BACKWARD or not isinstance(i, int) or \
+            not 0 <= i < len(BACKWARD[bw.target]):
+        return None
+    op = call_args(bw)[BACKWARD[bw.target][i]]
+    return op if isinstance(op, fx.Node) else None
 
 
 def is_lowered(n: fx.Node) -> bool:
@@ -213,7 +236,7 @@ def lower_fused(graph: fx.Graph, Emitter) -> List[Lowered]:
         em = Emitter(graph, n)
         try:
             res, pv = _emit_math(em, a, _unpadded(bias), FUSED[n.target][2])
-            res = _like_strides(em, res, readers[0].meta.get("val") if readers else None)
+            res = like_strides(em, res, readers[0].meta.get("val") if readers else None)
         except Exception as e:  # (nothing reads the new nodes yet: the node stays as it was)
             em.rollback()
             n.meta[_META] = f"{FUSED[n.target][0]}: its math could not be written out ({type(e).__name__}: {e})"
@@ -231,7 +254,7 @@ def lower_fused(graph: fx.Graph, Emitter) -> List[Lowered]:
     return out
 
 
-def _like_strides(em, out: fx.Node, like) -> fx.Node:
+def like_strides(em, out: fx.Node, like) -> fx.Node:
     """``out`` laid out in memory as ``like`` (the fused kernel's output), when that is not
     contiguous: the graph's views of the output were traced on its strides (the CPU flash
     kernel returns [B, H, S, D] over a [B, S, H, D] buffer, and the model's

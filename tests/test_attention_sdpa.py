@@ -282,12 +282,8 @@ def test_hf_v32_efficient_training_is_rewritten(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,train", [
-    (torch.float32, False),
-    pytest.param(torch.float32, True, marks=pytest.mark.xfail(
-        strict=True, reason="measured on an H200 (torch 2.11): the training graph leaves both layers dense, 'cannot "
-        "tell which operand the gradient getitem_54 of the attention belongs to (a gradient into a mask or an "
-        "operand used twice)'")),
-    (torch.bfloat16, False)], ids=["fp32-no_grad", "fp32-train", "bf16-no_grad"])
+    (torch.float32, False), (torch.float32, True), (torch.bfloat16, False)],
+    ids=["fp32-no_grad", "fp32-train", "bf16-no_grad"])
 def test_hf_v32_sdpa_on_cuda(dtype, train, monkeypatch):
     """The tiny HF V3.2 with attn_implementation="sdpa" on CUDA, backend="hyscale": each
     layer's fused sdpa node (the kernel the dispatcher picked is printed) becomes the op where
