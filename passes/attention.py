@@ -762,7 +762,8 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
         if i < 0:
             raise _Reject(f"the index mask reaches {app.target} as a keyword argument, which the rewrite does not "
                           "handle")
-        finite = app.target is aten.add.Tensor and masked.uns != -math.inf
+        kernel = sdpa.rows_proof_needed(app)  # (cuDNN: rewritten only where no row is fully masked)
+        finite = app.target is aten.add.Tensor and (masked.uns != -math.inf or kernel is not None)
         if app.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
             if i != 1 or masked.uns is not True or facts.constant(app.args[2]) != -math.inf:
                 raise _Reject("the index mask is applied by a masked_fill that does not hide the unselected keys "
@@ -776,7 +777,11 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
             try:
                 rec.rows = visible_rows.prove(sel, masked.uns, r.chain, app, m.spec.masks, m.mask_operands,
                                               m.sizes["S"], m.sizes["T"])
+                if kernel is not None:
+                    rec.rows = sdpa.rows_proven(kernel, rec.rows)
             except visible_rows.NotProven as e:
+                if kernel is not None:
+                    raise _Reject(sdpa.rows_not_proven(kernel, str(e))) from None
                 raise _Reject(f"the index mask hides the unselected keys with a finite value ({masked.uns}): a row "
                               "with no visible selected key would average every key in the original, and no such "
                               f"row is proven not to occur ({e})") from None
