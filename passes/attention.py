@@ -762,7 +762,8 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
         if i < 0:
             raise _Reject(f"the index mask reaches {app.target} as a keyword argument, which the rewrite does not "
                           "handle")
-        finite = app.target is aten.add.Tensor and masked.uns != -math.inf
+        kernel = sdpa.rows_proof_needed(app)  # (cuDNN: rewritten only where no row is fully masked)
+        finite = app.target is aten.add.Tensor and (masked.uns != -math.inf or kernel is not None)
         if app.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
             if i != 1 or masked.uns is not True or facts.constant(app.args[2]) != -math.inf:
                 raise _Reject("the index mask is applied by a masked_fill that does not hide the unselected keys "
@@ -776,7 +777,11 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
             try:
                 rec.rows = visible_rows.prove(sel, masked.uns, r.chain, app, m.spec.masks, m.mask_operands,
                                               m.sizes["S"], m.sizes["T"])
+                if kernel is not None:
+                    rec.rows = sdpa.rows_proven(kernel, rec.rows)
             except visible_rows.NotProven as e:
+                if kernel is not None:
+                    raise _Reject(sdpa.rows_not_proven(kernel, str(e))) from None
                 raise _Reject(f"the index mask hides the unselected keys with a finite value ({masked.uns}): a row "
                               "with no visible selected key would average every key in the original, and no such "
                               f"row is proven not to occur ({e})") from None
@@ -875,8 +880,12 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     for e in region:
         if all(u in rset for u in e.users):
             continue
-        owners = {role for f in seqs.get(e.meta.get("seq_nr"), ()) for role, x in sources.items()
-                  if same[role] & set(f.all_input_nodes) and _same_shape(e, x)}
+        op = sdpa.gradient_operand(e)
+        if op is not None:  # an output of a fused sdpa's backward: the gradient of the operand at its position
+            owners = {role for role, x in sources.items() if op in same[role] and _same_shape(e, x)}
+        else:
+            owners = {role for f in seqs.get(e.meta.get("seq_nr"), ()) for role, x in sources.items()
+                      if same[role] & set(f.all_input_nodes) and _same_shape(e, x)}
         if len(owners) != 1:
             raise _Reject(f"training graph: cannot tell which operand the gradient {e.name} of the attention "
                           "belongs to (a gradient into a mask or an operand used twice); the attention stays dense")
@@ -903,7 +912,10 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
         for i, role in enumerate(("q", "k", "v")):
             if role in by_source:
                 gi = em.call(operator.getitem, [call, i])
-                replace[by_source[role]] = _invert_views(em, gi, canonical[role], sources[role])
+                gi = _invert_views(em, gi, canonical[role], sources[role])
+                if sdpa.gradient_operand(by_source[role]) is not None:  # laid out as the fused backward's
+                    gi = sdpa.like_strides(em, gi, val(by_source[role]))  # (the graph's views were traced on it)
+                replace[by_source[role]] = gi
     except KeepDense as e:
         em.rollback()
         raise _Reject(f"training graph: {e}") from None

@@ -101,11 +101,16 @@ def safe_softmax_output(eq: fx.Node, div: fx.Node, dim: int, ndim: int,
 #   masked out rows" set to 0; torch >= 2.5, mem_eff_attention/epilogue_rescale_output.h);
 # * the CPU flash kernel and the math composite: 0 (``_safe_softmax``; the CPU kernel checked
 #   in tests/test_attention_pass.py);
-# * cuDNN, and the out-of-tree "overrideable" backends: not established here, so those nodes
-#   stay fused, with the reason in explain. (Probed on an H200, torch 2.11, bf16: cuDNN gave a
-#   fully masked row a finite non-zero output under a bool mask and 0 under a -inf float mask,
-#   so no one empty_row matches it; only a proof that no row is empty would admit it. It is
-#   the dispatcher's pick for HF V3.2 sdpa in bf16 there, so that model stays dense on the GPU.)
+# * cuDNN: no one value. sdpa hands it a bool mask as ``convert_boolean_attn_mask_cudnn``'s
+#   bias, a finite -65504 at the hidden keys (torch 2.10/2.11; the graph holds the ``where``,
+#   so the pass reads the value there), which gives a fully masked row a mean over the keys
+#   (probed on an H200, torch 2.11, bf16: 1.20 for a random row), and 0 under a -inf float
+#   mask. So the node is written out with a plain softmax and rewritten only where
+#   ``visible_rows.prove`` shows that no row is fully masked (``ROWS_PROOF``): then there is
+#   no empty row and the op's rows are cuDNN's. It is the dispatcher's pick for HF V3.2 sdpa
+#   in bf16 on an H200. A bool ``attn_bias`` (cuDNN adds it as 0/1) and a debug mask keep it fused;
+# * the out-of-tree "overrideable" backends: not established here, so those nodes stay fused,
+#   with the reason in explain.
 # (``_scaled_dot_product_flash_attention`` takes no mask, so no index mask reaches it.)
 FUSED = {
     aten._scaled_dot_product_efficient_attention.default: ("efficient attention", "attn_bias", "zero"),
@@ -116,6 +121,20 @@ FUSED = {
                                                                     "attn_bias", None),
 }
 _META = "hyscale_sdpa"  # node.meta key: "lowered", or the reason the node stays fused
+# the kernels rewritten only where no row is proven fully masked; node.meta key on the
+# written-out math's mask application: the kernel's name
+ROWS_PROOF = {aten._scaled_dot_product_cudnn_attention.default}
+_ROWS = "hyscale_sdpa_rows_proof"
+
+# Each fused node's backward (autograd's formula for it, one node in a joint graph) takes the
+# forward's query, key and value (and efficient attention's bias) as arguments of those names,
+# and returns their gradients as its outputs in that order. q and k often have one shape
+# (S == T), so only the position tells the gradient of q from that of k.
+BACKWARD = {
+    aten._scaled_dot_product_efficient_attention_backward.default: ("query", "key", "value", "attn_bias"),
+    aten._scaled_dot_product_cudnn_attention_backward.default: ("query", "key", "value"),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: ("query", "key", "value"),
+}
 
 
 def call_args(n: fx.Node) -> dict:
@@ -129,6 +148,35 @@ def call_args(n: fx.Node) -> dict:
         else:
             out[a.name] = a.default_value if a.has_default_value() else None
     return out
+
+
+def gradient_operand(e: fx.Node) -> Optional[fx.Node]:
+    """The forward operand whose gradient ``e`` is, when ``e`` is an output of a fused node's
+    backward (``BACKWARD``); else None."""
+    if e.op != "call_function" or e.target is not operator.getitem:
+        return None
+    bw, i = e.args
+    if not isinstance(bw, fx.Node) or bw.target not in BACKWARD or not isinstance(i, int) or \
+            not 0 <= i < len(BACKWARD[bw.target]):
+        return None
+    op = call_args(bw)[BACKWARD[bw.target][i]]
+    return op if isinstance(op, fx.Node) else None
+
+
+def rows_proof_needed(app: fx.Node) -> Optional[str]:
+    """The kernel's name when ``app`` applies a lowered fused node's mask and that kernel's
+    rows equal the op's only where no row is fully masked (``ROWS_PROOF``); else None."""
+    return app.meta.get(_ROWS)
+
+
+def rows_proven(kernel: str, shown: str) -> str:
+    return f"{kernel.split()[0]}: no fully masked row, proven: {shown}"
+
+
+def rows_not_proven(kernel: str, why: str) -> str:
+    return (f"{kernel}: what it gives a fully masked row (a mean over the keys under a bool mask's finite "
+            f"fill, 0 under -inf) is no empty_row of the op, and no such row is proven not to occur ({why}); "
+            "the fused node stays")
 
 
 def is_lowered(n: fx.Node) -> bool:
@@ -178,7 +226,13 @@ def _why_not(n: fx.Node, a: dict) -> Optional[str]:
     what, _, empty = FUSED[n.target]
     if not isinstance(a["dropout_p"], (int, float)) or a["dropout_p"] != 0:
         return f"dropout with p > 0 in the fused sdpa ({what}, dropout_p={a['dropout_p']})"
-    if empty is None:
+    if n.target in ROWS_PROOF:
+        bias = a[FUSED[n.target][1]]
+        if isinstance(bias, fx.Node) and bias.meta["val"].dtype == torch.bool:
+            return f"{what}: a bool attn_bias (the kernel adds it as 0/1, not as a mask); the fused node stays"
+        if a.get("return_debug_mask"):
+            return f"{what}: its debug attention mask is asked for; the fused node stays"
+    elif empty is None:
         return (f"{what}: what it gives a row whose every key is hidden (NaN or 0) is not established, so the op's "
                 "empty_row cannot be chosen; the fused node stays")
     q, k, v = (a[x].meta.get("val") for x in ("query", "key", "value"))
@@ -212,8 +266,9 @@ def lower_fused(graph: fx.Graph, Emitter) -> List[Lowered]:
             continue
         em = Emitter(graph, n)
         try:
-            res, pv = _emit_math(em, a, _unpadded(bias), FUSED[n.target][2])
-            res = _like_strides(em, res, readers[0].meta.get("val") if readers else None)
+            res, pv = _emit_math(em, a, _unpadded(bias), FUSED[n.target][2],
+                                 FUSED[n.target][0] if n.target in ROWS_PROOF else None)
+            res = like_strides(em, res, readers[0].meta.get("val") if readers else None)
         except Exception as e:  # (nothing reads the new nodes yet: the node stays as it was)
             em.rollback()
             n.meta[_META] = f"{FUSED[n.target][0]}: its math could not be written out ({type(e).__name__}: {e})"
@@ -231,7 +286,7 @@ def lower_fused(graph: fx.Graph, Emitter) -> List[Lowered]:
     return out
 
 
-def _like_strides(em, out: fx.Node, like) -> fx.Node:
+def like_strides(em, out: fx.Node, like) -> fx.Node:
     """``out`` laid out in memory as ``like`` (the fused kernel's output), when that is not
     contiguous: the graph's views of the output were traced on its strides (the CPU flash
     kernel returns [B, H, S, D] over a [B, S, H, D] buffer, and the model's
@@ -254,7 +309,7 @@ def _is_bwd(u: fx.Node) -> bool:
     return is_backward_node(u) or _feeds_only_backward(u)
 
 
-def _emit_math(em, a: dict, bias: fx.Node, empty_row: str):
+def _emit_math(em, a: dict, bias: fx.Node, empty_row: Optional[str], kernel: Optional[str] = None):
     """sdpa's math at the fused node's operands: ([B, H, S, Dv] in q's dtype, the value
     contraction). Under GQA (H = Hk * G) the G query heads of a key head are rows of one
     contraction with it ([B * Hk, G * S, D] @ [B * Hk, D, T]): head h reads key head h // G,
@@ -295,6 +350,8 @@ def _emit_math(em, a: dict, bias: fx.Node, empty_row: str):
         scores = c(aten.masked_fill.Scalar, [scores, c(aten.logical_not.default, [bias]), -math.inf])
     else:
         scores = c(aten.add.Tensor, [scores, bias])
+    if kernel is not None:
+        scores.meta[_ROWS] = kernel
     m = c(aten.amax.default, [scores, [-1], True])
     e = c(aten.exp.default, [c(aten.sub.Tensor, [scores, m])])
     p = c(aten.div.Tensor, [e, c(aten.sum.dim_IntList, [e, [-1], True])])

@@ -37,6 +37,12 @@ output is then meaningless already). The attention's index-mask add must be its 
 score step (views and casts aside): a later step (a softcap) would make the unselected
 keys' logits ordinary numbers.
 
+The same proof admits a fused cuDNN sdpa node (``sdpa.ROWS_PROOF``), whose fully masked row
+is no ``empty_row`` of the op: HF's ``attention_mask & ~index_mask`` reaches it as sdpa's
+additive bias, ``where(~mask, -65504, 0)`` (or a -inf bias), whose hidden keys are the
+attention's own bool terms (ranges the selection shares, as above) and the unselected keys;
+with -inf the exp of a hidden logit is 0 outright.
+
 Anything else is not proven and the site stays dense with the reason: tensor masks (a
 padding mask, whose fully padded rows have no visible key), a range the selection does
 not share, bounds that are not positions or constants, a selection left as ``aten.topk``
@@ -290,8 +296,8 @@ def prove(idx: fx.Node, hidden: float, chain, app: fx.Node, attention_masks, att
     ``app`` the add on it that applies the index mask; ``attention_masks`` /
     ``attention_operands``: the attention's canonical mask terms and their operands, the
     index mask excluded; S, T: its query and key counts."""
-    if not (math.isfinite(hidden) and hidden <= HIDING):
-        raise NotProven(f"the hiding value {hidden} is not at most finfo(float16).min")
+    if not (hidden == -math.inf or (math.isfinite(hidden) and hidden <= HIDING)):
+        raise NotProven(f"the hiding value {hidden} is neither -inf nor at most finfo(float16).min")
     nodes = [n for n, _ in chain]
     after = nodes[nodes.index(app) + 1:]
     if any(n.target not in _VIEWS and n.target not in _CASTS for n in after):
