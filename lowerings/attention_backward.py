@@ -167,6 +167,13 @@ def check_backward_operands(grad_out, q, k, v, idx, out, lse) -> None:
         raise SpecError(f"sparse_attention_backward: grad_out has dtype {grad_out.dtype}; expected a float dtype")
 
 
+def v_is_view_of_k(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """v is k's first Dv columns: the same storage, offset, strides and dtype (the MLA
+    latent's value view, v = k[..., :Dv]), so every gradient of v lands on rows of k."""
+    return (v.dtype == k.dtype and v.device == k.device and v.data_ptr() == k.data_ptr()
+            and v.stride() == k.stride() and v.shape[:3] == k.shape[:3] and v.shape[3] <= k.shape[3])
+
+
 BACKWARD_MODES = ("deterministic", "atomic", "pytorch")
 
 
@@ -181,11 +188,18 @@ def backward_mode(mode: str = None, spec: AttentionSpec = None) -> str:
 
 
 def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionSpec, needs=(True, True, True),
-                       chunk_bytes: int = None, mode: str = None):
+                       chunk_bytes: int = None, mode: str = None, fold_v: bool = False):
     """(gq, gk, gv) in the operands' dtypes; an input that needs no gradient gets an empty
     tensor. On CUDA the Triton kernels unless ``backward_mode(mode)`` is "pytorch" or the spec
     has a step they do not differentiate; this path does not read ``out`` (delta comes from
-    the fp32 probabilities)."""
+    the fp32 probabilities).
+
+    ``fold_v``, where v is a view of k's first Dv columns (``v_is_view_of_k``) and both
+    gradients are asked: gk is the shared storage's whole gradient, k's part plus v's on its
+    first Dv columns (added in fp32, rounded once), and gv is zeros, so gk + [gv, 0] (what
+    autograd of the view, or the MLA pass, adds) is that gradient. The kernels then reduce
+    one contribution per slot instead of two (C_k + C_v per slot, then the (row, slot)
+    ordered sum); this path adds the two fp32 sums at the end."""
     from .attention_reference import heads_to_rows, gather_heads, rows_to_heads, score_slots
 
     if q.device.type == "cuda" and os.environ.get("HYSCALE_KERNEL", "triton") != "reference":
@@ -195,7 +209,7 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
 
             if unsupported(spec) is None:
                 return attention_backward_triton(grad_out, q, k, v, idx, masks, out, lse, spec, needs,
-                                                 atomic=how == "atomic", chunk_bytes=chunk_bytes)
+                                                 atomic=how == "atomic", chunk_bytes=chunk_bytes, fold_v=fold_v)
 
     B, S, H, D = q.shape
     T, Hk, Dv, K = k.shape[1], k.shape[2], v.shape[3], idx.shape[-1]
@@ -247,6 +261,9 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
                     gvb = torch.matmul(rows_to_heads(p, Hk).transpose(-1, -2), goh)  # [Hk, n, K, Dv]
                     segment_sum_(gv[b], flat, gvb.view(Hk, n * K, Dv))
                     del gvb
+    if fold_v and needs[1] and needs[2] and v_is_view_of_k(k, v):
+        gk[..., :Dv] += gv
+        gv = torch.zeros_like(gv)
     # a fresh empty tensor per output: outputs of a custom op may not alias each other
     return (gq.to(q.dtype) if needs[0] else q.new_empty(0),
             gk.to(k.dtype) if needs[1] else k.new_empty(0), gv.to(v.dtype) if needs[2] else v.new_empty(0))

@@ -225,9 +225,10 @@ def load_backward_kernels(spec: AttentionSpec, num_masks: int):
 # launch
 # ---------------------------------------------------------------------------------------
 def backward_chunk_rows(device: torch.device, K: int, H: int, Hk: int, D: int, Dv: int, elem_bytes: int,
-                        rows: int, chunk_bytes: int = None) -> int:
-    """Query rows per chunk: the fp32 per-slot contributions [Hk, n, K, D + Dv] and the P and
-    dS buffers [n, H, K] (operand width) within the budget; a function of the shapes only.
+                        rows: int, chunk_bytes: int = None, fold: bool = False) -> int:
+    """Query rows per chunk: the fp32 per-slot contributions [Hk, n, K, D + Dv] ([Hk, n, K, D]
+    when ``fold``) and the P and dS buffers [n, H, K] (operand width) within the budget; a
+    function of the shapes only.
     On a GPU 4 GiB (``HYSCALE_ATTN_CHUNK_BYTES`` overrides it): about 430 rows at the
     latent's H = 128, so kernel 1's 2 x 430 programs of one SM each are 6.5 waves on 132 SMs
     (2 GiB would leave a third of the last of 3.2 waves idle)."""
@@ -237,7 +238,7 @@ def backward_chunk_rows(device: torch.device, K: int, H: int, Hk: int, D: int, D
         chunk_bytes = DEFAULT_CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES["cpu"])
         if device.type == "cuda" and "HYSCALE_ATTN_CHUNK_BYTES" not in os.environ:
             chunk_bytes = 4 << 30
-    per_row = max(1, K) * (4 * Hk * (D + Dv) + 2 * H * elem_bytes + 16) + 4 * H
+    per_row = max(1, K) * (4 * Hk * (D + (0 if fold else Dv)) + 2 * H * elem_bytes + 16) + 4 * H
     step = max(1, min(max(rows, 1), chunk_bytes // per_row))
     # a multiple of 16 where it can be, so every chunk's first row R0 has the same
     # divisibility: Triton specializes integer arguments on it (one build, not two)
@@ -246,13 +247,15 @@ def backward_chunk_rows(device: torch.device, K: int, H: int, Hk: int, D: int, D
 
 def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tensor], out, lse, spec: AttentionSpec,
                               needs=(True, True, True), atomic: bool = False, chunk_bytes: int = None,
-                              config: Optional[BackwardConfig] = None, _launcher=None):
+                              config: Optional[BackwardConfig] = None, fold_v: bool = False, _launcher=None):
     """(gq, gk, gv) in the operands' dtypes, as ``attention_backward.attention_backward``
-    (an input that needs no gradient gets an empty tensor). CUDA tensors, or CPU tensors
-    under TRITON_INTERPRET=1. ``atomic``: dK / dV by fp32 atomics (not reproducible).
+    (an input that needs no gradient gets an empty tensor; ``fold_v`` as there: where v is a
+    view of k's first columns, one [Hk, n, K, D] contribution per slot, C_k + C_v added in
+    kernel 2, and one segment sum). CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
+    ``atomic``: dK / dV by fp32 atomics (not reproducible).
     ``_launcher(kernel, args, launch)`` replaces the launches of the first chunk and the
     call returns their results (an offline sm_90 build: ``bench_attention_backward --inspect``)."""
-    from .attention_backward import check_backward_operands, key_order
+    from .attention_backward import check_backward_operands, key_order, v_is_view_of_k
 
     interp = check_interpreter_mode()
     masks = list(masks)
@@ -278,16 +281,23 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     block_dv = max(16, _next_pow2(Dv))
     v_from_k = (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.dtype == k.dtype
                 and block_dv == da)
+    fold = fold_v and needs[1] and needs[2] and v_is_view_of_k(k, v)
     gq = torch.zeros(q.shape, dtype=q.dtype, device=device) if needs[0] else q.new_empty(0)
     gk = torch.zeros((B, T, Hk, D), dtype=f32, device=device) if needs[1] else None
-    gv = torch.zeros((B, T, Hk, Dv), dtype=f32, device=device) if needs[2] else None
+    gv = torch.zeros((B, T, Hk, Dv), dtype=f32, device=device) if needs[2] and not fold else None
+
+    def result():
+        gv_out = torch.zeros(v.shape, dtype=v.dtype, device=device) if fold else (
+            gv.to(v.dtype) if needs[2] else v.new_empty(0))
+        return gq, gk.to(k.dtype) if needs[1] else k.new_empty(0), gv_out
+
     if K == 0 or B * S * H == 0 or not any(needs):
-        return (gq, gk.to(k.dtype) if needs[1] else k.new_empty(0), gv.to(v.dtype) if needs[2] else v.new_empty(0))
+        return result()
     rows_fn, keys_fn, dq_fn = load_backward_kernels(spec, len(masks))
     fused_dq = cfg.fused_dq and needs[0]
     mask_args = _mask_launch_args(spec, masks, B, S, T, device)
     rows = B * S
-    step = backward_chunk_rows(device, K, H, Hk, D, Dv, esize, rows, chunk_bytes)
+    step = backward_chunk_rows(device, K, H, Hk, D, Dv, esize, rows, chunk_bytes, fold=fold)
     pbuf = torch.empty((step, H, K), dtype=cd, device=device)
     gbuf = torch.empty((step, H, K), dtype=cd, device=device)
     lbuf = torch.empty((step, H), dtype=f32, device=device)
@@ -295,7 +305,7 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     if not atomic:
         if needs[1]:
             cbuf["k"] = torch.empty((Hk, step, K, D), dtype=f32, device=device)
-        if needs[2]:
+        if needs[2] and not fold:
             cbuf["v"] = torch.empty((Hk, step, K, Dv), dtype=f32, device=device)
         idx_flat = idx.reshape(rows, K)
     dq_arg = gq if needs[0] else q  # (not written without NEED_DQ)
@@ -324,7 +334,11 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
                 dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.dq_block_n, BLOCK_F=cfg.dq_block_f, UPCAST=upcast,
                      num_warps=4, num_stages=2))
         order = None
-        for part, src, x, F, acc in (("k", gbuf, q, D, gk), ("v", pbuf, grad_out, Dv, gv)):
+        if fold:  # the values' part rides in the keys' launch: one contribution per slot
+            parts = (("k", gbuf, q, D, gk, pbuf, grad_out, Dv),)
+        else:
+            parts = (("k", gbuf, q, D, gk, gbuf, q, 0), ("v", pbuf, grad_out, Dv, gv, pbuf, grad_out, 0))
+        for part, src, x, F, acc, src2, x2, F2 in parts:
             if acc is None:
                 continue
             grid = (n * Hk, -(-K // cfg.keys_block_n), -(-F // cfg.keys_block_f))
@@ -334,10 +348,10 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
                 buf = cbuf[part]
                 # [Hk, n, K, F] read as (row, slot, head, feature) strides
                 dst, dst_strides = buf, (buf.stride(1), buf.stride(2), buf.stride(0), buf.stride(3))
-            launch(keys_fn, grid, [src, lbuf, x, idx, dst, *x.stride(), *idx.stride(), *dst_strides, r0, S, G, Hk,
-                                   K, F],
+            launch(keys_fn, grid, [src, lbuf, x, src2, x2, idx, dst, *x.stride(), *x2.stride(), *idx.stride(),
+                                   *dst_strides, r0, S, G, Hk, K, F, F2],
                    dict(BLOCK_G=cfg.keys_block_g, BLOCK_N=cfg.keys_block_n, BLOCK_F=cfg.keys_block_f,
-                        ATOMIC=atomic, num_warps=cfg.keys_num_warps, num_stages=cfg.keys_num_stages))
+                        ATOMIC=atomic, FOLD=fold, num_warps=cfg.keys_num_warps, num_stages=cfg.keys_num_stages))
             if not atomic and _launcher is None:
                 if order is None:
                     # keys of the flattened (b, t): a key belongs to one batch, so (row, slot)
@@ -348,7 +362,7 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
                 segment_sum_sorted_(acc.view(B * T, Hk, F), order, src)
         if _launcher is not None:
             return built
-    return (gq, gk.to(k.dtype) if needs[1] else k.new_empty(0), gv.to(v.dtype) if needs[2] else v.new_empty(0))
+    return result()
 
 
 def segment_sum_sorted_(out: torch.Tensor, order, src: torch.Tensor) -> None:
@@ -534,32 +548,10 @@ def attn_bwd_dq(
 
 
 @triton.jit
-def attn_bwd_keys(
-    SRC, LB, X, IDX, DST,
-    stride_xb, stride_xs, stride_xh, stride_xd,
-    stride_ib, stride_is, stride_ij,
-    stride_d0, stride_d1, stride_d2, stride_d3,
-    R0, S, G, HK, TOPK, F,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, ATOMIC: tl.constexpr,
-):
-    # C[slot, f] = sum_h (SRC[h, slot] / l[h]) X[h, f] over kv head hk's G heads, for
-    # BLOCK_N slots and BLOCK_F features of one row: SRC = dS' with X = q (the keys' part),
-    # or P' with X = dO (the values'). Stored to the chunk buffer at (row, slot, hk, f), or
-    # (ATOMIC) added to DST at (b, key, hk, f)
-    pid = tl.program_id(0).to(tl.int64)
-    lrow = pid // HK
-    hk = pid % HK
-    row = R0 + lrow
-    b = row // S
-    s = row % S
-    slots = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot_ok = slots < TOPK
-    cols = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
-    col_ok = cols < F
+def _keys_part(acc, SRC, LB, X, hbase, xbase, slots, slot_ok, cols, col_ok, G, TOPK, stride_xh, stride_xd,
+               BLOCK_G: tl.constexpr):
+    # acc += sum_h (SRC[h, slot] / l[h]) X[h, f] over the G heads, BLOCK_G at a time in order
     offs_g = tl.arange(0, BLOCK_G)
-    hbase = lrow * (HK * G) + hk * G
-    xbase = X + b * stride_xb + s * stride_xs + (hk * G) * stride_xh
-    acc = tl.zeros([BLOCK_N, BLOCK_F], dtype=tl.float32)
     for g0 in range(0, G, BLOCK_G):
         gs = g0 + offs_g
         g_ok = gs < G
@@ -572,6 +564,47 @@ def attn_bwd_keys(
         x = tl.load(xbase + gs[:, None] * stride_xh + cols[None, :] * stride_xd,
                     mask=(g_ok & live)[:, None] & col_ok[None, :], other=0.0).to(SRC.dtype.element_ty)
         acc = tl.dot(tl.trans(w), x, acc=acc, input_precision="{{PRECISION}}", out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def attn_bwd_keys(
+    SRC, LB, X, SRC2, X2, IDX, DST,
+    stride_xb, stride_xs, stride_xh, stride_xd,
+    stride_x2b, stride_x2s, stride_x2h, stride_x2d,
+    stride_ib, stride_is, stride_ij,
+    stride_d0, stride_d1, stride_d2, stride_d3,
+    R0, S, G, HK, TOPK, F, F2,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, ATOMIC: tl.constexpr,
+    FOLD: tl.constexpr,
+):
+    # C[slot, f] = sum_h (SRC[h, slot] / l[h]) X[h, f] over kv head hk's G heads, for
+    # BLOCK_N slots and BLOCK_F features of one row: SRC = dS' with X = q (the keys' part),
+    # or P' with X = dO (the values'). FOLD (v is a view of k's first F2 columns): the
+    # keys' part, then the values' part added onto it in the same fp32 accumulator at the
+    # features f < F2, one contribution per slot for the shared rows. Stored to the chunk
+    # buffer at (row, slot, hk, f), or (ATOMIC) added to DST at (b, key, hk, f)
+    pid = tl.program_id(0).to(tl.int64)
+    lrow = pid // HK
+    hk = pid % HK
+    row = R0 + lrow
+    b = row // S
+    s = row % S
+    slots = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    slot_ok = slots < TOPK
+    f0 = tl.program_id(2) * BLOCK_F
+    cols = f0 + tl.arange(0, BLOCK_F)
+    col_ok = cols < F
+    hbase = lrow * (HK * G) + hk * G
+    xbase = X + b * stride_xb + s * stride_xs + (hk * G) * stride_xh
+    acc = tl.zeros([BLOCK_N, BLOCK_F], dtype=tl.float32)
+    acc = _keys_part(acc, SRC, LB, X, hbase, xbase, slots, slot_ok, cols, col_ok, G, TOPK, stride_xh, stride_xd,
+                     BLOCK_G)
+    if FOLD:
+        if f0 < F2:
+            x2base = X2 + b * stride_x2b + s * stride_x2s + (hk * G) * stride_x2h
+            acc = _keys_part(acc, SRC2, LB, X2, hbase, x2base, slots, slot_ok, cols, cols < F2, G, TOPK,
+                             stride_x2h, stride_x2d, BLOCK_G)
     ok = slot_ok[:, None] & col_ok[None, :]
     if ATOMIC:
         t = tl.load(IDX + b * stride_ib + s * stride_is + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)

@@ -67,15 +67,27 @@ def _spec(D, dtype, terms, post_extra=()):
                          masks=tuple(terms), out_dtype=str(dtype).split(".")[-1])
 
 
-def check(q, k, v, idx, masks, spec, seed, atomic=False, config=None):
-    """The kernel's gradients against float64 under the rule; returns them."""
+def folded(gk, gv):
+    """k's whole gradient where v = k[..., :Dv]: its own plus v's on the first Dv columns."""
+    out = gk.clone()
+    out[..., :gv.shape[-1]] += gv
+    return out
+
+
+def check(q, k, v, idx, masks, spec, seed, atomic=False, config=None, fold_v=False):
+    """The kernel's gradients against float64 under the rule; returns them. ``fold_v``
+    (v a view of k): gk against k's whole gradient, gv zeros."""
     dtype = q.dtype
     out, lse, _ = R.attention_forward(q, k, v, idx, masks, spec)
     g = torch.Generator().manual_seed(seed + 7)
     go = torch.randn(out.shape, generator=g).to(out.dtype)
-    got = attention_backward_triton(go, q, k, v, idx, masks, out, lse, spec, atomic=atomic, config=config)
-    orig = bwd.attention_backward(go, q, k, v, idx, masks, out, lse, spec)
+    got = attention_backward_triton(go, q, k, v, idx, masks, out, lse, spec, atomic=atomic, config=config,
+                                    fold_v=fold_v)
+    orig = bwd.attention_backward(go, q, k, v, idx, masks, out, lse, spec, fold_v=fold_v)
     ref = grads64(go, q, k, v, idx, masks, spec)
+    if fold_v:
+        assert torch.equal(got[2], torch.zeros_like(v)) and torch.equal(orig[2], torch.zeros_like(v))
+        ref = (ref[0], folded(ref[1], ref[2]))
     for name, x, o, r, like in zip(("gq", "gk", "gv"), got, orig, ref, (q, k, v)):
         assert x.dtype == like.dtype and x.shape == like.shape, name
         assert_consumer_close(x, o, r, dtype, what=f"{name} ({'atomic' if atomic else 'deterministic'})")
@@ -156,6 +168,67 @@ def test_deterministic_repeats_and_ignores_the_chunking():
     one_row = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, chunk_bytes=1)  # a row per chunk
     for a, b, c in zip(first, again, one_row):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["deterministic", "atomic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_value_view_folds_into_the_key_gradient(dtype, atomic):
+    # v = k[..., :Dv]: one contribution per slot (C_k + C_v) and one key-side sum; the keys'
+    # feature blocks are 16 wide under the interpreter: Dv = 16 ends one, Dv = 8 splits one
+    H, Hk, D, _, _ = FORMS["mqa"]
+    B, S, T, K = 2, 3, 24, 12
+    for i, Dv in enumerate((16, 8)):
+        seed = fresh_seed(f"bwd fold {dtype} {atomic} #{i}")
+        q, k, v, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, dtype, v_of_k=True)
+        hi = _causal(B, S, T)
+        spec = _spec(D, dtype, [MaskTerm(kind="range", hi=0)])
+        check(q, k, v, idx, [hi], spec, seed, atomic=atomic, fold_v=True)
+
+
+def test_fold_repeats_ignores_the_chunking_and_leaves_other_operands_alone():
+    H, Hk, D, Dv, _ = FORMS["mqa"]
+    B, S, T, K = 2, 4, 24, 12
+    seed = fresh_seed("bwd fold repeat")
+    q, k, v, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, v_of_k=True)
+    hi = _causal(B, S, T)
+    spec = _spec(D, torch.float32, [MaskTerm(kind="range", hi=0)])
+    first, (go, out, lse) = check(q, k, v, idx, [hi], spec, seed, fold_v=True)
+    again = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=True)
+    one_row = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, chunk_bytes=1, fold_v=True)
+    for a, b, c in zip(first, again, one_row):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    # v a copy of k's columns (not a view), or only one of the two gradients asked: no fold
+    plain = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec)
+    copy = attention_backward_triton(go, q, k, v.clone(), idx, [hi], out, lse, spec, fold_v=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, copy))
+    only_k = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, needs=(False, True, False),
+                                       fold_v=True)
+    assert torch.equal(only_k[1], plain[1]) and only_k[2].numel() == 0
+
+
+def test_op_folds_the_value_view_and_autograd_sums_the_same():
+    # the op's backward at v = k[..., :Dv]: gk is k's whole gradient, gv zeros; a copy of
+    # those columns (not a view) keeps the two apart
+    H, Hk, D, Dv, _ = FORMS["mqa"]
+    B, S, T, K = 1, 4, 24, 12
+    seed = fresh_seed("bwd op fold")
+    q, k, v, idx, g = _inputs(seed, B, S, T, H, Hk, D, Dv, K, v_of_k=True)
+    hi = _causal(B, S, T)
+    spec = _spec(D, torch.float32, [MaskTerm(kind="range", hi=0)])
+    out, lse, _ = R.attention_forward(q, k, v, idx, [hi], spec)
+    go = torch.randn(out.shape, generator=g)
+    op = torch.ops.hyscale.sparse_attention_backward
+    gq, gk, gv = op(go, q, k, v, idx, [hi], out, lse, spec.to_json(), True, True, True)
+    sq, sk, sv = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec)
+    assert torch.equal(gq, sq) and torch.equal(gv, torch.zeros_like(sv)) and sv.abs().sum() > 0
+    assert torch.equal(gk, folded(sk, sv))  # (fp32: the same two sums, added once)
+    apart = op(go, q, k, v.clone(), idx, [hi], out, lse, spec.to_json(), True, True, True)
+    assert all(torch.equal(a, b) for a, b in zip(apart, (sq, sk, sv)))
+    # autograd through the forward op: k's gradient is the same sum
+    kl = k.clone().requires_grad_()
+    o, _, _ = torch.ops.hyscale.sparse_attention(q, kl, kl[..., :Dv], idx, [hi], spec.to_json())
+    (o * go).sum().backward()
+    torch.testing.assert_close(kl.grad, folded(sk, sv), rtol=0, atol=0)
 
 
 def test_dq_by_its_own_kernel():
@@ -331,6 +404,32 @@ def test_gpu_bf16_gradients_match_float64(shape):
         got = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec, mode=mode)
         for name, x, o, r in zip(("gq", "gk", "gv"), got, orig, ref):
             assert_consumer_close(x, o, r, torch.bfloat16, what=f"{name} ({mode})")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("H", [128, 16], ids=["mqa128", "mqa16"])
+def test_gpu_bf16_folded_latent_gradient_matches_float64(H):
+    # v = k[..., :512]: the compiled kernels' one contribution per slot (C_k + C_v) against
+    # k's whole float64 gradient, deterministic and atomic
+    Hk, D, Dv = 1, 576, 512
+    B, S, T, K = 1, 192, 512, 256
+    seed = fresh_seed(f"bwd gpu fold {H}")
+    q, k, _, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, torch.bfloat16, v_of_k=True)
+    q, k, idx = q.cuda(), k.cuda(), idx.cuda()
+    v = k[..., :Dv]
+    hi = (torch.arange(S, device="cuda") + (T - S) + 1).view(1, S)
+    spec = _spec(D, torch.bfloat16, [MaskTerm(kind="range", hi=0)])
+    out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json())
+    go = torch.randn_like(out)
+    orig = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec, mode="pytorch", fold_v=True)
+    r = grads64(go, q, k, v, idx, [hi], spec)
+    ref = (r[0], folded(r[1], r[2]))
+    for mode in ("deterministic", "atomic"):
+        got = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec, mode=mode, fold_v=True)
+        assert torch.equal(got[2], torch.zeros_like(v))
+        for name, x, o, want in zip(("gq", "gk"), got, orig, ref):
+            assert_consumer_close(x, o, want.to(x.device), torch.bfloat16, what=f"{name} ({mode}, folded)")
 
 
 @pytest.mark.gpu
