@@ -325,12 +325,17 @@ def test_latent_kernels_compile_for_sm90_without_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HYSCALE_ATTN_BWD_CONFIG")}
     env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention_backward.py"), "--inspect",
-                        "--shapes", "mqa128"], capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("inspect ")]
-    names = {ln.split()[2] for ln in lines}
-    assert names == {"kernel=attn_bwd_rows", "kernel=attn_bwd_dq", "kernel=attn_bwd_keys", "kernel=attn_bwd_keys(v)"}
+    lines = []
+    # the op's launches (v = k[..., :512]: the values' part folded into the keys'), then apart
+    for flags, keys in (([], {"kernel=attn_bwd_keys(fold)"}), (["--no-fold"], {"kernel=attn_bwd_keys",
+                                                                               "kernel=attn_bwd_keys(v)"})):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention_backward.py"),
+                            "--inspect", "--shapes", "mqa128", *flags], capture_output=True, text=True, env=env,
+                           timeout=900)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        got = [ln for ln in r.stdout.splitlines() if ln.startswith("inspect ")]
+        assert {ln.split()[2] for ln in got} == {"kernel=attn_bwd_rows", "kernel=attn_bwd_dq"} | keys, got
+        lines += got
     for ln in lines:
         f = dict(x.split("=", 1) for x in ln.split() if "=" in x and not x.startswith("BackwardConfig"))
         assert 0 < int(f["regs"]) <= 255 and int(f["spill"]) == 0 and int(f["smem"]) <= SMEM_BYTES, ln
