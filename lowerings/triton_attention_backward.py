@@ -28,9 +28,14 @@ generated kernels and the key-major segment sum, per chunk of query rows:
        C_k[slot] = sum_h dS[h, slot] q[h]     C_v[slot] = sum_h P[h, slot] dO[h]
    written to a [Hk, n, K, F] fp32 chunk buffer (or, ``atomic=True``, added straight into
    dK / dV with fp32 ``tl.atomic_add``: the opt-in variant, not bitwise reproducible).
+   Where v is a view of k (the latent) and the caller folds (``fold_v``), one launch gives
+   C_k + C_v (the values' part added onto the keys' in the same fp32 accumulator at the
+   first Dv features): one [Hk, n, K, D] buffer, not D + Dv wide. The programs of one
+   (row, slot block) run next to each other (``f_first``), so the weight tile the feature
+   blocks share is read from memory once.
 3. ``attention_backward``'s segment sum: each key's contributions added in (row, slot) order
    onto its running fp32 value, one program per key; chunks run in row order, so the sums
-   are the same whatever the chunking (a test checks it).
+   are the same whatever the chunking (a test checks it). Folded: one sum, not two.
 
 Deterministic: no atomics (default), every program writes its own outputs, configurations
 are functions of the shapes and dtypes (``default_config``). The dots take the operands'
@@ -85,6 +90,14 @@ class BackwardConfig:
     fused_dq: bool = True
     dq_block_n: int = 64  # attn_bwd_dq: slots per step
     dq_block_f: int = 64  # attn_bwd_dq: features per program
+    # attn_bwd_keys / attn_bwd_dq: the programs of one weight tile (a row's [G, slots] dS' and
+    # P', read by every feature block) launched next to each other, so the feature blocks
+    # after the first read it from L2; else feature-block-major (each block streams the
+    # chunk's whole [n, H, K] buffers again from memory). The same arithmetic either way
+    f_first: bool = True
+    # kernel 1: each tile's key indices loaded one iteration ahead (a loop-carried value), so
+    # the gather's addresses do not wait on a load issued in the same iteration
+    prefetch_idx: bool = False
 
 
 def smem_estimate(cfg: BackwardConfig, Dqk: int, Dv: int, elem_bytes: int) -> tuple:
@@ -152,7 +165,7 @@ def _config_override(cfg: BackwardConfig) -> BackwardConfig:
         name = name.strip()
         if name not in fields or not val:
             raise SpecError(f"HYSCALE_ATTN_BWD_CONFIG: {item!r} is not field=value for a field of {sorted(fields)}")
-        kw[name] = val.strip() in ("1", "true", "True") if name == "fused_dq" else int(val)
+        kw[name] = val.strip() in ("1", "true", "True") if fields[name] in (bool, "bool") else int(val)
     return dataclasses.replace(cfg, **kw)
 
 
@@ -326,13 +339,14 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
             *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *out.stride(), *grad_out.stride(),
             *lse.stride(), *dq_arg.stride(), r0, S, G, Hk, K, D, Dv],
             dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DA=da, DB=db, DBQ=max(db, 16), BLOCK_DV=block_dv,
-                 V_FROM_K=v_from_k, NEED_DQ=bool(fused_dq), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                 **prec_consts))
+                 V_FROM_K=v_from_k, NEED_DQ=bool(fused_dq), PREFETCH_IDX=cfg.prefetch_idx, num_warps=cfg.num_warps,
+                 num_stages=cfg.num_stages, **prec_consts))
         if needs[0] and not fused_dq:
-            launch(dq_fn, (n * Hk * nblk, -(-D // cfg.dq_block_f)), [
+            nf = -(-D // cfg.dq_block_f)
+            launch(dq_fn, (n * Hk * nblk * nf,) if cfg.f_first else (n * Hk * nblk, nf), [
                 gbuf, lbuf, k, idx, gq, *k.stride(), *idx.stride(), *gq.stride(), r0, S, G, Hk, K, D],
                 dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.dq_block_n, BLOCK_F=cfg.dq_block_f, UPCAST=upcast,
-                     num_warps=4, num_stages=2))
+                     F_FIRST=cfg.f_first, num_warps=4, num_stages=2))
         order = None
         if fold:  # the values' part rides in the keys' launch: one contribution per slot
             parts = (("k", gbuf, q, D, gk, pbuf, grad_out, Dv),)
@@ -342,6 +356,8 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
             if acc is None:
                 continue
             grid = (n * Hk, -(-K // cfg.keys_block_n), -(-F // cfg.keys_block_f))
+            if cfg.f_first:
+                grid = (grid[0] * grid[1] * grid[2],)
             if atomic:
                 dst, dst_strides = acc, acc.stride()
             else:
@@ -351,7 +367,8 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
             launch(keys_fn, grid, [src, lbuf, x, src2, x2, idx, dst, *x.stride(), *x2.stride(), *idx.stride(),
                                    *dst_strides, r0, S, G, Hk, K, F, F2],
                    dict(BLOCK_G=cfg.keys_block_g, BLOCK_N=cfg.keys_block_n, BLOCK_F=cfg.keys_block_f,
-                        ATOMIC=atomic, FOLD=fold, num_warps=cfg.keys_num_warps, num_stages=cfg.keys_num_stages))
+                        ATOMIC=atomic, FOLD=fold, F_FIRST=cfg.f_first, num_warps=cfg.keys_num_warps,
+                        num_stages=cfg.keys_num_stages))
             if not atomic and _launcher is None:
                 if order is None:
                     # keys of the flattened (b, t): a key belongs to one batch, so (row, slot)
@@ -427,6 +444,7 @@ def attn_bwd_rows(
     R0, S, G, HK, TOPK, DQK, DV,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, DBQ: tl.constexpr,
     BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr, NEED_DQ: tl.constexpr,
+    PREFETCH_IDX: tl.constexpr,
 ):
     # program: row R0 + lrow of the flattened (b, s), kv head hk, heads g0 .. g0 + BLOCK_H of
     # its G; writes dQ of those heads, P' and dS' [BLOCK_H, TOPK] to PB / GB (the chunk's
@@ -466,10 +484,17 @@ def attn_bwd_rows(
     dqa = tl.zeros([BLOCK_H, DA], dtype=tl.float32)
     dqb = tl.zeros([BLOCK_H, DBQ], dtype=tl.float32)
     lsum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if PREFETCH_IDX:
+        t_next = tl.load(ibase + offs_n * stride_ij, mask=offs_n < TOPK, other=0).to(tl.int64)
     for n0 in range(0, TOPK, BLOCK_N):
         slots = n0 + offs_n
         slot_ok = slots < TOPK
-        t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
+        if PREFETCH_IDX:
+            t = t_next
+            ahead = slots + BLOCK_N
+            t_next = tl.load(ibase + ahead * stride_ij, mask=ahead < TOPK, other=0).to(tl.int64)
+        else:
+            t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
         y, ka, kb = _bwd_scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
                                 BLOCK_N, DA, DB, UPCAST)
         p = tl.where(live[:, None], tl.exp(y - lse_use[:, None]), 0.0)
@@ -512,11 +537,20 @@ def attn_bwd_dq(
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     R0, S, G, HK, TOPK, DQK,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, UPCAST: tl.constexpr,
+    F_FIRST: tl.constexpr,
 ):
     # dQ[h, f] = (sum_j dS'[h, j] k[t_j, f]) / l[h] for BLOCK_H heads of kv head hk and
-    # BLOCK_F features of one row, from the stored dS' (when kernel 1 does not accumulate it)
+    # BLOCK_F features of one row, from the stored dS' (when kernel 1 does not accumulate it).
+    # F_FIRST: a flat grid, the feature blocks of one (row, head block) next to each other
     nblk = tl.cdiv(G, BLOCK_H)
-    pid = tl.program_id(0).to(tl.int64)
+    if F_FIRST:
+        flat = tl.program_id(0).to(tl.int64)
+        nf = tl.cdiv(DQK, BLOCK_F)
+        pid = flat // nf
+        fb = flat % nf
+    else:
+        pid = tl.program_id(0).to(tl.int64)
+        fb = tl.program_id(1)
     lrow = pid // (HK * nblk)
     row = R0 + lrow
     b = row // S
@@ -525,7 +559,7 @@ def attn_bwd_dq(
     g0 = ((pid % nblk) * BLOCK_H).to(tl.int32)
     gs = g0 + tl.arange(0, BLOCK_H)
     g_ok = gs < G
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    cols = fb * BLOCK_F + tl.arange(0, BLOCK_F)
     col_ok = cols < DQK
     offs_n = tl.arange(0, BLOCK_N)
     hrow = (lrow * (HK * G) + hk * G + gs) * TOPK
@@ -576,23 +610,34 @@ def attn_bwd_keys(
     stride_d0, stride_d1, stride_d2, stride_d3,
     R0, S, G, HK, TOPK, F, F2,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, ATOMIC: tl.constexpr,
-    FOLD: tl.constexpr,
+    FOLD: tl.constexpr, F_FIRST: tl.constexpr,
 ):
     # C[slot, f] = sum_h (SRC[h, slot] / l[h]) X[h, f] over kv head hk's G heads, for
     # BLOCK_N slots and BLOCK_F features of one row: SRC = dS' with X = q (the keys' part),
     # or P' with X = dO (the values'). FOLD (v is a view of k's first F2 columns): the
     # keys' part, then the values' part added onto it in the same fp32 accumulator at the
     # features f < F2, one contribution per slot for the shared rows. Stored to the chunk
-    # buffer at (row, slot, hk, f), or (ATOMIC) added to DST at (b, key, hk, f)
-    pid = tl.program_id(0).to(tl.int64)
+    # buffer at (row, slot, hk, f), or (ATOMIC) added to DST at (b, key, hk, f). F_FIRST: a
+    # flat grid, feature block fastest, then slot block, then (row, hk)
+    if F_FIRST:
+        flat = tl.program_id(0).to(tl.int64)
+        nf = tl.cdiv(F, BLOCK_F)
+        nk = tl.cdiv(TOPK, BLOCK_N)
+        fb = flat % nf
+        kb = (flat // nf) % nk
+        pid = flat // (nf * nk)
+    else:
+        pid = tl.program_id(0).to(tl.int64)
+        kb = tl.program_id(1)
+        fb = tl.program_id(2)
     lrow = pid // HK
     hk = pid % HK
     row = R0 + lrow
     b = row // S
     s = row % S
-    slots = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    slots = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     slot_ok = slots < TOPK
-    f0 = tl.program_id(2) * BLOCK_F
+    f0 = fb * BLOCK_F
     cols = f0 + tl.arange(0, BLOCK_F)
     col_ok = cols < F
     hbase = lrow * (HK * G) + hk * G

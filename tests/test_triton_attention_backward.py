@@ -241,10 +241,35 @@ def test_dq_by_its_own_kernel():
         check(q, k, v, idx, [_causal(2, 3, 24)], _spec(D, dtype, [MaskTerm(kind="range", hi=0)]), seed, config=cfg)
 
 
+def test_grid_order_and_index_prefetch_keep_the_bits():
+    # f_first (the keys' and dQ kernels' flat grid) and prefetch_idx (kernel 1's indices one
+    # tile ahead) reorder programs and loads, not arithmetic: the same bits, K = 20 leaving
+    # the last tile partial
+    H, Hk, D, Dv, _ = FORMS["mqa"]
+    B, S, T, K = 1, 3, 24, 20
+    seed = fresh_seed("bwd grid order")
+    q, k, v, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, v_of_k=True)
+    hi = _causal(B, S, T)
+    spec = _spec(D, torch.float32, [MaskTerm(kind="range", hi=0)])
+    base = default_config(H, Hk, D, Dv, interpret=True)
+    got, (go, out, lse) = check(q, k, v, idx, [hi], spec, seed, config=dataclasses.replace(base, prefetch_idx=True),
+                                fold_v=True)
+    for fold in (True, False):
+        for fused in (True, False):
+            runs = [attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=fold,
+                                              config=dataclasses.replace(base, f_first=ff, prefetch_idx=pf,
+                                                                         fused_dq=fused))
+                    for ff in (True, False) for pf in (True, False)]
+            for r in runs[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(runs[0], r)), (fold, fused)
+            if fold:
+                assert all(torch.equal(a, b) for a, b in zip(runs[0], got))
+
+
 def test_config_override(monkeypatch):
-    monkeypatch.setenv("HYSCALE_ATTN_BWD_CONFIG", "num_warps=8,fused_dq=0")
+    monkeypatch.setenv("HYSCALE_ATTN_BWD_CONFIG", "num_warps=8,fused_dq=0,prefetch_idx=1,f_first=0")
     cfg = default_config(128, 1, 576, 512)
-    assert cfg.num_warps == 8 and not cfg.fused_dq
+    assert cfg.num_warps == 8 and not cfg.fused_dq and cfg.prefetch_idx and not cfg.f_first
     monkeypatch.setenv("HYSCALE_ATTN_BWD_CONFIG", "warps=8")
     with pytest.raises(SpecError, match="'warps=8'"):
         default_config(128, 1, 576, 512)
