@@ -71,6 +71,23 @@ _UNROLL = 8
 
 
 @triton.jit
+def _run_sum(SRC, ORDER, OUT, key, i, end, offs, ok, h, N, F, HK, UNROLL: tl.constexpr):
+    # the run [i, end) of sorted positions: its rows of SRC[h], in sorted order, added onto
+    # OUT[key, h]
+    dst = OUT + (key.to(tl.int64) * HK + h) * F + offs
+    src = SRC + h * N * F + offs
+    acc = tl.load(dst, mask=ok, other=0.0)
+    for p0 in range(i.to(tl.int64), end, UNROLL):
+        for u in tl.static_range(UNROLL):
+            live = p0 + u < end
+            r = tl.load(ORDER + p0 + u, mask=live, other=0).to(tl.int64)
+            x = tl.load(src + r * F, mask=ok & live, other=0.0)
+            # past the run's end: no add at all (acc + 0.0 would turn a -0.0 into +0.0)
+            acc = tl.where(live, acc + x, acc)
+    tl.store(dst, acc, mask=ok)
+
+
+@triton.jit
 def _segment_sum_kernel(SRC, ORDER, SKEYS, END, OUT, N, F, HK, BLOCK_F: tl.constexpr, UNROLL: tl.constexpr):
     # Program (i, f, h): sorted position i, features [f * BLOCK_F, ...) of key head h. Only
     # the first position of each key's run works: it adds the run's rows of SRC[h], in
@@ -83,28 +100,48 @@ def _segment_sum_kernel(SRC, ORDER, SKEYS, END, OUT, N, F, HK, BLOCK_F: tl.const
     key = tl.load(SKEYS + i)
     prev = tl.load(SKEYS + tl.maximum(i - 1, 0))
     if (i == 0) | (prev != key):
-        end = tl.load(END + i)
-        dst = OUT + (key.to(tl.int64) * HK + h) * F + offs
-        src = SRC + h * N * F + offs
-        acc = tl.load(dst, mask=ok, other=0.0)
-        for p0 in range(i.to(tl.int64), end, UNROLL):
-            for u in tl.static_range(UNROLL):
-                live = p0 + u < end
-                r = tl.load(ORDER + p0 + u, mask=live, other=0).to(tl.int64)
-                x = tl.load(src + r * F, mask=ok & live, other=0.0)
-                # past the run's end: no add at all (acc + 0.0 would turn a -0.0 into +0.0)
-                acc = tl.where(live, acc + x, acc)
-        tl.store(dst, acc, mask=ok)
+        _run_sum(SRC, ORDER, OUT, key, i, tl.load(END + i), offs, ok, h, N, F, HK, UNROLL)
 
 
-def key_order(keys: torch.Tensor):
+@triton.jit
+def _segment_runs_kernel(SRC, ORDER, SKEYS, END, STARTS, NRUNS, OUT, N, F, HK, BLOCK_F: tl.constexpr,
+                         UNROLL: tl.constexpr):
+    # _segment_sum_kernel with program j on the j-th run (STARTS[j], its first sorted
+    # position): a grid of at most the key count, not one program per position of which
+    # all but each run's first would exit at once
+    j = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    h = tl.program_id(2).to(tl.int64)
+    ok = offs < F
+    if j < tl.load(NRUNS):
+        i = tl.load(STARTS + j)
+        _run_sum(SRC, ORDER, OUT, tl.load(SKEYS + i), i, tl.load(END + i), offs, ok, h, N, F, HK, UNROLL)
+
+
+def key_order(keys: torch.Tensor, bound: int = None):
     """The key-major inversion of flattened (row, slot) -> key indices ``keys`` [N]:
     (sorted keys, order: sorted position -> (row, slot) position, end: each sorted
     position's one-past-its-run). A stable sort, so a key's contributions stay in (row,
-    slot) order; deterministic on CUDA (a stable sort's result is unique)."""
+    slot) order; deterministic on CUDA (a stable sort's result is unique). ``bound``: the
+    keys are in [0, bound); below 2^31 they are sorted as int32 (half the radix passes,
+    the same permutation)."""
+    if bound is not None and bound <= 2 ** 31 - 1 and keys.dtype == torch.int64:
+        keys = keys.int()
     skeys, order = torch.sort(keys, stable=True)
     end = torch.searchsorted(skeys, skeys, right=True)
     return skeys, order, end
+
+
+def run_starts(skeys: torch.Tensor, most: int):
+    """(starts, nruns) of sorted keys ``skeys`` [N] with at most ``most`` distinct values:
+    starts[j] the first sorted position of the j-th run (N from nruns on), nruns a 1-element
+    device tensor; no host synchronization."""
+    N = skeys.numel()
+    first = torch.ones(N, dtype=torch.bool, device=skeys.device)
+    torch.ne(skeys[1:], skeys[:-1], out=first[1:])
+    run = torch.cumsum(first, 0) - 1  # each sorted position's run, non-decreasing
+    starts = torch.searchsorted(run, torch.arange(min(most, N), device=skeys.device))
+    return starts, run[-1:] + 1
 
 
 def segment_sum_(out: torch.Tensor, keys: torch.Tensor, src: torch.Tensor, use_kernel: bool = None) -> torch.Tensor:

@@ -95,6 +95,8 @@ class BackwardConfig:
     # after the first read it from L2; else feature-block-major (each block streams the
     # chunk's whole [n, H, K] buffers again from memory). The same arithmetic either way
     f_first: bool = True
+    # the segment sum: one program per run of a key (``run_starts``), not per sorted position
+    runs_grid: bool = True
     # kernel 1: each tile's key indices loaded one iteration ahead (a loop-carried value), so
     # the gather's addresses do not wait on a load issued in the same iteration
     prefetch_idx: bool = False
@@ -268,7 +270,7 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     ``atomic``: dK / dV by fp32 atomics (not reproducible).
     ``_launcher(kernel, args, launch)`` replaces the launches of the first chunk and the
     call returns their results (an offline sm_90 build: ``bench_attention_backward --inspect``)."""
-    from .attention_backward import check_backward_operands, key_order, v_is_view_of_k
+    from .attention_backward import check_backward_operands, key_order, run_starts, v_is_view_of_k
 
     interp = check_interpreter_mode()
     masks = list(masks)
@@ -374,25 +376,33 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
                     # keys of the flattened (b, t): a key belongs to one batch, so (row, slot)
                     # order is each key's order; one key-major inversion for both parts
                     bt = (torch.arange(r0, r0 + n, device=device) // S * T).view(n, 1)
-                    order = key_order((idx_flat[r0:r0 + n].long() + bt).reshape(-1))
+                    order = key_order((idx_flat[r0:r0 + n].long() + bt).reshape(-1), bound=B * T)
+                    runs = run_starts(order[0], B * T) if cfg.runs_grid else None
                 src = cbuf[part][:, :n].reshape(Hk, n * K, F)  # a view unless Hk > 1 in the last chunk
-                segment_sum_sorted_(acc.view(B * T, Hk, F), order, src)
+                segment_sum_sorted_(acc.view(B * T, Hk, F), order, src, runs)
         if _launcher is not None:
             return built
     return result()
 
 
-def segment_sum_sorted_(out: torch.Tensor, order, src: torch.Tensor) -> None:
+def segment_sum_sorted_(out: torch.Tensor, order, src: torch.Tensor, runs=None) -> None:
     """``attention_backward.segment_sum_`` with the key-major inversion ``order`` (its
-    ``key_order``) computed once for the chunk's dK and dV parts."""
-    from .attention_backward import _BLOCK_F, _UNROLL, _segment_sum_kernel
+    ``key_order``) computed once for the chunk's dK and dV parts; ``runs`` (``run_starts``):
+    one program per run. The same additions in the same order either way."""
+    from .attention_backward import _BLOCK_F, _UNROLL, _segment_runs_kernel, _segment_sum_kernel
 
     skeys, perm, end = order
     Hk, N, F = src.shape
     assert out.is_contiguous() and out.dtype == torch.float32 and tuple(out.shape[1:]) == (Hk, F)
     src = src.contiguous()
     block = min(_BLOCK_F, _next_pow2(F))
-    _segment_sum_kernel[(N, -(-F // block), Hk)](src, perm, skeys, end, out, N, F, Hk, BLOCK_F=block, UNROLL=_UNROLL)
+    if runs is None:
+        _segment_sum_kernel[(N, -(-F // block), Hk)](src, perm, skeys, end, out, N, F, Hk, BLOCK_F=block,
+                                                     UNROLL=_UNROLL)
+        return
+    starts, nruns = runs
+    _segment_runs_kernel[(starts.numel(), -(-F // block), Hk)](src, perm, skeys, end, starts, nruns, out, N, F,
+                                                                   Hk, BLOCK_F=block, UNROLL=_UNROLL)
 
 
 # ---------------------------------------------------------------------------------------

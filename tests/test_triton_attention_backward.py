@@ -242,9 +242,9 @@ def test_dq_by_its_own_kernel():
 
 
 def test_grid_order_and_index_prefetch_keep_the_bits():
-    # f_first (the keys' and dQ kernels' flat grid) and prefetch_idx (kernel 1's indices one
-    # tile ahead) reorder programs and loads, not arithmetic: the same bits, K = 20 leaving
-    # the last tile partial
+    # f_first (the keys' and dQ kernels' flat grid), prefetch_idx (kernel 1's indices one
+    # tile ahead) and runs_grid (the segment sum's program per run) reorder programs and
+    # loads, not arithmetic: the same bits, K = 20 leaving the last tile partial
     H, Hk, D, Dv, _ = FORMS["mqa"]
     B, S, T, K = 1, 3, 24, 20
     seed = fresh_seed("bwd grid order")
@@ -258,12 +258,25 @@ def test_grid_order_and_index_prefetch_keep_the_bits():
         for fused in (True, False):
             runs = [attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=fold,
                                               config=dataclasses.replace(base, f_first=ff, prefetch_idx=pf,
-                                                                         fused_dq=fused))
-                    for ff in (True, False) for pf in (True, False)]
+                                                                         fused_dq=fused, runs_grid=rg))
+                    for ff in (True, False) for pf in (True, False) for rg in (True, False)]
             for r in runs[1:]:
                 assert all(torch.equal(a, b) for a, b in zip(runs[0], r)), (fold, fused)
             if fold:
                 assert all(torch.equal(a, b) for a, b in zip(runs[0], got))
+
+
+def test_key_order_int32_and_run_starts():
+    g = torch.Generator().manual_seed(fresh_seed("bwd run starts"))
+    keys = torch.randint(0, 40, (300,), generator=g)
+    keys[:5] = 7  # a run at the start
+    want = bwd.key_order(keys)
+    got = bwd.key_order(keys, bound=40)
+    assert got[0].dtype == torch.int32 and all(torch.equal(a.long(), b) for a, b in zip(got, want))
+    starts, nruns = bwd.run_starts(got[0], 40)
+    first = torch.cat([torch.tensor([True]), want[0][1:] != want[0][:-1]]).nonzero().flatten()
+    assert nruns.item() == len(first) and torch.equal(starts[:len(first)], first)
+    assert bool((starts[len(first):] == len(keys)).all())
 
 
 def test_config_override(monkeypatch):
