@@ -30,7 +30,8 @@ their per-slot gradients: ~30 TB at S = 128K, so ~10 s on an H200; a quarter of 
 at 32K); the MQA form is five fp32 GEMMs of 2 S k H 576 FLOPs (~200 TFLOP at
 H = 128, S = 128K: a few seconds at fp32 rates). The Triton kernels: bf16 tensor-core dots
 (fp32 accumulation) and an fp32 buffer of per-slot key gradients, S k Hk (d_qk + d_v) x 4
-bytes written and read once by the segment sum (292 GB at mqa128, 32K). Columns: median ms
+bytes written and read once by the segment sum (292 GB at mqa128, 32K), S k Hk d_qk x 4 where
+v is a view of k and the two are folded (155 GB). Columns: median ms
 over --reps calls (CUDA events) after one warm-up, peak extra GiB, and whether two calls
 gave the same bits.
 """
@@ -95,14 +96,16 @@ def parse_impl(text: str):
 
 
 BUCKETS = (("rows", "attn_bwd_rows"), ("dq", "attn_bwd_dq"), ("keys", "attn_bwd_keys"),
-           ("segsum", "_segment_sum_kernel"), ("sort", "sort"), ("sort", "radix"), ("sort", "searchsorted"))
+           ("segsum", "_segment_sum_kernel"), ("segsum", "_segment_runs_kernel"), ("sort", "sort"),
+           ("sort", "radix"))
 SPLIT = ("rows", "dq", "keys", "segsum", "sort", "other")
 
 
 def kernel_split(fn) -> dict:
     """{bucket: (GPU ms, launches)} of one call of ``fn`` under torch.profiler: kernel times
     summed by name (attn_bwd_rows / attn_bwd_dq / attn_bwd_keys / the segment sum / the
-    key-major sort and its searchsorted / everything else: zero fills, casts, copies)."""
+    key-major sort and its searchsorted / everything else: the run starts' scan, zero fills,
+    casts, copies)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
