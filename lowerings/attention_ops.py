@@ -17,9 +17,9 @@ backward is ``attention_backward`` on both: bitwise reproducible (no floating-po
 atomics). Where v is a view of k's first columns (the MLA latent, v = k[..., :Dv]) the
 backward's gk is the shared storage's whole gradient and its gv zeros (``fold_v`` of
 ``attention_backward``; one key-side reduction instead of two): gk + [gv, 0], what autograd
-of the view adds, is the storage's gradient (a hook on the view v itself sees zeros). ``lse`` and ``probs`` are not differentiable (``mark_non_differentiable``): a loss
-that reads them (the indexer's KL reads ``probs`` as its target) gets no gradient through
-them.
+of the view adds, is the storage's gradient (a hook on the view v itself sees zeros).
+``lse`` and ``probs`` are not differentiable (``mark_non_differentiable``): a loss that reads
+them (the indexer's KL reads ``probs`` as its target) gets no gradient through them.
 
 Bad operands (shapes, dtypes, devices, masks that do not broadcast, indices outside
 [0, T) on the CPU, a spec that does not parse) raise ``SpecError`` naming the problem,
