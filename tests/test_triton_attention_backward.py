@@ -477,6 +477,36 @@ def test_gpu_bf16_folded_latent_gradient_matches_float64(H):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_grid_order_prefetch_and_run_grid_keep_the_bits():
+    # the compiled kernels at the latent's H = 128: program order and index prefetch change
+    # no bits; the pipelined kernel-1 configuration (16-slot tiles, 3 stages) is within the rule
+    H, Hk, D, Dv = 128, 1, 576, 512
+    B, S, T, K = 1, 96, 512, 256
+    seed = fresh_seed("bwd gpu configs")
+    q, k, _, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, torch.bfloat16, v_of_k=True)
+    q, k, idx = q.cuda(), k.cuda(), idx.cuda()
+    v = k[..., :Dv]
+    hi = (torch.arange(S, device="cuda") + (T - S) + 1).view(1, S)
+    spec = _spec(D, torch.bfloat16, [MaskTerm(kind="range", hi=0)])
+    out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json())
+    go = torch.randn_like(out)
+    base = default_config(H, Hk, D, Dv)
+    for fold in (True, False):
+        want = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=fold, config=base)
+        for change in (dict(f_first=False), dict(runs_grid=False), dict(prefetch_idx=True)):
+            got = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=fold,
+                                            config=dataclasses.replace(base, **change))
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (fold, change)
+    piped = dataclasses.replace(base, block_n=16, num_stages=3, prefetch_idx=True)
+    got = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=True, config=piped)
+    orig = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec, mode="pytorch", fold_v=True)
+    r = grads64(go, q, k, v, idx, [hi], spec)
+    for name, x, o, want in zip(("gq", "gk"), got, orig, (r[0], folded(r[1], r[2]))):
+        assert_consumer_close(x, o, want.to(x.device), torch.bfloat16, what=f"{name} (pipelined kernel 1)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_deterministic_bitwise_across_processes_with_heavy_key_sharing():
     a, b = _digests("deterministic", 2), _digests("deterministic", 2)
     assert a == b and a[0] == a[1] and a[2] == a[3], (a, b)
