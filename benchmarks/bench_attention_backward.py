@@ -3,7 +3,16 @@ in the same call on the same inputs: the Triton kernels, deterministic (the defa
 with fp32 atomics (opt-in), and the chunked PyTorch path (lowerings/attention_backward.py).
 
     python benchmarks/bench_attention_backward.py [--quick] [--long] [--seqs 8192,32768]
-        [--shapes mqa128,mqa16,per_head] [--impls deterministic,atomic,pytorch]
+        [--shapes mqa128,mqa16,per_head] [--impls deterministic,atomic,pytorch] [--profile]
+
+An implementation is ``mode[:nofold][@field=value+field=value]``: ``:nofold`` reduces the
+keys' and the values' contributions apart where v is a view of k (the default folds them
+into one, as the op does: ``attention_backward(fold_v=True)``); ``@...`` sets
+``HYSCALE_ATTN_BWD_CONFIG`` (``BackwardConfig`` fields) for that implementation only, so
+configurations are compared in the same call, e.g.
+``--impls deterministic,deterministic@prefetch_idx=0,atomic``. ``--profile``: one more call
+of each under torch.profiler, the GPU kernel time summed per kernel (rows, dq, keys, the
+segment sum, the key-major sort, other) with each kernel's rate.
 
 FLOPs: 2 H k (2 d_v + 3 d_qk) per query. "det / atomic rate": the deterministic kernel's
 throughput over the atomic one's (target >= 0.7 at mqa128, S = 32K).
@@ -21,7 +30,8 @@ their per-slot gradients: ~30 TB at S = 128K, so ~10 s on an H200; a quarter of 
 at 32K); the MQA form is five fp32 GEMMs of 2 S k H 576 FLOPs (~200 TFLOP at
 H = 128, S = 128K: a few seconds at fp32 rates). The Triton kernels: bf16 tensor-core dots
 (fp32 accumulation) and an fp32 buffer of per-slot key gradients, S k Hk (d_qk + d_v) x 4
-bytes written and read once by the segment sum (292 GB at mqa128, 32K). Columns: median ms
+bytes written and read once by the segment sum (292 GB at mqa128, 32K), S k Hk d_qk x 4 where
+v is a view of k and the two are folded (155 GB). Columns: median ms
 over --reps calls (CUDA events) after one warm-up, peak extra GiB, and whether two calls
 gave the same bits.
 """
@@ -75,9 +85,63 @@ def flops(shape: str, S: int, K: int) -> float:
     return 2.0 * H * K * (2 * Dv + 3 * Dq) * S
 
 
-def run(shape: str, S: int, K: int, reps: int, impls):
-    """{impl: (ms, peak bytes, bitwise repeatable)} of the backward, each impl in this call on
-    the same inputs, and the forward's (ms, peak)."""
+def parse_impl(text: str):
+    """(mode, fold_v, HYSCALE_ATTN_BWD_CONFIG text) of ``mode[:nofold][@f=v+f=v]``."""
+    head, _, cfg = text.partition("@")
+    mode, _, flag = head.partition(":")
+    if mode not in ("deterministic", "atomic", "pytorch") or flag not in ("", "nofold"):
+        raise SystemExit(f"--impls: {text!r} is not mode[:nofold][@field=value+...] with mode deterministic, "
+                         "atomic or pytorch")
+    return mode, flag != "nofold", cfg.replace("+", ",")
+
+
+BUCKETS = (("rows", "attn_bwd_rows"), ("dq", "attn_bwd_dq"), ("keys", "attn_bwd_keys"),
+           ("segsum", "_segment_sum_kernel"), ("segsum", "_segment_runs_kernel"), ("sort", "sort"),
+           ("sort", "radix"))
+SPLIT = ("rows", "dq", "keys", "segsum", "sort", "other")
+
+
+def kernel_split(fn) -> dict:
+    """{bucket: (GPU ms, launches)} of one call of ``fn`` under torch.profiler: kernel times
+    summed by name (attn_bwd_rows / attn_bwd_dq / attn_bwd_keys / the segment sum / the
+    key-major sort and its searchsorted / everything else: the run starts' scan, zero fills,
+    casts, copies)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    split = {b: [0.0, 0] for b in SPLIT}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        bucket = next((b for b, key in BUCKETS if key.lower() in name), "other")
+        split[bucket][0] += e.time_range.elapsed_us() / 1e3  # (a kernel event's span is its run)
+        split[bucket][1] += 1
+    return split
+
+
+def kernel_rates(shape: str, S: int, K: int, fold: bool, split: dict) -> dict:
+    """Each kernel's rate from its time: TFLOP/s of the dots (rows: q k^T and dO v^T, plus dQ
+    when no attn_bwd_dq ran; dq: dS k; keys: dS^T q and P^T dO), GB/s of the segment sum's
+    reads of the fp32 per-slot contributions (as many bytes as kernel 2 wrote)."""
+    H, Hk, Dq, Dv, view = SHAPES[shape]
+    rows_f = 2.0 * H * K * S * (Dq + Dv + (0 if split["dq"][1] else Dq))
+    work = {"rows": (rows_f, "TFLOP/s"), "dq": (2.0 * H * K * S * Dq, "TFLOP/s"),
+            "keys": (2.0 * H * K * S * (Dq + Dv), "TFLOP/s"),
+            "segsum": (4.0 * S * K * Hk * (Dq if fold and view else Dq + Dv), "GB/s")}
+    out = {}
+    for b, (amount, unit) in work.items():
+        ms = split[b][0]
+        if ms > 0:
+            out[b] = f"{amount / ms / (1e9 if unit == 'TFLOP/s' else 1e6):.0f} {unit}"
+    return out
+
+
+def run(shape: str, S: int, K: int, reps: int, impls, profile: bool = False):
+    """{impl: (ms, peak bytes, bitwise repeatable, kernel split or None)} of the backward,
+    each impl in this call on the same inputs, and the forward's (ms, peak)."""
     from hyscale_compile.lowerings.attention_backward import attention_backward
     from hyscale_compile.lowerings.attention_spec import AttentionSpec
     from hyscale_compile.lowerings.spec import MaskTerm
@@ -103,8 +167,13 @@ def run(shape: str, S: int, K: int, reps: int, impls):
     fwd_peak = torch.cuda.max_memory_allocated() - base
     go = torch.randn_like(out)
     res = {}
+    saved_cfg = os.environ.get("HYSCALE_ATTN_BWD_CONFIG")
     for impl in impls:
-        bwd = lambda: attention_backward(go, q, k, v, idx, [hi], out, lse, parsed, mode=impl)  # noqa: E731
+        mode, fold, cfg = parse_impl(impl)
+        bwd = lambda: attention_backward(go, q, k, v, idx, [hi], out, lse, parsed, mode=mode,  # noqa: E731
+                                         fold_v=fold)
+        if cfg:
+            os.environ["HYSCALE_ATTN_BWD_CONFIG"] = cfg
         try:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -112,17 +181,35 @@ def run(shape: str, S: int, K: int, reps: int, impls):
             torch.cuda.synchronize()
             ms, again = timed(bwd, reps)
             peak = torch.cuda.max_memory_allocated() - base
-            res[impl] = (ms, peak, all(torch.equal(a, b) for a, b in zip(first, again)))
+            same = all(torch.equal(a, b) for a, b in zip(first, again))
             del first, again
+            split = kernel_split(bwd) if profile else None
+            res[impl] = (ms, peak, same, split)
         except torch.OutOfMemoryError:
             res[impl] = None
+        finally:
+            if saved_cfg is None:
+                os.environ.pop("HYSCALE_ATTN_BWD_CONFIG", None)
+            else:
+                os.environ["HYSCALE_ATTN_BWD_CONFIG"] = saved_cfg
         torch.cuda.empty_cache()
     return fwd_ms, fwd_peak, res
 
 
-def inspect_sm90(shapes) -> int:
+def pipeline_report(ttgir: str) -> dict:
+    """What the TTGIR says of the loops' software pipelining: async copies to shared memory
+    (cp.async: ``ttg.async_copy_global_to_local``, TMA: ``async_tma_copy``) and their waits,
+    and the wgmma waits (asynchronous dots overlap the next loads only when pipelined)."""
+    return {"async_copy": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy"),
+            "async_wait": ttgir.count("ttg.async_wait"), "wgmma_wait": ttgir.count("warp_group_dot_wait")}
+
+
+def inspect_sm90(shapes, dump: str = None, fold: bool = True) -> int:
     """No GPU needed: compile the Triton backward's kernels for sm_90 (the default
-    configurations) and print ptxas' registers and spills and Triton's shared memory."""
+    configurations, ``HYSCALE_ATTN_BWD_CONFIG`` applied) as the op launches them (``fold``: the
+    values' part folded into the keys' launch where v is a view of k) and print ptxas'
+    registers and spills, Triton's shared memory and the TTGIR's async copies (``dump``: the
+    TTGIR and PTX written there)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("--inspect compiles for the GPU: unset TRITON_INTERPRET")
     import triton
@@ -150,17 +237,26 @@ def inspect_sm90(shapes) -> int:
                              masks=(MaskTerm(kind="range", hi=0),), out_dtype="bfloat16")
         cfg = default_config(H, Hk, Dq, Dv)
         for atomic in (False, True):
-            built = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, atomic=atomic,
-                                              _launcher=lambda kern, args, kw: (kern.__name__,
+            built = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, atomic=atomic, fold_v=fold,
+                                              _launcher=lambda kern, args, kw: (kern.__name__, kw.get("FOLD"),
                                                                                 kern.warmup(*args, grid=(1,), **kw)))
-            for i, (kname, ck) in enumerate(built):
+            for i, (kname, folded, ck) in enumerate(built):
                 if atomic and kname != "attn_bwd_keys":
                     continue
-                kname += "(v)" if i == len(built) - 1 and kname == "attn_bwd_keys" else ""
+                if kname == "attn_bwd_keys":
+                    kname += "(fold)" if folded else "(v)" if i == len(built) - 1 else ""
                 rep = ptxas_report(ck.asm["ptx"], bindir)
+                pipe = pipeline_report(ck.asm["ttgir"])
                 print(f"inspect shape={shape} kernel={kname}{' atomic' if atomic else ''} {cfg} "
                       f"regs={rep.get('regs', 0)} spill={rep.get('spill_st', 0) + rep.get('spill_ld', 0)} "
-                      f"smem={ck.metadata.shared} wgmma={int('wgmma' in ck.asm['ptx'])}", flush=True)
+                      f"smem={ck.metadata.shared} wgmma={int('wgmma' in ck.asm['ptx'])} "
+                      + " ".join(f"{a}={b}" for a, b in pipe.items()), flush=True)
+                if dump:
+                    os.makedirs(dump, exist_ok=True)
+                    stem = os.path.join(dump, f"{shape}.{kname}{'.atomic' if atomic else ''}")
+                    for ext in ("ttgir", "ptx"):
+                        with open(f"{stem}.{ext}", "w") as f:
+                            f.write(ck.asm[ext])
     return 0
 
 
@@ -175,11 +271,16 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="S = 8K, H = 128 and 16, the Triton kernels, one rep")
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="also one call of each under torch.profiler: GPU time "
+                                                          "per kernel (rows, dq, keys, segment sum, sort, other)")
     ap.add_argument("--inspect", action="store_true", help="no GPU: compile the Triton kernels for sm_90 and report "
                                                           "registers, spills and shared memory")
+    ap.add_argument("--dump", default=None, help="with --inspect: write each kernel's TTGIR and PTX to this folder")
+    ap.add_argument("--no-fold", action="store_true", help="with --inspect: the keys' and values' launches apart "
+                                                           "(as :nofold)")
     args = ap.parse_args(argv)
     if args.inspect:
-        return inspect_sm90(args.shapes.split(","))
+        return inspect_sm90(args.shapes.split(","), args.dump, fold=not args.no_fold)
     if args.quick:
         args.seqs, args.shapes, args.impls, args.reps = "8192", "mqa128,mqa16", "deterministic,atomic", 1
     if not torch.cuda.is_available():
@@ -187,13 +288,15 @@ def main(argv=None) -> int:
     import hyscale_compile  # noqa: F401  registers the ops
 
     impls = args.impls.split(",")
+    for impl in impls:
+        parse_impl(impl)
     seqs = [int(s) for s in args.seqs.split(",")] + ([131072] if args.long else [])
-    rows = []
+    rows, splits = [], []
     for shape in args.shapes.split(","):
         for S in seqs:
-            use = [i for i in impls if S < 131072 or i != "pytorch"]
+            use = [i for i in impls if S < 131072 or parse_impl(i)[0] != "pytorch"]
             try:
-                fwd_ms, fwd_peak, res = run(shape, S, args.topk, args.reps, use)
+                fwd_ms, fwd_peak, res = run(shape, S, args.topk, args.reps, use, args.profile)
             except torch.OutOfMemoryError:
                 fwd_ms, fwd_peak, res = None, None, {}
             torch.cuda.empty_cache()
@@ -202,10 +305,19 @@ def main(argv=None) -> int:
                 if r is None:
                     row = (shape, S, impl, "-", "-", "-", "-", "out of memory")
                 else:
-                    ms, peak, same = r
+                    ms, peak, same, split = r
                     ratio = ""
-                    if impl == "deterministic" and res.get("atomic"):
-                        ratio = f"{res['atomic'][0] / ms:.2f}"  # deterministic rate / atomic rate
+                    mode, fold, cfg = parse_impl(impl)
+                    twin = res.get(impl.replace("deterministic", "atomic", 1)) or res.get(
+                        "atomic" if fold else "atomic:nofold")
+                    if mode == "deterministic" and twin:
+                        ratio = f"{twin[0] / ms:.2f}"  # deterministic rate / the same form's atomic rate
+                    if split is not None:
+                        rates = kernel_rates(shape, S, args.topk, fold, split)
+                        cells = [f"{split[b][0]:.1f}" + (f" ({rates[b]})" if b in rates else "") for b in SPLIT]
+                        splits.append((shape, S, impl, *cells, f"{sum(v[0] for v in split.values()):.1f}"))
+                        print("profile", shape, S, impl, " ".join(f"{b}={split[b][0]:.1f}ms/{split[b][1]}"
+                                                                 for b in SPLIT), rates, file=sys.stderr, flush=True)
                     row = (shape, S, impl, f"{ms:.1f}", f"{flops(shape, S, args.topk) / ms / 1e9:.1f}",
                            f"{peak / 2**30:.2f}", ratio, "yes" if same else "NO")
                 rows.append(row)
@@ -216,6 +328,12 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for shape, S, *rest in rows:
         print(f"| {shape} | {S:,} | " + " | ".join(rest) + " |")
+    if splits:
+        print("\nGPU ms per kernel, one call under torch.profiler (rate of each kernel in parentheses)")
+        print("| shape | S | backward | " + " | ".join(SPLIT) + " | sum |")
+        print("|---|---|---" + "|---" * (len(SPLIT) + 1) + "|")
+        for shape, S, *rest in splits:
+            print(f"| {shape} | {S:,} | " + " | ".join(rest) + " |")
     return 0
 
 

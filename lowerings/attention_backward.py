@@ -71,6 +71,23 @@ _UNROLL = 8
 
 
 @triton.jit
+def _run_sum(SRC, ORDER, OUT, key, i, end, offs, ok, h, N, F, HK, UNROLL: tl.constexpr):
+    # the run [i, end) of sorted positions: its rows of SRC[h], in sorted order, added onto
+    # OUT[key, h]
+    dst = OUT + (key.to(tl.int64) * HK + h) * F + offs
+    src = SRC + h * N * F + offs
+    acc = tl.load(dst, mask=ok, other=0.0)
+    for p0 in range(i.to(tl.int64), end, UNROLL):
+        for u in tl.static_range(UNROLL):
+            live = p0 + u < end
+            r = tl.load(ORDER + p0 + u, mask=live, other=0).to(tl.int64)
+            x = tl.load(src + r * F, mask=ok & live, other=0.0)
+            # past the run's end: no add at all (acc + 0.0 would turn a -0.0 into +0.0)
+            acc = tl.where(live, acc + x, acc)
+    tl.store(dst, acc, mask=ok)
+
+
+@triton.jit
 def _segment_sum_kernel(SRC, ORDER, SKEYS, END, OUT, N, F, HK, BLOCK_F: tl.constexpr, UNROLL: tl.constexpr):
     # Program (i, f, h): sorted position i, features [f * BLOCK_F, ...) of key head h. Only
     # the first position of each key's run works: it adds the run's rows of SRC[h], in
@@ -83,28 +100,48 @@ def _segment_sum_kernel(SRC, ORDER, SKEYS, END, OUT, N, F, HK, BLOCK_F: tl.const
     key = tl.load(SKEYS + i)
     prev = tl.load(SKEYS + tl.maximum(i - 1, 0))
     if (i == 0) | (prev != key):
-        end = tl.load(END + i)
-        dst = OUT + (key.to(tl.int64) * HK + h) * F + offs
-        src = SRC + h * N * F + offs
-        acc = tl.load(dst, mask=ok, other=0.0)
-        for p0 in range(i.to(tl.int64), end, UNROLL):
-            for u in tl.static_range(UNROLL):
-                live = p0 + u < end
-                r = tl.load(ORDER + p0 + u, mask=live, other=0).to(tl.int64)
-                x = tl.load(src + r * F, mask=ok & live, other=0.0)
-                # past the run's end: no add at all (acc + 0.0 would turn a -0.0 into +0.0)
-                acc = tl.where(live, acc + x, acc)
-        tl.store(dst, acc, mask=ok)
+        _run_sum(SRC, ORDER, OUT, key, i, tl.load(END + i), offs, ok, h, N, F, HK, UNROLL)
 
 
-def key_order(keys: torch.Tensor):
+@triton.jit
+def _segment_runs_kernel(SRC, ORDER, SKEYS, END, STARTS, NRUNS, OUT, N, F, HK, BLOCK_F: tl.constexpr,
+                         UNROLL: tl.constexpr):
+    # _segment_sum_kernel with program j on the j-th run (STARTS[j], its first sorted
+    # position): a grid of at most the key count, not one program per position of which
+    # all but each run's first would exit at once
+    j = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    h = tl.program_id(2).to(tl.int64)
+    ok = offs < F
+    if j < tl.load(NRUNS):
+        i = tl.load(STARTS + j)
+        _run_sum(SRC, ORDER, OUT, tl.load(SKEYS + i), i, tl.load(END + i), offs, ok, h, N, F, HK, UNROLL)
+
+
+def key_order(keys: torch.Tensor, bound: int = None):
     """The key-major inversion of flattened (row, slot) -> key indices ``keys`` [N]:
     (sorted keys, order: sorted position -> (row, slot) position, end: each sorted
     position's one-past-its-run). A stable sort, so a key's contributions stay in (row,
-    slot) order; deterministic on CUDA (a stable sort's result is unique)."""
+    slot) order; deterministic on CUDA (a stable sort's result is unique). ``bound``: the
+    keys are in [0, bound); below 2^31 they are sorted as int32 (half the radix passes,
+    the same permutation)."""
+    if bound is not None and bound <= 2 ** 31 - 1 and keys.dtype == torch.int64:
+        keys = keys.int()
     skeys, order = torch.sort(keys, stable=True)
     end = torch.searchsorted(skeys, skeys, right=True)
     return skeys, order, end
+
+
+def run_starts(skeys: torch.Tensor, most: int):
+    """(starts, nruns) of sorted keys ``skeys`` [N] with at most ``most`` distinct values:
+    starts[j] the first sorted position of the j-th run (N from nruns on), nruns a 1-element
+    device tensor; no host synchronization."""
+    N = skeys.numel()
+    first = torch.ones(N, dtype=torch.bool, device=skeys.device)
+    torch.ne(skeys[1:], skeys[:-1], out=first[1:])
+    run = torch.cumsum(first, 0) - 1  # each sorted position's run, non-decreasing
+    starts = torch.searchsorted(run, torch.arange(min(most, N), device=skeys.device))
+    return starts, run[-1:] + 1
 
 
 def segment_sum_(out: torch.Tensor, keys: torch.Tensor, src: torch.Tensor, use_kernel: bool = None) -> torch.Tensor:
@@ -167,6 +204,13 @@ def check_backward_operands(grad_out, q, k, v, idx, out, lse) -> None:
         raise SpecError(f"sparse_attention_backward: grad_out has dtype {grad_out.dtype}; expected a float dtype")
 
 
+def v_is_view_of_k(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """v is k's first Dv columns: the same storage, offset, strides and dtype (the MLA
+    latent's value view, v = k[..., :Dv]), so every gradient of v lands on rows of k."""
+    return (v.dtype == k.dtype and v.device == k.device and v.data_ptr() == k.data_ptr()
+            and v.stride() == k.stride() and v.shape[:3] == k.shape[:3] and v.shape[3] <= k.shape[3])
+
+
 BACKWARD_MODES = ("deterministic", "atomic", "pytorch")
 
 
@@ -181,11 +225,18 @@ def backward_mode(mode: str = None, spec: AttentionSpec = None) -> str:
 
 
 def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionSpec, needs=(True, True, True),
-                       chunk_bytes: int = None, mode: str = None):
+                       chunk_bytes: int = None, mode: str = None, fold_v: bool = False):
     """(gq, gk, gv) in the operands' dtypes; an input that needs no gradient gets an empty
     tensor. On CUDA the Triton kernels unless ``backward_mode(mode)`` is "pytorch" or the spec
     has a step they do not differentiate; this path does not read ``out`` (delta comes from
-    the fp32 probabilities)."""
+    the fp32 probabilities).
+
+    ``fold_v``, where v is a view of k's first Dv columns (``v_is_view_of_k``) and both
+    gradients are asked: gk is the shared storage's whole gradient, k's part plus v's on its
+    first Dv columns (added in fp32, rounded once), and gv is zeros, so gk + [gv, 0] (what
+    autograd of the view, or the MLA pass, adds) is that gradient. The kernels then reduce
+    one contribution per slot instead of two (C_k + C_v per slot, then the (row, slot)
+    ordered sum); this path adds the two fp32 sums at the end."""
     from .attention_reference import heads_to_rows, gather_heads, rows_to_heads, score_slots
 
     if q.device.type == "cuda" and os.environ.get("HYSCALE_KERNEL", "triton") != "reference":
@@ -195,7 +246,7 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
 
             if unsupported(spec) is None:
                 return attention_backward_triton(grad_out, q, k, v, idx, masks, out, lse, spec, needs,
-                                                 atomic=how == "atomic", chunk_bytes=chunk_bytes)
+                                                 atomic=how == "atomic", chunk_bytes=chunk_bytes, fold_v=fold_v)
 
     B, S, H, D = q.shape
     T, Hk, Dv, K = k.shape[1], k.shape[2], v.shape[3], idx.shape[-1]
@@ -247,6 +298,9 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
                     gvb = torch.matmul(rows_to_heads(p, Hk).transpose(-1, -2), goh)  # [Hk, n, K, Dv]
                     segment_sum_(gv[b], flat, gvb.view(Hk, n * K, Dv))
                     del gvb
+    if fold_v and needs[1] and needs[2] and v_is_view_of_k(k, v):
+        gk[..., :Dv] += gv
+        gv = torch.zeros_like(gv)
     # a fresh empty tensor per output: outputs of a custom op may not alias each other
     return (gq.to(q.dtype) if needs[0] else q.new_empty(0),
             gk.to(k.dtype) if needs[1] else k.new_empty(0), gv.to(v.dtype) if needs[2] else v.new_empty(0))

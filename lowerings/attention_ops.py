@@ -14,9 +14,12 @@ the forward's saved indices and log-sum-exp.
 Implementations: CPU -> ``attention_reference`` (chunked, no [S, T] tensor); CUDA -> the
 forward kernel of ``triton_attention`` (``HYSCALE_KERNEL=reference``: the reference). The
 backward is ``attention_backward`` on both: bitwise reproducible (no floating-point
-atomics). ``lse`` and ``probs`` are not differentiable (``mark_non_differentiable``): a loss
-that reads them (the indexer's KL reads ``probs`` as its target) gets no gradient through
-them.
+atomics). Where v is a view of k's first columns (the MLA latent, v = k[..., :Dv]) the
+backward's gk is the shared storage's whole gradient and its gv zeros (``fold_v`` of
+``attention_backward``; one key-side reduction instead of two): gk + [gv, 0], what autograd
+of the view adds, is the storage's gradient (a hook on the view v itself sees zeros).
+``lse`` and ``probs`` are not differentiable (``mark_non_differentiable``): a loss that reads
+them (the indexer's KL reads ``probs`` as its target) gets no gradient through them.
 
 Bad operands (shapes, dtypes, devices, masks that do not broadcast, indices outside
 [0, T) on the CPU, a spec that does not parse) raise ``SpecError`` naming the problem,
@@ -89,7 +92,10 @@ def sparse_attention_backward(
     parsed = _parsed(spec, masks)
     ref.check_attention_operands(q, k, v, idx, masks, parsed)
     bwd.check_backward_operands(grad_out, q, k, v, idx, out, lse)
-    return bwd.attention_backward(grad_out, q, k, v, idx, list(masks), out, lse, parsed, (needs_q, needs_k, needs_v))
+    # v a view of k (the MLA latent): gk carries both gradients and gv is zeros; its callers
+    # (autograd of the view, the MLA pass's d latent = gk[..., :Dv] + gv) add the two
+    return bwd.attention_backward(grad_out, q, k, v, idx, list(masks), out, lse, parsed, (needs_q, needs_k, needs_v),
+                                  fold_v=True)
 
 
 @sparse_attention_backward.register_fake

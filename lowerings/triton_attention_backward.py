@@ -28,9 +28,14 @@ generated kernels and the key-major segment sum, per chunk of query rows:
        C_k[slot] = sum_h dS[h, slot] q[h]     C_v[slot] = sum_h P[h, slot] dO[h]
    written to a [Hk, n, K, F] fp32 chunk buffer (or, ``atomic=True``, added straight into
    dK / dV with fp32 ``tl.atomic_add``: the opt-in variant, not bitwise reproducible).
+   Where v is a view of k (the latent) and the caller folds (``fold_v``), one launch gives
+   C_k + C_v (the values' part added onto the keys' in the same fp32 accumulator at the
+   first Dv features): one [Hk, n, K, D] buffer, not D + Dv wide. The programs of one
+   (row, slot block) run next to each other (``f_first``), so the weight tile the feature
+   blocks share is read from memory once.
 3. ``attention_backward``'s segment sum: each key's contributions added in (row, slot) order
    onto its running fp32 value, one program per key; chunks run in row order, so the sums
-   are the same whatever the chunking (a test checks it).
+   are the same whatever the chunking (a test checks it). Folded: one sum, not two.
 
 Deterministic: no atomics (default), every program writes its own outputs, configurations
 are functions of the shapes and dtypes (``default_config``). The dots take the operands'
@@ -85,6 +90,16 @@ class BackwardConfig:
     fused_dq: bool = True
     dq_block_n: int = 64  # attn_bwd_dq: slots per step
     dq_block_f: int = 64  # attn_bwd_dq: features per program
+    # attn_bwd_keys / attn_bwd_dq: the programs of one weight tile (a row's [G, slots] dS' and
+    # P', read by every feature block) launched next to each other, so the feature blocks
+    # after the first read it from L2; else feature-block-major (each block streams the
+    # chunk's whole [n, H, K] buffers again from memory). The same arithmetic either way
+    f_first: bool = True
+    # the segment sum: one program per run of a key (``run_starts``), not per sorted position
+    runs_grid: bool = True
+    # kernel 1: each tile's key indices loaded one iteration ahead (a loop-carried value), so
+    # the gather's addresses do not wait on a load issued in the same iteration
+    prefetch_idx: bool = False
 
 
 def smem_estimate(cfg: BackwardConfig, Dqk: int, Dv: int, elem_bytes: int) -> tuple:
@@ -152,7 +167,7 @@ def _config_override(cfg: BackwardConfig) -> BackwardConfig:
         name = name.strip()
         if name not in fields or not val:
             raise SpecError(f"HYSCALE_ATTN_BWD_CONFIG: {item!r} is not field=value for a field of {sorted(fields)}")
-        kw[name] = val.strip() in ("1", "true", "True") if name == "fused_dq" else int(val)
+        kw[name] = val.strip() in ("1", "true", "True") if fields[name] in (bool, "bool") else int(val)
     return dataclasses.replace(cfg, **kw)
 
 
@@ -225,9 +240,10 @@ def load_backward_kernels(spec: AttentionSpec, num_masks: int):
 # launch
 # ---------------------------------------------------------------------------------------
 def backward_chunk_rows(device: torch.device, K: int, H: int, Hk: int, D: int, Dv: int, elem_bytes: int,
-                        rows: int, chunk_bytes: int = None) -> int:
-    """Query rows per chunk: the fp32 per-slot contributions [Hk, n, K, D + Dv] and the P and
-    dS buffers [n, H, K] (operand width) within the budget; a function of the shapes only.
+                        rows: int, chunk_bytes: int = None, fold: bool = False) -> int:
+    """Query rows per chunk: the fp32 per-slot contributions [Hk, n, K, D + Dv] ([Hk, n, K, D]
+    when ``fold``) and the P and dS buffers [n, H, K] (operand width) within the budget; a
+    function of the shapes only.
     On a GPU 4 GiB (``HYSCALE_ATTN_CHUNK_BYTES`` overrides it): about 430 rows at the
     latent's H = 128, so kernel 1's 2 x 430 programs of one SM each are 6.5 waves on 132 SMs
     (2 GiB would leave a third of the last of 3.2 waves idle)."""
@@ -237,7 +253,7 @@ def backward_chunk_rows(device: torch.device, K: int, H: int, Hk: int, D: int, D
         chunk_bytes = DEFAULT_CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES["cpu"])
         if device.type == "cuda" and "HYSCALE_ATTN_CHUNK_BYTES" not in os.environ:
             chunk_bytes = 4 << 30
-    per_row = max(1, K) * (4 * Hk * (D + Dv) + 2 * H * elem_bytes + 16) + 4 * H
+    per_row = max(1, K) * (4 * Hk * (D + (0 if fold else Dv)) + 2 * H * elem_bytes + 16) + 4 * H
     step = max(1, min(max(rows, 1), chunk_bytes // per_row))
     # a multiple of 16 where it can be, so every chunk's first row R0 has the same
     # divisibility: Triton specializes integer arguments on it (one build, not two)
@@ -246,13 +262,15 @@ def backward_chunk_rows(device: torch.device, K: int, H: int, Hk: int, D: int, D
 
 def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tensor], out, lse, spec: AttentionSpec,
                               needs=(True, True, True), atomic: bool = False, chunk_bytes: int = None,
-                              config: Optional[BackwardConfig] = None, _launcher=None):
+                              config: Optional[BackwardConfig] = None, fold_v: bool = False, _launcher=None):
     """(gq, gk, gv) in the operands' dtypes, as ``attention_backward.attention_backward``
-    (an input that needs no gradient gets an empty tensor). CUDA tensors, or CPU tensors
-    under TRITON_INTERPRET=1. ``atomic``: dK / dV by fp32 atomics (not reproducible).
+    (an input that needs no gradient gets an empty tensor; ``fold_v`` as there: where v is a
+    view of k's first columns, one [Hk, n, K, D] contribution per slot, C_k + C_v added in
+    kernel 2, and one segment sum). CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
+    ``atomic``: dK / dV by fp32 atomics (not reproducible).
     ``_launcher(kernel, args, launch)`` replaces the launches of the first chunk and the
     call returns their results (an offline sm_90 build: ``bench_attention_backward --inspect``)."""
-    from .attention_backward import check_backward_operands, key_order
+    from .attention_backward import check_backward_operands, key_order, run_starts, v_is_view_of_k
 
     interp = check_interpreter_mode()
     masks = list(masks)
@@ -278,16 +296,23 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     block_dv = max(16, _next_pow2(Dv))
     v_from_k = (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.dtype == k.dtype
                 and block_dv == da)
+    fold = fold_v and needs[1] and needs[2] and v_is_view_of_k(k, v)
     gq = torch.zeros(q.shape, dtype=q.dtype, device=device) if needs[0] else q.new_empty(0)
     gk = torch.zeros((B, T, Hk, D), dtype=f32, device=device) if needs[1] else None
-    gv = torch.zeros((B, T, Hk, Dv), dtype=f32, device=device) if needs[2] else None
+    gv = torch.zeros((B, T, Hk, Dv), dtype=f32, device=device) if needs[2] and not fold else None
+
+    def result():
+        gv_out = torch.zeros(v.shape, dtype=v.dtype, device=device) if fold else (
+            gv.to(v.dtype) if needs[2] else v.new_empty(0))
+        return gq, gk.to(k.dtype) if needs[1] else k.new_empty(0), gv_out
+
     if K == 0 or B * S * H == 0 or not any(needs):
-        return (gq, gk.to(k.dtype) if needs[1] else k.new_empty(0), gv.to(v.dtype) if needs[2] else v.new_empty(0))
+        return result()
     rows_fn, keys_fn, dq_fn = load_backward_kernels(spec, len(masks))
     fused_dq = cfg.fused_dq and needs[0]
     mask_args = _mask_launch_args(spec, masks, B, S, T, device)
     rows = B * S
-    step = backward_chunk_rows(device, K, H, Hk, D, Dv, esize, rows, chunk_bytes)
+    step = backward_chunk_rows(device, K, H, Hk, D, Dv, esize, rows, chunk_bytes, fold=fold)
     pbuf = torch.empty((step, H, K), dtype=cd, device=device)
     gbuf = torch.empty((step, H, K), dtype=cd, device=device)
     lbuf = torch.empty((step, H), dtype=f32, device=device)
@@ -295,7 +320,7 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     if not atomic:
         if needs[1]:
             cbuf["k"] = torch.empty((Hk, step, K, D), dtype=f32, device=device)
-        if needs[2]:
+        if needs[2] and not fold:
             cbuf["v"] = torch.empty((Hk, step, K, Dv), dtype=f32, device=device)
         idx_flat = idx.reshape(rows, K)
     dq_arg = gq if needs[0] else q  # (not written without NEED_DQ)
@@ -316,52 +341,68 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
             *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *out.stride(), *grad_out.stride(),
             *lse.stride(), *dq_arg.stride(), r0, S, G, Hk, K, D, Dv],
             dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DA=da, DB=db, DBQ=max(db, 16), BLOCK_DV=block_dv,
-                 V_FROM_K=v_from_k, NEED_DQ=bool(fused_dq), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                 **prec_consts))
+                 V_FROM_K=v_from_k, NEED_DQ=bool(fused_dq), PREFETCH_IDX=cfg.prefetch_idx, num_warps=cfg.num_warps,
+                 num_stages=cfg.num_stages, **prec_consts))
         if needs[0] and not fused_dq:
-            launch(dq_fn, (n * Hk * nblk, -(-D // cfg.dq_block_f)), [
+            nf = -(-D // cfg.dq_block_f)
+            launch(dq_fn, (n * Hk * nblk * nf,) if cfg.f_first else (n * Hk * nblk, nf), [
                 gbuf, lbuf, k, idx, gq, *k.stride(), *idx.stride(), *gq.stride(), r0, S, G, Hk, K, D],
                 dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.dq_block_n, BLOCK_F=cfg.dq_block_f, UPCAST=upcast,
-                     num_warps=4, num_stages=2))
+                     F_FIRST=cfg.f_first, num_warps=4, num_stages=2))
         order = None
-        for part, src, x, F, acc in (("k", gbuf, q, D, gk), ("v", pbuf, grad_out, Dv, gv)):
+        if fold:  # the values' part rides in the keys' launch: one contribution per slot
+            parts = (("k", gbuf, q, D, gk, pbuf, grad_out, Dv),)
+        else:
+            parts = (("k", gbuf, q, D, gk, gbuf, q, 0), ("v", pbuf, grad_out, Dv, gv, pbuf, grad_out, 0))
+        for part, src, x, F, acc, src2, x2, F2 in parts:
             if acc is None:
                 continue
             grid = (n * Hk, -(-K // cfg.keys_block_n), -(-F // cfg.keys_block_f))
+            if cfg.f_first:
+                grid = (grid[0] * grid[1] * grid[2],)
             if atomic:
                 dst, dst_strides = acc, acc.stride()
             else:
                 buf = cbuf[part]
                 # [Hk, n, K, F] read as (row, slot, head, feature) strides
                 dst, dst_strides = buf, (buf.stride(1), buf.stride(2), buf.stride(0), buf.stride(3))
-            launch(keys_fn, grid, [src, lbuf, x, idx, dst, *x.stride(), *idx.stride(), *dst_strides, r0, S, G, Hk,
-                                   K, F],
+            launch(keys_fn, grid, [src, lbuf, x, src2, x2, idx, dst, *x.stride(), *x2.stride(), *idx.stride(),
+                                   *dst_strides, r0, S, G, Hk, K, F, F2],
                    dict(BLOCK_G=cfg.keys_block_g, BLOCK_N=cfg.keys_block_n, BLOCK_F=cfg.keys_block_f,
-                        ATOMIC=atomic, num_warps=cfg.keys_num_warps, num_stages=cfg.keys_num_stages))
+                        ATOMIC=atomic, FOLD=fold, F_FIRST=cfg.f_first, num_warps=cfg.keys_num_warps,
+                        num_stages=cfg.keys_num_stages))
             if not atomic and _launcher is None:
                 if order is None:
                     # keys of the flattened (b, t): a key belongs to one batch, so (row, slot)
                     # order is each key's order; one key-major inversion for both parts
                     bt = (torch.arange(r0, r0 + n, device=device) // S * T).view(n, 1)
-                    order = key_order((idx_flat[r0:r0 + n].long() + bt).reshape(-1))
+                    order = key_order((idx_flat[r0:r0 + n].long() + bt).reshape(-1), bound=B * T)
+                    runs = run_starts(order[0], B * T) if cfg.runs_grid else None
                 src = cbuf[part][:, :n].reshape(Hk, n * K, F)  # a view unless Hk > 1 in the last chunk
-                segment_sum_sorted_(acc.view(B * T, Hk, F), order, src)
+                segment_sum_sorted_(acc.view(B * T, Hk, F), order, src, runs)
         if _launcher is not None:
             return built
-    return (gq, gk.to(k.dtype) if needs[1] else k.new_empty(0), gv.to(v.dtype) if needs[2] else v.new_empty(0))
+    return result()
 
 
-def segment_sum_sorted_(out: torch.Tensor, order, src: torch.Tensor) -> None:
+def segment_sum_sorted_(out: torch.Tensor, order, src: torch.Tensor, runs=None) -> None:
     """``attention_backward.segment_sum_`` with the key-major inversion ``order`` (its
-    ``key_order``) computed once for the chunk's dK and dV parts."""
-    from .attention_backward import _BLOCK_F, _UNROLL, _segment_sum_kernel
+    ``key_order``) computed once for the chunk's dK and dV parts; ``runs`` (``run_starts``):
+    one program per run. The same additions in the same order either way."""
+    from .attention_backward import _BLOCK_F, _UNROLL, _segment_runs_kernel, _segment_sum_kernel
 
     skeys, perm, end = order
     Hk, N, F = src.shape
     assert out.is_contiguous() and out.dtype == torch.float32 and tuple(out.shape[1:]) == (Hk, F)
     src = src.contiguous()
     block = min(_BLOCK_F, _next_pow2(F))
-    _segment_sum_kernel[(N, -(-F // block), Hk)](src, perm, skeys, end, out, N, F, Hk, BLOCK_F=block, UNROLL=_UNROLL)
+    if runs is None:
+        _segment_sum_kernel[(N, -(-F // block), Hk)](src, perm, skeys, end, out, N, F, Hk, BLOCK_F=block,
+                                                     UNROLL=_UNROLL)
+        return
+    starts, nruns = runs
+    _segment_runs_kernel[(starts.numel(), -(-F // block), Hk)](src, perm, skeys, end, starts, nruns, out, N, F,
+                                                                   Hk, BLOCK_F=block, UNROLL=_UNROLL)
 
 
 # ---------------------------------------------------------------------------------------
@@ -413,6 +454,7 @@ def attn_bwd_rows(
     R0, S, G, HK, TOPK, DQK, DV,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, DBQ: tl.constexpr,
     BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr, NEED_DQ: tl.constexpr,
+    PREFETCH_IDX: tl.constexpr,
 ):
     # program: row R0 + lrow of the flattened (b, s), kv head hk, heads g0 .. g0 + BLOCK_H of
     # its G; writes dQ of those heads, P' and dS' [BLOCK_H, TOPK] to PB / GB (the chunk's
@@ -452,10 +494,17 @@ def attn_bwd_rows(
     dqa = tl.zeros([BLOCK_H, DA], dtype=tl.float32)
     dqb = tl.zeros([BLOCK_H, DBQ], dtype=tl.float32)
     lsum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if PREFETCH_IDX:
+        t_next = tl.load(ibase + offs_n * stride_ij, mask=offs_n < TOPK, other=0).to(tl.int64)
     for n0 in range(0, TOPK, BLOCK_N):
         slots = n0 + offs_n
         slot_ok = slots < TOPK
-        t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
+        if PREFETCH_IDX:
+            t = t_next
+            ahead = slots + BLOCK_N
+            t_next = tl.load(ibase + ahead * stride_ij, mask=ahead < TOPK, other=0).to(tl.int64)
+        else:
+            t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
         y, ka, kb = _bwd_scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
                                 BLOCK_N, DA, DB, UPCAST)
         p = tl.where(live[:, None], tl.exp(y - lse_use[:, None]), 0.0)
@@ -498,11 +547,20 @@ def attn_bwd_dq(
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     R0, S, G, HK, TOPK, DQK,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, UPCAST: tl.constexpr,
+    F_FIRST: tl.constexpr,
 ):
     # dQ[h, f] = (sum_j dS'[h, j] k[t_j, f]) / l[h] for BLOCK_H heads of kv head hk and
-    # BLOCK_F features of one row, from the stored dS' (when kernel 1 does not accumulate it)
+    # BLOCK_F features of one row, from the stored dS' (when kernel 1 does not accumulate it).
+    # F_FIRST: a flat grid, the feature blocks of one (row, head block) next to each other
     nblk = tl.cdiv(G, BLOCK_H)
-    pid = tl.program_id(0).to(tl.int64)
+    if F_FIRST:
+        flat = tl.program_id(0).to(tl.int64)
+        nf = tl.cdiv(DQK, BLOCK_F)
+        pid = flat // nf
+        fb = flat % nf
+    else:
+        pid = tl.program_id(0).to(tl.int64)
+        fb = tl.program_id(1)
     lrow = pid // (HK * nblk)
     row = R0 + lrow
     b = row // S
@@ -511,7 +569,7 @@ def attn_bwd_dq(
     g0 = ((pid % nblk) * BLOCK_H).to(tl.int32)
     gs = g0 + tl.arange(0, BLOCK_H)
     g_ok = gs < G
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    cols = fb * BLOCK_F + tl.arange(0, BLOCK_F)
     col_ok = cols < DQK
     offs_n = tl.arange(0, BLOCK_N)
     hrow = (lrow * (HK * G) + hk * G + gs) * TOPK
@@ -534,32 +592,10 @@ def attn_bwd_dq(
 
 
 @triton.jit
-def attn_bwd_keys(
-    SRC, LB, X, IDX, DST,
-    stride_xb, stride_xs, stride_xh, stride_xd,
-    stride_ib, stride_is, stride_ij,
-    stride_d0, stride_d1, stride_d2, stride_d3,
-    R0, S, G, HK, TOPK, F,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, ATOMIC: tl.constexpr,
-):
-    # C[slot, f] = sum_h (SRC[h, slot] / l[h]) X[h, f] over kv head hk's G heads, for
-    # BLOCK_N slots and BLOCK_F features of one row: SRC = dS' with X = q (the keys' part),
-    # or P' with X = dO (the values'). Stored to the chunk buffer at (row, slot, hk, f), or
-    # (ATOMIC) added to DST at (b, key, hk, f)
-    pid = tl.program_id(0).to(tl.int64)
-    lrow = pid // HK
-    hk = pid % HK
-    row = R0 + lrow
-    b = row // S
-    s = row % S
-    slots = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot_ok = slots < TOPK
-    cols = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
-    col_ok = cols < F
+def _keys_part(acc, SRC, LB, X, hbase, xbase, slots, slot_ok, cols, col_ok, G, TOPK, stride_xh, stride_xd,
+               BLOCK_G: tl.constexpr):
+    # acc += sum_h (SRC[h, slot] / l[h]) X[h, f] over the G heads, BLOCK_G at a time in order
     offs_g = tl.arange(0, BLOCK_G)
-    hbase = lrow * (HK * G) + hk * G
-    xbase = X + b * stride_xb + s * stride_xs + (hk * G) * stride_xh
-    acc = tl.zeros([BLOCK_N, BLOCK_F], dtype=tl.float32)
     for g0 in range(0, G, BLOCK_G):
         gs = g0 + offs_g
         g_ok = gs < G
@@ -572,6 +608,58 @@ def attn_bwd_keys(
         x = tl.load(xbase + gs[:, None] * stride_xh + cols[None, :] * stride_xd,
                     mask=(g_ok & live)[:, None] & col_ok[None, :], other=0.0).to(SRC.dtype.element_ty)
         acc = tl.dot(tl.trans(w), x, acc=acc, input_precision="{{PRECISION}}", out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def attn_bwd_keys(
+    SRC, LB, X, SRC2, X2, IDX, DST,
+    stride_xb, stride_xs, stride_xh, stride_xd,
+    stride_x2b, stride_x2s, stride_x2h, stride_x2d,
+    stride_ib, stride_is, stride_ij,
+    stride_d0, stride_d1, stride_d2, stride_d3,
+    R0, S, G, HK, TOPK, F, F2,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, ATOMIC: tl.constexpr,
+    FOLD: tl.constexpr, F_FIRST: tl.constexpr,
+):
+    # C[slot, f] = sum_h (SRC[h, slot] / l[h]) X[h, f] over kv head hk's G heads, for
+    # BLOCK_N slots and BLOCK_F features of one row: SRC = dS' with X = q (the keys' part),
+    # or P' with X = dO (the values'). FOLD (v is a view of k's first F2 columns): the
+    # keys' part, then the values' part added onto it in the same fp32 accumulator at the
+    # features f < F2, one contribution per slot for the shared rows. Stored to the chunk
+    # buffer at (row, slot, hk, f), or (ATOMIC) added to DST at (b, key, hk, f). F_FIRST: a
+    # flat grid, feature block fastest, then slot block, then (row, hk)
+    if F_FIRST:
+        flat = tl.program_id(0).to(tl.int64)
+        nf = tl.cdiv(F, BLOCK_F)
+        nk = tl.cdiv(TOPK, BLOCK_N)
+        fb = flat % nf
+        kb = (flat // nf) % nk
+        pid = flat // (nf * nk)
+    else:
+        pid = tl.program_id(0).to(tl.int64)
+        kb = tl.program_id(1)
+        fb = tl.program_id(2)
+    lrow = pid // HK
+    hk = pid % HK
+    row = R0 + lrow
+    b = row // S
+    s = row % S
+    slots = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    slot_ok = slots < TOPK
+    f0 = fb * BLOCK_F
+    cols = f0 + tl.arange(0, BLOCK_F)
+    col_ok = cols < F
+    hbase = lrow * (HK * G) + hk * G
+    xbase = X + b * stride_xb + s * stride_xs + (hk * G) * stride_xh
+    acc = tl.zeros([BLOCK_N, BLOCK_F], dtype=tl.float32)
+    acc = _keys_part(acc, SRC, LB, X, hbase, xbase, slots, slot_ok, cols, col_ok, G, TOPK, stride_xh, stride_xd,
+                     BLOCK_G)
+    if FOLD:
+        if f0 < F2:
+            x2base = X2 + b * stride_x2b + s * stride_x2s + (hk * G) * stride_x2h
+            acc = _keys_part(acc, SRC2, LB, X2, hbase, x2base, slots, slot_ok, cols, cols < F2, G, TOPK,
+                             stride_x2h, stride_x2d, BLOCK_G)
     ok = slot_ok[:, None] & col_ok[None, :]
     if ATOMIC:
         t = tl.load(IDX + b * stride_ib + s * stride_is + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)

@@ -67,15 +67,27 @@ def _spec(D, dtype, terms, post_extra=()):
                          masks=tuple(terms), out_dtype=str(dtype).split(".")[-1])
 
 
-def check(q, k, v, idx, masks, spec, seed, atomic=False, config=None):
-    """The kernel's gradients against float64 under the rule; returns them."""
+def folded(gk, gv):
+    """k's whole gradient where v = k[..., :Dv]: its own plus v's on the first Dv columns."""
+    out = gk.clone()
+    out[..., :gv.shape[-1]] += gv
+    return out
+
+
+def check(q, k, v, idx, masks, spec, seed, atomic=False, config=None, fold_v=False):
+    """The kernel's gradients against float64 under the rule; returns them. ``fold_v``
+    (v a view of k): gk against k's whole gradient, gv zeros."""
     dtype = q.dtype
     out, lse, _ = R.attention_forward(q, k, v, idx, masks, spec)
     g = torch.Generator().manual_seed(seed + 7)
     go = torch.randn(out.shape, generator=g).to(out.dtype)
-    got = attention_backward_triton(go, q, k, v, idx, masks, out, lse, spec, atomic=atomic, config=config)
-    orig = bwd.attention_backward(go, q, k, v, idx, masks, out, lse, spec)
+    got = attention_backward_triton(go, q, k, v, idx, masks, out, lse, spec, atomic=atomic, config=config,
+                                    fold_v=fold_v)
+    orig = bwd.attention_backward(go, q, k, v, idx, masks, out, lse, spec, fold_v=fold_v)
     ref = grads64(go, q, k, v, idx, masks, spec)
+    if fold_v:
+        assert torch.equal(got[2], torch.zeros_like(v)) and torch.equal(orig[2], torch.zeros_like(v))
+        ref = (ref[0], folded(ref[1], ref[2]))
     for name, x, o, r, like in zip(("gq", "gk", "gv"), got, orig, ref, (q, k, v)):
         assert x.dtype == like.dtype and x.shape == like.shape, name
         assert_consumer_close(x, o, r, dtype, what=f"{name} ({'atomic' if atomic else 'deterministic'})")
@@ -158,6 +170,67 @@ def test_deterministic_repeats_and_ignores_the_chunking():
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+@pytest.mark.parametrize("atomic", [False, True], ids=["deterministic", "atomic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_value_view_folds_into_the_key_gradient(dtype, atomic):
+    # v = k[..., :Dv]: one contribution per slot (C_k + C_v) and one key-side sum; the keys'
+    # feature blocks are 16 wide under the interpreter: Dv = 16 ends one, Dv = 8 splits one
+    H, Hk, D, _, _ = FORMS["mqa"]
+    B, S, T, K = 2, 3, 24, 12
+    for i, Dv in enumerate((16, 8)):
+        seed = fresh_seed(f"bwd fold {dtype} {atomic} #{i}")
+        q, k, v, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, dtype, v_of_k=True)
+        hi = _causal(B, S, T)
+        spec = _spec(D, dtype, [MaskTerm(kind="range", hi=0)])
+        check(q, k, v, idx, [hi], spec, seed, atomic=atomic, fold_v=True)
+
+
+def test_fold_repeats_ignores_the_chunking_and_leaves_other_operands_alone():
+    H, Hk, D, Dv, _ = FORMS["mqa"]
+    B, S, T, K = 2, 4, 24, 12
+    seed = fresh_seed("bwd fold repeat")
+    q, k, v, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, v_of_k=True)
+    hi = _causal(B, S, T)
+    spec = _spec(D, torch.float32, [MaskTerm(kind="range", hi=0)])
+    first, (go, out, lse) = check(q, k, v, idx, [hi], spec, seed, fold_v=True)
+    again = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=True)
+    one_row = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, chunk_bytes=1, fold_v=True)
+    for a, b, c in zip(first, again, one_row):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    # v a copy of k's columns (not a view), or only one of the two gradients asked: no fold
+    plain = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec)
+    copy = attention_backward_triton(go, q, k, v.clone(), idx, [hi], out, lse, spec, fold_v=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, copy))
+    only_k = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, needs=(False, True, False),
+                                       fold_v=True)
+    assert torch.equal(only_k[1], plain[1]) and only_k[2].numel() == 0
+
+
+def test_op_folds_the_value_view_and_autograd_sums_the_same():
+    # the op's backward at v = k[..., :Dv]: gk is k's whole gradient, gv zeros; a copy of
+    # those columns (not a view) keeps the two apart
+    H, Hk, D, Dv, _ = FORMS["mqa"]
+    B, S, T, K = 1, 4, 24, 12
+    seed = fresh_seed("bwd op fold")
+    q, k, v, idx, g = _inputs(seed, B, S, T, H, Hk, D, Dv, K, v_of_k=True)
+    hi = _causal(B, S, T)
+    spec = _spec(D, torch.float32, [MaskTerm(kind="range", hi=0)])
+    out, lse, _ = R.attention_forward(q, k, v, idx, [hi], spec)
+    go = torch.randn(out.shape, generator=g)
+    op = torch.ops.hyscale.sparse_attention_backward
+    gq, gk, gv = op(go, q, k, v, idx, [hi], out, lse, spec.to_json(), True, True, True)
+    sq, sk, sv = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec)
+    assert torch.equal(gq, sq) and torch.equal(gv, torch.zeros_like(sv)) and sv.abs().sum() > 0
+    assert torch.equal(gk, folded(sk, sv))  # (fp32: the same two sums, added once)
+    apart = op(go, q, k, v.clone(), idx, [hi], out, lse, spec.to_json(), True, True, True)
+    assert all(torch.equal(a, b) for a, b in zip(apart, (sq, sk, sv)))
+    # autograd through the forward op: k's gradient is the same sum
+    kl = k.clone().requires_grad_()
+    o, _, _ = torch.ops.hyscale.sparse_attention(q, kl, kl[..., :Dv], idx, [hi], spec.to_json())
+    (o * go).sum().backward()
+    torch.testing.assert_close(kl.grad, folded(sk, sv), rtol=0, atol=0)
+
+
 def test_dq_by_its_own_kernel():
     # the latent's configuration: dQ from the stored dS by attn_bwd_dq, not in kernel 1
     H, Hk, D, Dv, v_of_k = FORMS["mqa"]
@@ -168,10 +241,48 @@ def test_dq_by_its_own_kernel():
         check(q, k, v, idx, [_causal(2, 3, 24)], _spec(D, dtype, [MaskTerm(kind="range", hi=0)]), seed, config=cfg)
 
 
+def test_grid_order_and_index_prefetch_keep_the_bits():
+    # f_first (the keys' and dQ kernels' flat grid), prefetch_idx (kernel 1's indices one
+    # tile ahead) and runs_grid (the segment sum's program per run) reorder programs and
+    # loads, not arithmetic: the same bits, K = 20 leaving the last tile partial
+    H, Hk, D, Dv, _ = FORMS["mqa"]
+    B, S, T, K = 1, 3, 24, 20
+    seed = fresh_seed("bwd grid order")
+    q, k, v, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, v_of_k=True)
+    hi = _causal(B, S, T)
+    spec = _spec(D, torch.float32, [MaskTerm(kind="range", hi=0)])
+    base = default_config(H, Hk, D, Dv, interpret=True)
+    got, (go, out, lse) = check(q, k, v, idx, [hi], spec, seed, config=dataclasses.replace(base, prefetch_idx=True),
+                                fold_v=True)
+    for fold in (True, False):
+        for fused in (True, False):
+            runs = [attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=fold,
+                                              config=dataclasses.replace(base, f_first=ff, prefetch_idx=pf,
+                                                                         fused_dq=fused, runs_grid=rg))
+                    for ff in (True, False) for pf in (True, False) for rg in (True, False)]
+            for r in runs[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(runs[0], r)), (fold, fused)
+            if fold:
+                assert all(torch.equal(a, b) for a, b in zip(runs[0], got))
+
+
+def test_key_order_int32_and_run_starts():
+    g = torch.Generator().manual_seed(fresh_seed("bwd run starts"))
+    keys = torch.randint(0, 40, (300,), generator=g)
+    keys[:5] = 7  # a run at the start
+    want = bwd.key_order(keys)
+    got = bwd.key_order(keys, bound=40)
+    assert got[0].dtype == torch.int32 and all(torch.equal(a.long(), b) for a, b in zip(got, want))
+    starts, nruns = bwd.run_starts(got[0], 40)
+    first = torch.cat([torch.tensor([True]), want[0][1:] != want[0][:-1]]).nonzero().flatten()
+    assert nruns.item() == len(first) and torch.equal(starts[:len(first)], first)
+    assert bool((starts[len(first):] == len(keys)).all())
+
+
 def test_config_override(monkeypatch):
-    monkeypatch.setenv("HYSCALE_ATTN_BWD_CONFIG", "num_warps=8,fused_dq=0")
+    monkeypatch.setenv("HYSCALE_ATTN_BWD_CONFIG", "num_warps=8,fused_dq=0,prefetch_idx=1,f_first=0")
     cfg = default_config(128, 1, 576, 512)
-    assert cfg.num_warps == 8 and not cfg.fused_dq
+    assert cfg.num_warps == 8 and not cfg.fused_dq and cfg.prefetch_idx and not cfg.f_first
     monkeypatch.setenv("HYSCALE_ATTN_BWD_CONFIG", "warps=8")
     with pytest.raises(SpecError, match="'warps=8'"):
         default_config(128, 1, 576, 512)
@@ -252,12 +363,17 @@ def test_latent_kernels_compile_for_sm90_without_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HYSCALE_ATTN_BWD_CONFIG")}
     env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention_backward.py"), "--inspect",
-                        "--shapes", "mqa128"], capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("inspect ")]
-    names = {ln.split()[2] for ln in lines}
-    assert names == {"kernel=attn_bwd_rows", "kernel=attn_bwd_dq", "kernel=attn_bwd_keys", "kernel=attn_bwd_keys(v)"}
+    lines = []
+    # the op's launches (v = k[..., :512]: the values' part folded into the keys'), then apart
+    for flags, keys in (([], {"kernel=attn_bwd_keys(fold)"}), (["--no-fold"], {"kernel=attn_bwd_keys",
+                                                                               "kernel=attn_bwd_keys(v)"})):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention_backward.py"),
+                            "--inspect", "--shapes", "mqa128", *flags], capture_output=True, text=True, env=env,
+                           timeout=900)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        got = [ln for ln in r.stdout.splitlines() if ln.startswith("inspect ")]
+        assert {ln.split()[2] for ln in got} == {"kernel=attn_bwd_rows", "kernel=attn_bwd_dq"} | keys, got
+        lines += got
     for ln in lines:
         f = dict(x.split("=", 1) for x in ln.split() if "=" in x and not x.startswith("BackwardConfig"))
         assert 0 < int(f["regs"]) <= 255 and int(f["spill"]) == 0 and int(f["smem"]) <= SMEM_BYTES, ln
@@ -331,6 +447,62 @@ def test_gpu_bf16_gradients_match_float64(shape):
         got = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec, mode=mode)
         for name, x, o, r in zip(("gq", "gk", "gv"), got, orig, ref):
             assert_consumer_close(x, o, r, torch.bfloat16, what=f"{name} ({mode})")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("H", [128, 16], ids=["mqa128", "mqa16"])
+def test_gpu_bf16_folded_latent_gradient_matches_float64(H):
+    # v = k[..., :512]: the compiled kernels' one contribution per slot (C_k + C_v) against
+    # k's whole float64 gradient, deterministic and atomic
+    Hk, D, Dv = 1, 576, 512
+    B, S, T, K = 1, 192, 512, 256
+    seed = fresh_seed(f"bwd gpu fold {H}")
+    q, k, _, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, torch.bfloat16, v_of_k=True)
+    q, k, idx = q.cuda(), k.cuda(), idx.cuda()
+    v = k[..., :Dv]
+    hi = (torch.arange(S, device="cuda") + (T - S) + 1).view(1, S)
+    spec = _spec(D, torch.bfloat16, [MaskTerm(kind="range", hi=0)])
+    out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json())
+    go = torch.randn_like(out)
+    orig = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec, mode="pytorch", fold_v=True)
+    r = grads64(go, q, k, v, idx, [hi], spec)
+    ref = (r[0], folded(r[1], r[2]))
+    for mode in ("deterministic", "atomic"):
+        got = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec, mode=mode, fold_v=True)
+        assert torch.equal(got[2], torch.zeros_like(v))
+        for name, x, o, want in zip(("gq", "gk"), got, orig, ref):
+            assert_consumer_close(x, o, want.to(x.device), torch.bfloat16, what=f"{name} ({mode}, folded)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_grid_order_prefetch_and_run_grid_keep_the_bits():
+    # the compiled kernels at the latent's H = 128: program order and index prefetch change
+    # no bits; the pipelined kernel-1 configuration (16-slot tiles, 3 stages) is within the rule
+    H, Hk, D, Dv = 128, 1, 576, 512
+    B, S, T, K = 1, 96, 512, 256
+    seed = fresh_seed("bwd gpu configs")
+    q, k, _, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, torch.bfloat16, v_of_k=True)
+    q, k, idx = q.cuda(), k.cuda(), idx.cuda()
+    v = k[..., :Dv]
+    hi = (torch.arange(S, device="cuda") + (T - S) + 1).view(1, S)
+    spec = _spec(D, torch.bfloat16, [MaskTerm(kind="range", hi=0)])
+    out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json())
+    go = torch.randn_like(out)
+    base = default_config(H, Hk, D, Dv)
+    for fold in (True, False):
+        want = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=fold, config=base)
+        for change in (dict(f_first=False), dict(runs_grid=False), dict(prefetch_idx=True)):
+            got = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=fold,
+                                            config=dataclasses.replace(base, **change))
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (fold, change)
+    piped = dataclasses.replace(base, block_n=16, num_stages=3, prefetch_idx=True)
+    got = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=True, config=piped)
+    orig = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec, mode="pytorch", fold_v=True)
+    r = grads64(go, q, k, v, idx, [hi], spec)
+    for name, x, o, want in zip(("gq", "gk"), got, orig, (r[0], folded(r[1], r[2]))):
+        assert_consumer_close(x, o, want.to(x.device), torch.bfloat16, what=f"{name} (pipelined kernel 1)")
 
 
 @pytest.mark.gpu
