@@ -326,6 +326,11 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
         assert int(f["smem"]) <= 227 * 1024, row
         if f["shape"] == "mla128":
             assert f["wgmma"] == "1", f"the absorbed shape's dots are not wgmma: {row}"
+            if f["stages"] == "2":
+                # the row describes the build it reports: q [block_h, 576] and two stages of
+                # gathered keys [block_n, 576] in shared memory (bf16)
+                tiles = int(f["block_h"]) + 2 * int(f["block_n"])
+                assert int(f["smem"]) >= tiles * 576 * 2, f"smem does not hold the reported tiles: {row}"
 
 
 # ---------------------------------------------------------------------------------------
