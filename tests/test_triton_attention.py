@@ -17,8 +17,8 @@ import torch
 from hyscale_compile.lowerings import attention_reference as R
 from hyscale_compile.lowerings.attention_spec import AttentionSpec
 from hyscale_compile.lowerings.spec import MaskTerm, SpecError
-from hyscale_compile.lowerings.triton_attention import (AttentionConfig, default_config, render_kernel_source,
-                                                        sparse_attention_triton, split_head_dim)
+from hyscale_compile.lowerings.triton_attention import (AttentionConfig, default_config, log2_post,
+                                                        render_kernel_source, sparse_attention_triton, split_head_dim)
 from tests.contract import fresh_seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -219,6 +219,61 @@ def test_value_view_of_key_and_odd_head_dims(Dqk, Dv, dtype):
     # and a separate value tensor with an odd head dim
     q, k, v, idx = _inputs(seed, B, S, T, H, 2, Dqk, Dv + 4, K, dtype)
     check(q, k, v, idx, [_causal(B, S, T)], _spec(Dqk, dtype, ("mask", 0), masks=CAUSAL["masks"]))
+
+
+LOOP_OPTIONS = {"prefetch_idx": dict(prefetch_idx=True), "exp2": dict(exp2=True),
+                "prefetch_idx+exp2": dict(prefetch_idx=True, exp2=True)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("H,Hk,v_of_k", [(4, 1, True), (4, 2, False)], ids=["mqa_latent", "gqa"])
+@pytest.mark.parametrize("option", list(LOOP_OPTIONS))
+def test_forward_loop_options_match_reference(option, H, Hk, v_of_k, dtype):
+    # AttentionConfig's forward-loop options (off by default) under the numerics rule: 40
+    # slots in tiles of 16 (the prefetch's last load is partial, then past the end), a causal
+    # range with a row that sees no key, and at the MQA form v = k[..., :16] of a 24-wide key
+    # (576 = 512 + 64 scaled down); probs too (the statistics exp2 converts back to e units)
+    B, S, T, K = 2, 4, 48, 40
+    Dqk, Dv = (24, 16) if v_of_k else (16, 16)
+    spec = _spec(Dqk, dtype, ("mask", 0), masks=CAUSAL["masks"])
+    assert log2_post(spec) is not None  # the fold applies: exp2 runs
+    cfg = AttentionConfig(block_h=16, block_n=16, **LOOP_OPTIONS[option])
+    for i in range(SEEDS):
+        seed = fresh_seed(f"loop option {option} H={H} Hk={Hk} {dtype} #{i}")
+        q, k, v, idx = _inputs(seed, B, S, T, H, Hk, Dqk, Dv, K, dtype, v_of_k=v_of_k)
+        out, lse, probs = check(q, k, v, idx, [_causal(B, S, T)], spec, config=cfg)
+        assert torch.isnan(out[0, 0]).all() and torch.isneginf(lse[0, 0]).all() and torch.isnan(probs[0, 0]).all()
+        assert torch.isfinite(out[1]).all()
+
+
+def test_exp2_only_where_the_fold_is_exact():
+    # log2(e) folds into the last scale step when every mask term only writes -inf; not with
+    # an additive or finite-valued mask (finfo.min * log2(e) overflows to -inf, and a row of
+    # finfo.min scores, whose softmax is a mean over the slots, would become NaN), nor with a
+    # step after the scale or without a scale
+    L = math.log2(math.e)
+    rng = (MaskTerm(kind="range", hi=0),)
+    fmin = torch.finfo(torch.float32).min
+    assert log2_post(AttentionSpec(post=(("mul", 0.125), ("mask", 0)), masks=rng)) == (("mul", 0.125 * L), ("mask", 0))
+    assert log2_post(AttentionSpec(post=(("round", "float16"), ("div", 3.0), ("mask", 0)), masks=rng)) == (
+        ("round", "float16"), ("div", 3.0 / L), ("mask", 0))
+    assert log2_post(AttentionSpec(post=(("mask", 0),), masks=rng)) is None
+    assert log2_post(AttentionSpec(post=(("mul", 0.125), ("add", 1.0), ("mask", 0)), masks=rng)) is None
+    assert log2_post(AttentionSpec(post=(("mul", 0.125), ("mask", 0)), masks=(MaskTerm(kind="add", operand=0),))) is None
+    assert log2_post(AttentionSpec(post=(("mul", 0.125), ("mask", 0)),
+                                   masks=(MaskTerm(kind="range", hi=0, value=fmin),))) is None
+    # and the kernel asked for exp2 over a finfo.min mask: a row with every key hidden is the
+    # mean over its slots, as the reference (finite), not NaN
+    B, S, T, H, D, K = 1, 3, 24, 4, 16, 12
+    for i in range(SEEDS):
+        seed = fresh_seed(f"exp2 finfo.min #{i}")
+        q, k, v, idx = _inputs(seed, B, S, T, H, 1, D, D, K)
+        hidden = torch.rand(B, S, T, generator=torch.Generator().manual_seed(seed)) < 0.5
+        hidden[0, 1] = True
+        spec = _spec(D, torch.float32, ("mask", 0), masks=(MaskTerm(kind="add", operand=0),))
+        out, lse, _ = check(q, k, v, idx, [torch.where(hidden, fmin, 0.0)], spec,
+                            config=AttentionConfig(block_h=16, block_n=16, exp2=True))
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
 
 
 def test_strided_operands_and_block_h_split():
