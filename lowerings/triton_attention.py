@@ -84,7 +84,7 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     probs_block_n: int = 0  # slots per tile of attn_probs (0: block_n); per-slot math, any tiling
-    # Forward-loop options (off by default until measured; docs/performance.md):
+    # Forward-loop options, off by default until measured on the GPU:
     # the next tile's key positions loaded one iteration ahead (a loop-carried value), so the
     # gather's addresses do not come from a load in the same iteration: only then does Triton's
     # pipeliner give the key gather num_stages - 1 buffers and keep tiles in flight

@@ -388,6 +388,32 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
                 assert int(f["smem"]) >= tiles * 576 * 2, f"smem does not hold the reported tiles: {row}"
 
 
+@pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
+def test_prefetch_idx_pipelines_the_gather_sm90(tmp_path):
+    # the candidates of the H200 sweep compile for sm_90 at the absorbed shapes without
+    # spills and within shared memory; and only with the key positions prefetched does the
+    # pipeliner keep gathered tiles in flight (async_wait num > 0): at num_stages=3 without
+    # it each tile is waited for before the next one is issued
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    configs = ["block_n=32,num_stages=3", "block_n=32,num_stages=3,prefetch_idx=1",
+               "block_n=32,num_stages=4,prefetch_idx=1,exp2=1"]
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_sparse_attention.py"), "--inspect",
+                        "--shapes", "mla128,mla16", "--config", ";".join(configs)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    rows = [dict(kv.split("=", 1) for kv in ln.split()[1:] if "=" in kv) for ln in r.stdout.splitlines()
+            if ln.startswith("inspect ")]
+    assert sorted((f["shape"], f["config"]) for f in rows) == sorted((s, c) for s in ("mla128", "mla16")
+                                                                    for c in configs), r.stdout
+    for f in rows:
+        assert int(f["spill"]) == 0 and int(f["smem"]) <= 227 * 1024, f
+        assert (int(f["inflight"]) > 0) == ("prefetch_idx" in f["config"]), f
+        if f["shape"] == "mla128":
+            assert f["wgmma"] == "1", f
+
+
 # ---------------------------------------------------------------------------------------
 # GPU (the coordinator runs these on an H200)
 # ---------------------------------------------------------------------------------------
