@@ -273,8 +273,9 @@ def inspect_sm90(configs=None, shapes=None) -> int:
     inflight=N'. Without ``configs``: each shape's default forward as the benchmark launches
     it (kernel=fwd), and for the bf16 shapes also the return_probs path (kernel=fwd_stats:
     the forward writing its softmax statistics, at probs_block_n; kernel=probs). With
-    ``configs`` (``parse_configs``): the forward of each configuration at every shape
-    (``shapes``: only these of the inspected shapes, e.g. ["mla128", "mla16"]).
+    ``configs`` (``parse_configs``): the same kernels for each configuration at every shape
+    (the return_probs path at the configuration's own tile; ``shapes``: only these of the
+    inspected shapes, e.g. ["mla128", "mla16"]).
     ``inflight`` is the largest ``num`` of an async_wait in the TTGIR: 0 where every gathered
     tile is waited for before the next one is issued, more where tiles stay in flight."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -310,8 +311,11 @@ def inspect_sm90(configs=None, shapes=None) -> int:
             spec = dataclasses.replace(spec, out_dtype="float32", fp32_precision="tf32")
         base = default_config(H, Hk, dqk, dv, elem_bytes=k.element_size())
         # (label, config or None for the launcher's own choice, return_probs)
-        runs = ([("default", None, False)] + ([("default", None, True)] if probs else [])
-                if configs is None else [(config_name(f), dataclasses.replace(base, **f), False) for f in configs])
+        if configs is None:
+            runs = [("default", None, False)] + ([("default", None, True)] if probs else [])
+        else:
+            runs = [(config_name(f), dataclasses.replace(base, **f), with_probs) for f in configs
+                    for with_probs in ((False, True) if probs else (False,))]
         for label, cfg, with_probs in runs:
             launches = []
 

@@ -284,6 +284,9 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
     mask_args = _mask_launch_args(spec, masks, B, S, T, device)
     consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DA=da, DB=db, UPCAST=upcast)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # attn_probs stays at 2 stages or fewer: at 3-4 its sm_90 build needs more shared memory
+    # than an H200 has at H = 128 (256-328 KiB at 32 slots per tile)
+    plaunch = dict(launch, num_stages=min(cfg.num_stages, 2))
     # the softmax statistics attn_probs reads (lse's layout), only when probs are asked for
     stat_m, stat_l = (torch.empty_like(lse), torch.empty_like(lse)) if return_probs and K > 0 else (lse, lse)
     args = [q, k, v, idx, out, lse, stat_m, stat_l, *mask_args, *q.stride(), *k.stride(), *v.stride(), *idx.stride(),
@@ -296,10 +299,10 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
              *probs.stride(), S, G, Hk, K, Dqk]
     if _launcher is not None:  # the forward's result, and with return_probs also the probs kernel's
         first = _launcher(fwd, args, fwd_launch)
-        return (first, _launcher(probs_kernel, pargs, dict(pconsts, **launch))) if return_probs else first
+        return (first, _launcher(probs_kernel, pargs, dict(pconsts, **plaunch))) if return_probs else first
     fwd[grid](*args, **fwd_launch)
     if return_probs and K > 0:
-        probs_kernel[(B * S,)](*pargs, **pconsts, **launch)
+        probs_kernel[(B * S,)](*pargs, **pconsts, **plaunch)
     return out, lse, probs
 
 
