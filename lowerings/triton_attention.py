@@ -87,9 +87,10 @@ class AttentionConfig:
     # Forward-loop options, off by default until measured on the GPU:
     # the next tile's key positions loaded one iteration ahead (a loop-carried value), so the
     # gather's addresses do not come from a load in the same iteration: only then does Triton's
-    # pipeliner give the key gather num_stages - 1 buffers and keep tiles in flight
-    # (async_wait num > 0; without it, num_stages 3-4 add index buffers but the gather keeps
-    # two and waits for each tile it issued, at the start of the next iteration)
+    # pipeliner give the key gather num_stages buffers (num_stages - 1 where the dots are not
+    # wgmma) and keep tiles in flight at num_stages >= 3 (async_wait num > 0; without it, 3-4
+    # stages add index buffers but the gather waits for each tile it issued at the start of
+    # the next iteration; ``bench_sparse_attention.py --inspect`` reports it as inflight)
     prefetch_idx: bool = False
     # log2(e) folded into the last scale step (``log2_post``), exp2 in the loop: one multiply
     # per score less; ignored where the spec does not allow the fold
