@@ -5,6 +5,8 @@
     python benchmarks/bench_sparse_attention.py --quick      # S = 8K, random selection, fewer reps
     python benchmarks/bench_sparse_attention.py --shapes mla128 --seqs 32768 --peers none
     python benchmarks/bench_sparse_attention.py --inspect    # no GPU: compile for sm_90, ptxas report
+    python benchmarks/bench_sparse_attention.py --shapes mla128 --seqs 32768 --peers none \
+        --config "default;block_n=32,num_stages=4,prefetch_idx=1"   # launch configurations side by side
 
 Shapes (batch 1, causal prefill S = T, k = 2048 selected keys per row, bf16):
   mla128  absorbed MLA, MQA over a latent: H = 128, d_qk 576, d_v 512, v = k[..., :512]
@@ -21,10 +23,17 @@ it), FlexAttention with the index mask as mask_mod (dynamo reset per shape), and
 is_causal without the index mask. "unsupported" / "OOM" where a peer cannot run a shape.
 The bf16 matmul rate (8192^3, do_bench) is measured in the same run; a table is printed
 last, progress lines as it goes.
+
+``--config``: ``AttentionConfig`` fields over each shape's ``default_config``, one
+configuration as ``field=value,...`` and several separated by ``;`` ("default": none
+changed); each runs the kernel directly on the same inputs (a configuration that fails to
+compile or launch, e.g. for lack of shared memory, is reported and skipped). With
+``--inspect`` the same configurations are compiled for sm_90 at every inspected shape.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -41,6 +50,29 @@ SHAPES = {  # name: (H, Hk, d_qk, d_v, v is a view of k)
 }
 TOPK = 2048
 SINKS, WINDOW = 64, 512
+CONFIG_INTS = ("block_h", "block_n", "num_warps", "num_stages")
+CONFIG_BOOLS = ("prefetch_idx", "exp2")
+
+
+def parse_configs(text: str) -> list:
+    """'default;block_n=32,prefetch_idx=1' -> [{}, {'block_n': 32, 'prefetch_idx': True}]."""
+    out = []
+    for one in (c.strip() for c in text.split(";")):
+        fields = {}
+        for kv in filter(None, (x.strip() for x in ("" if one in ("", "default") else one).split(","))):
+            key, _, val = kv.partition("=")
+            if key in CONFIG_INTS and val.isdigit():
+                fields[key] = int(val)
+            elif key in CONFIG_BOOLS and val in ("0", "1"):
+                fields[key] = val == "1"
+            else:
+                raise ValueError(f"{kv!r} is not {'|'.join(CONFIG_INTS)}=<int> or {'|'.join(CONFIG_BOOLS)}=0|1")
+        out.append(fields)
+    return out
+
+
+def config_name(fields: dict) -> str:
+    return ",".join(f"{k}={int(v)}" for k, v in fields.items()) or "default"
 
 
 def flops(S: int, H: int, dqk: int, dv: int, k: int = TOPK) -> float:
@@ -154,7 +186,7 @@ def flex_peer(q, k, v, mask, quick):
     return _peer(lambda: fa(q, k, v, block_mask=bm, enable_gqa=gqa), quick)
 
 
-def run_shape(name, S, selections, peers, quick, rate, rows, config=None):
+def run_shape(name, S, selections, peers, quick, rate, rows, configs=None):
     H, Hk, dqk, dv, v_of_k = SHAPES[name]
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
@@ -172,22 +204,43 @@ def run_shape(name, S, selections, peers, quick, rate, rows, config=None):
     causal = None
     for sel in selections:
         idx = make_selection(S, sel, dev)
-        if config:
-            import dataclasses
+        first = None  # the first configuration's output: each later one is compared with it
+        for fields in configs or [None]:
+            label = "" if fields is None else " " + config_name(fields)
+            if fields is not None:
+                from hyscale_compile.lowerings.attention_spec import AttentionSpec
+                from hyscale_compile.lowerings.triton_attention import default_config, sparse_attention_triton
 
-            from hyscale_compile.lowerings.attention_spec import AttentionSpec
-            from hyscale_compile.lowerings.triton_attention import default_config, sparse_attention_triton
-
-            cfg = dataclasses.replace(default_config(H, Hk, dqk, dv), **config)
-            parsed = AttentionSpec.from_json(spec)
-            ms = bench(lambda: sparse_attention_triton(q, k, v, idx, [hi], parsed, config=cfg), quick)
-        else:
-            ms = bench(lambda: torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec), quick)
-        tf = fl / (ms * 1e-3) / 1e12
-        print(f"[{name} S={S} {sel}] hyscale {ms:.3f} ms, {tf:.1f} TFLOP/s ({100 * tf * 1e12 / rate:.0f}% of matmul)",
-              flush=True)
-        row = {"shape": name, "S": S, "sel": sel, "ms": ms, "tflops": tf, "sdpa_mask": "-", "flex": "-",
-               "sdpa_causal": "-"}
+                cfg = dataclasses.replace(default_config(H, Hk, dqk, dv), **fields)
+                parsed = AttentionSpec.from_json(spec)
+                def fn(cfg=cfg, parsed=parsed):
+                    return sparse_attention_triton(q, k, v, idx, [hi], parsed, config=cfg)
+            else:
+                def fn():
+                    return torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec)
+            try:
+                out = fn()[0]
+                ms = bench(fn, quick)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # a configuration that does not compile or launch (shared memory)
+                print(f"[{name} S={S} {sel}{label}] failed: {(str(e).splitlines() or [type(e).__name__])[0][:120]}",
+                      flush=True)
+                rows.append({"shape": name, "S": S, "sel": sel, "config": label.strip(), "ms": math.nan,
+                             "tflops": math.nan, "sdpa_mask": "-", "flex": "-", "sdpa_causal": "-"})
+                continue
+            tf = fl / (ms * 1e-3) / 1e12
+            if first is None:
+                first, diff = out, ""
+            else:  # the same math in another order: a few bf16 ulps, never more
+                rel = ((out.float() - first.float()).abs().max() / first.float().abs().max()).item()
+                diff = f"; max |out - first config's| / max |first's| = {rel:.1e}"
+            del out
+            print(f"[{name} S={S} {sel}{label}] hyscale {ms:.3f} ms, {tf:.1f} TFLOP/s "
+                  f"({100 * tf * 1e12 / rate:.0f}% of matmul){diff}", flush=True)
+            rows.append({"shape": name, "S": S, "sel": sel, "config": label.strip(), "ms": ms, "tflops": tf,
+                         "sdpa_mask": "-", "flex": "-", "sdpa_causal": "-"})
+        row = rows[-1]
         if peers:
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D] views
             try:
@@ -210,16 +263,25 @@ def run_shape(name, S, selections, peers, quick, rate, rows, config=None):
                     causal = (f"{pm:.3f} ms" if pm is not None else "") + (f" [{note}]" if note else "")
                     print(f"[{name} S={S}] sdpa causal (no index mask): {causal}", flush=True)
                 row["sdpa_causal"] = causal
-        rows.append(row)
-        del idx
+        del idx, first
         torch.cuda.empty_cache()
 
 
-def inspect_sm90() -> int:
-    """Compile the default configurations for sm_90 on any machine and print ptxas' report,
-    one line per kernel: 'inspect shape=... regs=... spill=... smem=... wgmma=0|1'."""
+def inspect_sm90(configs=None, shapes=None) -> int:
+    """Compile for sm_90 on any machine and print ptxas' report, one line per kernel:
+    'inspect shape=... kernel=... config=... block_n=... regs=... spill=... smem=... wgmma=0|1
+    inflight=N'. Without ``configs``: each shape's default forward as the benchmark launches
+    it (kernel=fwd), and for the bf16 shapes also the return_probs path (kernel=fwd_stats:
+    the forward writing its softmax statistics, at probs_block_n; kernel=probs). With
+    ``configs`` (``parse_configs``): the same kernels for each configuration at every shape
+    (the return_probs path at the configuration's own tile; ``shapes``: only these of the
+    inspected shapes, e.g. ["mla128", "mla16"]).
+    ``inflight`` is the largest ``num`` of an async_wait in the TTGIR: 0 where every gathered
+    tile is waited for before the next one is issued, more where tiles stay in flight."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("--inspect compiles for the GPU: unset TRITON_INTERPRET")
+    import re
+
     import triton
     from triton.runtime import driver
 
@@ -234,6 +296,9 @@ def inspect_sm90() -> int:
     cases += [("gqa_fp32_tf32", 8, 2, 96, 64, False, torch.float32, False),
               ("gqa_fp16", 8, 2, 96, 64, False, torch.float16, False),
               ("mla128_fp32", 128, 1, 576, 512, True, torch.float32, False)]
+    if shapes is not None:
+        cases = [c for c in cases if c[0] in shapes]
+    failed = 0
     for name, H, Hk, dqk, dv, v_of_k, dtype, probs in cases:
         S, T = 64, 4096
         q = torch.empty(1, S, H, dqk, dtype=dtype)
@@ -243,36 +308,63 @@ def inspect_sm90() -> int:
         hi = torch.arange(1, S + 1).view(1, S)
         spec = AttentionSpec.from_json(spec_json(dqk))
         if dtype == torch.float32:
-            import dataclasses
-
             spec = dataclasses.replace(spec, out_dtype="float32", fp32_precision="tf32")
-        cfg = default_config(H, Hk, dqk, dv, elem_bytes=k.element_size())
-        res = sparse_attention_triton(q, k, v, idx, [hi], spec, return_probs=probs,
-                                      _launcher=lambda kern, args, launch: kern.warmup(*args, grid=(1,), **launch))
-        for kname, ck in zip(("fwd", "probs"), res if probs else (res,)):
-            rep = ptxas_report(ck.asm["ptx"], bindir)
-            spill = rep.get("spill_st", 0) + rep.get("spill_ld", 0)
-            print(f"inspect shape={name} kernel={kname} dtype={str(dtype).split('.')[-1]} block_h={cfg.block_h} "
-                  f"block_n={cfg.block_n if kname == 'fwd' else (cfg.probs_block_n or cfg.block_n)} warps={cfg.num_warps} stages={cfg.num_stages} regs={rep.get('regs', 0)} "
-                  f"spill={spill} smem={ck.metadata.shared} wgmma={int('wgmma' in ck.asm['ptx'])}", flush=True)
-    return 0
+        base = default_config(H, Hk, dqk, dv, elem_bytes=k.element_size())
+        # (label, config or None for the launcher's own choice, return_probs)
+        if configs is None:
+            runs = [("default", None, False)] + ([("default", None, True)] if probs else [])
+        else:
+            runs = [(config_name(f), dataclasses.replace(base, **f), with_probs) for f in configs
+                    for with_probs in ((False, True) if probs else (False,))]
+        for label, cfg, with_probs in runs:
+            launches = []
+
+            def launcher(kern, args, launch):
+                launches.append(launch)
+                return kern.warmup(*args, grid=(1,), **launch)
+
+            try:
+                res = sparse_attention_triton(q, k, v, idx, [hi], spec, return_probs=with_probs, config=cfg,
+                                              _launcher=launcher)
+            except Exception as e:  # e.g. more shared memory than the target has
+                failed += 1
+                print(f"inspect shape={name} kernel=fwd config={label} failed: "
+                      f"{(str(e).splitlines() or [type(e).__name__])[0][:160]}", flush=True)
+                continue
+            kinds = ("fwd_stats", "probs") if with_probs else ("fwd",)
+            for kname, ck, launch in zip(kinds, res if with_probs else (res,), launches):
+                rep = ptxas_report(ck.asm["ptx"], bindir)
+                spill = rep.get("spill_st", 0) + rep.get("spill_ld", 0)
+                waits = [int(n) for n in re.findall(r"ttg\.async_wait[^{]*\{num = (\d+)", ck.asm["ttgir"])]
+                print(f"inspect shape={name} kernel={kname} config={label} dtype={str(dtype).split('.')[-1]} "
+                      f"block_h={launch['BLOCK_H']} block_n={launch['BLOCK_N']} warps={launch['num_warps']} "
+                      f"stages={launch['num_stages']} regs={rep.get('regs', 0)} spill={spill} "
+                      f"smem={ck.metadata.shared} wgmma={int('wgmma' in ck.asm['ptx'])} "
+                      f"inflight={max(waits, default=0)}", flush=True)
+    return 1 if failed and configs is None else 0
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="S = 8K, the random selection, fewer repetitions")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--shapes", default=None, help=f"comma list of {sorted(SHAPES)} (default: all; with "
+                    "--inspect also gqa_fp32_tf32, gqa_fp16, mla128_fp32)")
     ap.add_argument("--seqs", default=None, help="comma list of S (default 8192,32768,131072; --quick: 8192)")
     ap.add_argument("--selections", default=None, help="comma list of random,structured")
     ap.add_argument("--peers", default="sdpa_mask,flex,sdpa_causal", help="comma list, or 'none'")
     ap.add_argument("--inspect", action="store_true", help="no GPU: compile the kernels for sm_90 and report")
     ap.add_argument("--config", default=None,
-                    help="AttentionConfig fields over each shape's default, e.g. block_n=64,num_stages=3 "
-                         "(calls the kernel directly instead of the op)")
+                    help="AttentionConfig fields over each shape's default, e.g. block_n=32,num_stages=4,"
+                         "prefetch_idx=1; several separated by ';' ('default': none changed); calls the "
+                         "kernel directly instead of the op")
     a = ap.parse_args(argv)
+    try:
+        configs = parse_configs(a.config) if a.config is not None else None
+    except ValueError as e:
+        ap.error(f"--config: {e}")
     if a.inspect:
-        return inspect_sm90()
-    shapes = [s for s in a.shapes.split(",") if s]
+        return inspect_sm90(configs, None if a.shapes is None else [s for s in a.shapes.split(",") if s])
+    shapes = [s for s in (a.shapes or ",".join(SHAPES)).split(",") if s]
     bad = [s for s in shapes if s not in SHAPES]
     if bad:
         ap.error(f"unknown shapes {bad}; known: {sorted(SHAPES)}")
@@ -283,12 +375,6 @@ def main(argv=None) -> int:
     peers = set() if a.peers == "none" else {p for p in a.peers.split(",") if p}
     if peers - {"sdpa_mask", "flex", "sdpa_causal"}:
         ap.error(f"unknown peers {sorted(peers - {'sdpa_mask', 'flex', 'sdpa_causal'})}")
-    config = {}
-    for kv in filter(None, (a.config or "").split(",")):
-        key, _, val = kv.partition("=")
-        if key not in ("block_h", "block_n", "num_warps", "num_stages") or not val.isdigit():
-            ap.error(f"--config: {kv!r} is not block_h|block_n|num_warps|num_stages=<int>")
-        config[key] = int(val)
     if not torch.cuda.is_available():
         sys.exit("bench_sparse_attention.py needs a CUDA GPU (--inspect runs without one)")
     import hyscale_compile.lowerings.attention_ops  # noqa: F401  (registers torch.ops.hyscale)
@@ -300,18 +386,20 @@ def main(argv=None) -> int:
     for name in shapes:
         for S in seqs:
             try:
-                run_shape(name, S, sels, peers, a.quick, rate, rows, config)
+                run_shape(name, S, sels, peers, a.quick, rate, rows, configs)
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 print(f"[{name} S={S}] OOM", flush=True)
-                rows.append({"shape": name, "S": S, "sel": "-", "ms": math.nan, "tflops": math.nan,
+                rows.append({"shape": name, "S": S, "sel": "-", "config": "", "ms": math.nan, "tflops": math.nan,
                              "sdpa_mask": "-", "flex": "-", "sdpa_causal": "-"})
-    print(f"\n| shape | S | selection | hyscale ms | TFLOP/s | % matmul ({rate / 1e12:.0f}) | sdpa + index mask | "
-          "FlexAttention | sdpa causal, no mask |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    cfg_col = configs is not None
+    print(f"\n| shape | S | selection |{' config |' if cfg_col else ''} hyscale ms | TFLOP/s | "
+          f"% matmul ({rate / 1e12:.0f}) | sdpa + index mask | FlexAttention | sdpa causal, no mask |")
+    print("|---|---|---|" + ("---|" if cfg_col else "") + "---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['S']} | {r['sel']} | {r['ms']:.3f} | {r['tflops']:.1f} | "
-              f"{100 * r['tflops'] * 1e12 / rate:.0f}% | {r['sdpa_mask']} | {r['flex']} | {r['sdpa_causal']} |")
+        print(f"| {r['shape']} | {r['S']} | {r['sel']} |{' ' + r['config'] + ' |' if cfg_col else ''} "
+              f"{r['ms']:.3f} | {r['tflops']:.1f} | {100 * r['tflops'] * 1e12 / rate:.0f}% | {r['sdpa_mask']} | "
+              f"{r['flex']} | {r['sdpa_causal']} |")
     return 0
 
 

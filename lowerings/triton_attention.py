@@ -40,6 +40,7 @@ Operands are the op's canonical views (strides are free). ``idx`` must hold posi
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -53,7 +54,7 @@ from .spec import SpecError, dtype_of
 # the kernel cache's file writer.
 from .triton_codegen import _elementwise_lines, _interpreting, _mod_bodies, check_interpreter_mode, import_source
 
-TEMPLATE_VERSION = 1
+TEMPLATE_VERSION = 2
 
 _FN_CACHE: Dict[tuple, object] = {}
 
@@ -83,6 +84,17 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     probs_block_n: int = 0  # slots per tile of attn_probs (0: block_n); per-slot math, any tiling
+    # Forward-loop options, off by default until measured on the GPU:
+    # the next tile's key positions loaded one iteration ahead (a loop-carried value), so the
+    # gather's addresses do not come from a load in the same iteration: only then does Triton's
+    # pipeliner give the key gather num_stages buffers (num_stages - 1 where the dots are not
+    # wgmma) and keep tiles in flight at num_stages >= 3 (async_wait num > 0; without it, 3-4
+    # stages add index buffers but the gather waits for each tile it issued at the start of
+    # the next iteration; ``bench_sparse_attention.py --inspect`` reports it as inflight)
+    prefetch_idx: bool = False
+    # log2(e) folded into the last scale step (``log2_post``), exp2 in the loop: one multiply
+    # per score less; ignored where the spec does not allow the fold
+    exp2: bool = False
 
 
 def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
@@ -128,11 +140,44 @@ def _render_row_bounds(spec: AttentionSpec) -> List[str]:
     return [ln for piece in mask_kinds(spec.masks) for ln in piece.slot_row_loads()]
 
 
-def _render_post(spec: AttentionSpec) -> List[str]:
-    """The post steps on y [BLOCK_H, BLOCK_N] (heads x slots) at the slots' keys t [BLOCK_N]."""
+LOG2E = 1.4426950408889634
+
+
+def _hides_with_neg_inf(term) -> bool:
+    """A mask term whose only effect is -inf at hidden keys: it commutes with a positive scale
+    of the scores (a table of additive values, or a finite fill such as finfo.min, does not)."""
+    return term.kind in ("range", "fill") and term.value == float("-inf")
+
+
+def log2_post(spec: AttentionSpec):
+    """The post steps with log2(e) folded into the last scale step ("mul" / "div"), so the
+    forward's softmax runs on exp2 without a multiply per score; None where that is not
+    exact up to rounding: no scale step, a step after it other than a -inf-only mask term,
+    or an additive / finite mask term anywhere (scaled by log2(e) > 1, a value near
+    finfo.min would overflow to -inf, and a row of them would no longer be a mean). A
+    scaled score beyond finfo.max / log2(e) (about 2.4e38) would also overflow: no real
+    score is that large, but that is why the option is opt-in."""
+    scales = [i for i, st in enumerate(spec.post) if st[0] in ("mul", "div")]
+    if not scales:
+        return None
+    last = scales[-1]
+    if not all(_hides_with_neg_inf(t) for t in spec.masks):
+        return None
+    if any(st[0] != "mask" for st in spec.post[last + 1:]):
+        return None
+    op, c = spec.post[last][0], float(spec.post[last][1])
+    if not math.isfinite(c) or c == 0:
+        return None
+    folded = ("mul", c * LOG2E) if op == "mul" else ("div", c / LOG2E)
+    return spec.post[:last] + (folded,) + spec.post[last + 1:]
+
+
+def _render_post(spec: AttentionSpec, post=None) -> List[str]:
+    """The post steps on y [BLOCK_H, BLOCK_N] (heads x slots) at the slots' keys t [BLOCK_N]
+    (``post``: these steps instead of the spec's, e.g. ``log2_post``)."""
     lines = []
     pieces = mask_kinds(spec.masks)
-    for step in spec.post:
+    for step in (spec.post if post is None else post):
         if step[0] != "mask":
             lines += _elementwise_lines("y", step)
             continue
@@ -158,6 +203,7 @@ def render_kernel_source(spec: AttentionSpec, num_masks: int) -> str:
         "LIBDEVICE": "" if interp else "from triton.language.extra import libdevice  # noqa: F401\n",
         "PRECISION": "tf32" if spec.fp32_precision == "tf32" else "ieee",
         "POST": _indent(_render_post(spec), 4) or "    pass",
+        "POST_LOG2": _indent(_render_post(spec, log2_post(spec) or spec.post), 4) or "    pass",
         "MASK_PARAMS": "".join(f"{a}, " for a in params),
         "MASK_ARGS_DEF": "".join(f"    {a},\n" for a in _mask_args_def(spec)),
         "ROW_BOUNDS": _indent(_render_row_bounds(spec), 4) or "    pass",
@@ -239,21 +285,25 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
     mask_args = _mask_launch_args(spec, masks, B, S, T, device)
     consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DA=da, DB=db, UPCAST=upcast)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # attn_probs stays at 2 stages or fewer: at 3-4 its sm_90 build needs more shared memory
+    # than an H200 has at H = 128 (256-328 KiB at 32 slots per tile)
+    plaunch = dict(launch, num_stages=min(cfg.num_stages, 2))
     # the softmax statistics attn_probs reads (lse's layout), only when probs are asked for
     stat_m, stat_l = (torch.empty_like(lse), torch.empty_like(lse)) if return_probs and K > 0 else (lse, lse)
     args = [q, k, v, idx, out, lse, stat_m, stat_l, *mask_args, *q.stride(), *k.stride(), *v.stride(), *idx.stride(),
             *out.stride(), *lse.stride(), S, G, Hk, K, Dqk, Dv]
     grid = (B * S * Hk * -(-G // cfg.block_h),)
-    fwd_launch = dict(consts, BLOCK_DV=block_dv, V_FROM_K=v_from_k, WRITE_STATS=return_probs and K > 0, **launch)
+    fwd_launch = dict(consts, BLOCK_DV=block_dv, V_FROM_K=v_from_k, WRITE_STATS=return_probs and K > 0,
+                      PREFETCH_IDX=cfg.prefetch_idx, EXP2=cfg.exp2 and log2_post(spec) is not None, **launch)
     pconsts = dict(consts, BLOCK_N=cfg.probs_block_n or cfg.block_n)
     pargs = [q, k, idx, stat_m, stat_l, probs, *mask_args, *q.stride(), *k.stride(), *idx.stride(), *lse.stride(),
              *probs.stride(), S, G, Hk, K, Dqk]
     if _launcher is not None:  # the forward's result, and with return_probs also the probs kernel's
         first = _launcher(fwd, args, fwd_launch)
-        return (first, _launcher(probs_kernel, pargs, dict(pconsts, **launch))) if return_probs else first
+        return (first, _launcher(probs_kernel, pargs, dict(pconsts, **plaunch))) if return_probs else first
     fwd[grid](*args, **fwd_launch)
     if return_probs and K > 0:
-        probs_kernel[(B * S,)](*pargs, **pconsts, **launch)
+        probs_kernel[(B * S,)](*pargs, **pconsts, **plaunch)
     return out, lse, probs
 
 
@@ -288,6 +338,13 @@ def _post(y, t, slot_ok, b, s, {{MASK_PARAMS}}):
 
 
 @triton.jit
+def _post_log2(y, t, slot_ok, b, s, {{MASK_PARAMS}}):
+    # the same steps with log2(e) folded into the last scale (log2_post): y * log2(e)
+{{POST_LOG2}}
+    return y
+
+
+@triton.jit
 def _load_q(Q, b, s, hk, g0, G, DQK, stride_qb, stride_qs, stride_qh, stride_qd,
             BLOCK_H: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, UPCAST: tl.constexpr):
     # The program's query heads as [BLOCK_H, DA] (and [BLOCK_H, DB]): block pointers over kv
@@ -308,10 +365,11 @@ def _load_q(Q, b, s, hk, g0, G, DQK, stride_qb, stride_qs, stride_qh, stride_qd,
 
 @triton.jit
 def _scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
-            BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, UPCAST: tl.constexpr):
+            BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, UPCAST: tl.constexpr,
+            LOG2: tl.constexpr):
     # y [BLOCK_H, BLOCK_N]: the scores of the gathered keys (fp32 accumulation, post steps
-    # applied, -inf at padding slots); and the keys' first chunk ka [BLOCK_N, DA], which is
-    # the value tile when v is a view of k
+    # applied, in log2 units with LOG2; -inf at padding slots); and the keys' first chunk ka
+    # [BLOCK_N, DA], which is the value tile when v is a view of k
     rows = kbase + t[:, None] * stride_kt
     offs_a = tl.arange(0, DA)
     ka = tl.load(rows + offs_a[None, :] * stride_kd, mask=slot_ok[:, None] & (offs_a < DQK)[None, :], other=0.0)
@@ -324,7 +382,10 @@ def _scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_P
         if UPCAST:
             kb = kb.to(tl.float32)
         x = tl.dot(qb, tl.trans(kb), acc=x, input_precision="{{PRECISION}}", out_dtype=tl.float32)
-    y = _post(x, t, slot_ok, b, s, {{MASK_PARAMS}})
+    if LOG2:
+        y = _post_log2(x, t, slot_ok, b, s, {{MASK_PARAMS}})
+    else:
+        y = _post(x, t, slot_ok, b, s, {{MASK_PARAMS}})
     return tl.where(slot_ok[None, :], y, float("-inf")), ka
 
 
@@ -340,6 +401,7 @@ def attn_fwd(
     S, G, HK, TOPK, DQK, DV,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr, WRITE_STATS: tl.constexpr,
+    PREFETCH_IDX: tl.constexpr, EXP2: tl.constexpr,
 ):
     # a row's head blocks are consecutive programs (they gather the same key positions, so
     # they run together and share the lines in L2); a 1-d grid, as B x S exceeds grid dim 1
@@ -361,18 +423,30 @@ def attn_fwd(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    if PREFETCH_IDX:
+        # the first tile's key positions; each iteration then loads the next tile's, so the
+        # gather's addresses are known an iteration before it is issued
+        t_next = tl.load(ibase + offs_n * stride_ij, mask=offs_n < TOPK, other=0).to(tl.int64)
     for n0 in range(0, TOPK, BLOCK_N):
         slots = n0 + offs_n
         slot_ok = slots < TOPK
-        t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
+        if PREFETCH_IDX:
+            t = t_next
+            t_next = tl.load(ibase + (slots + BLOCK_N) * stride_ij, mask=slots + BLOCK_N < TOPK, other=0).to(tl.int64)
+        else:
+            t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
         y, ka = _scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
-                        BLOCK_N, DA, DB, UPCAST)
+                        BLOCK_N, DA, DB, UPCAST, EXP2)
         # online softmax; a head whose slots are all -inf so far keeps m = -inf and takes
-        # exp(y - 0) = 0 for them (no -inf - -inf)
+        # exp(y - 0) = 0 for them (no -inf - -inf). With EXP2, y and m are in log2 units.
         m_new = tl.maximum(m_i, tl.max(y, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(y - m_use[:, None])
+        if EXP2:
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(y - m_use[:, None])
+        else:
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(y - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if V_FROM_K:
             vt = ka  # v is a view of k's first columns: the tile already on chip
@@ -390,6 +464,8 @@ def attn_fwd(
     obase = OUT + b * stride_ob + s * stride_os + (hk * G) * stride_oh
     tl.store(tl.make_block_ptr(obase, (G, DV), (stride_oh, stride_od), (g0, 0), (BLOCK_H, BLOCK_DV), (1, 0)),
              out.to(OUT.dtype.element_ty), boundary_check=(0, 1))
+    if EXP2:
+        m_i = m_i * 0.6931471805599453  # back to natural log: lse and the statistics are in e units
     lse = m_i + tl.log(l_i)
     stat = b * stride_lb + s * stride_ls + (hk * G + g0 + offs_h) * stride_lh
     tl.store(LSE + stat, lse, mask=g0 + offs_h < G)
@@ -430,7 +506,7 @@ def attn_probs(
                 qa, qb = _load_q(Q, b, s, hk64, g0, G, DQK, stride_qb, stride_qs, stride_qh, stride_qd,
                                  BLOCK_H, DA, DB, UPCAST)
                 y, ka = _scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
-                                BLOCK_N, DA, DB, UPCAST)
+                                BLOCK_N, DA, DB, UPCAST, False)
                 h_ok = g0 + offs_h < G
                 stat = b * stride_lb + s * stride_ls + (hk64 * G + g0 + offs_h) * stride_lh
                 m = tl.load(STAT_M + stat, mask=h_ok, other=0.0)

@@ -17,8 +17,8 @@ import torch
 from hyscale_compile.lowerings import attention_reference as R
 from hyscale_compile.lowerings.attention_spec import AttentionSpec
 from hyscale_compile.lowerings.spec import MaskTerm, SpecError
-from hyscale_compile.lowerings.triton_attention import (AttentionConfig, default_config, render_kernel_source,
-                                                        sparse_attention_triton, split_head_dim)
+from hyscale_compile.lowerings.triton_attention import (AttentionConfig, default_config, log2_post,
+                                                        render_kernel_source, sparse_attention_triton, split_head_dim)
 from tests.contract import fresh_seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -221,6 +221,61 @@ def test_value_view_of_key_and_odd_head_dims(Dqk, Dv, dtype):
     check(q, k, v, idx, [_causal(B, S, T)], _spec(Dqk, dtype, ("mask", 0), masks=CAUSAL["masks"]))
 
 
+LOOP_OPTIONS = {"prefetch_idx": dict(prefetch_idx=True), "exp2": dict(exp2=True),
+                "prefetch_idx+exp2": dict(prefetch_idx=True, exp2=True)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("H,Hk,v_of_k", [(4, 1, True), (4, 2, False)], ids=["mqa_latent", "gqa"])
+@pytest.mark.parametrize("option", list(LOOP_OPTIONS))
+def test_forward_loop_options_match_reference(option, H, Hk, v_of_k, dtype):
+    # AttentionConfig's forward-loop options (off by default) under the numerics rule: 40
+    # slots in tiles of 16 (the prefetch's last load is partial, then past the end), a causal
+    # range with a row that sees no key, and at the MQA form v = k[..., :16] of a 24-wide key
+    # (576 = 512 + 64 scaled down); probs too (the statistics exp2 converts back to e units)
+    B, S, T, K = 2, 4, 48, 40
+    Dqk, Dv = (24, 16) if v_of_k else (16, 16)
+    spec = _spec(Dqk, dtype, ("mask", 0), masks=CAUSAL["masks"])
+    assert log2_post(spec) is not None  # the fold applies: exp2 runs
+    cfg = AttentionConfig(block_h=16, block_n=16, **LOOP_OPTIONS[option])
+    for i in range(SEEDS):
+        seed = fresh_seed(f"loop option {option} H={H} Hk={Hk} {dtype} #{i}")
+        q, k, v, idx = _inputs(seed, B, S, T, H, Hk, Dqk, Dv, K, dtype, v_of_k=v_of_k)
+        out, lse, probs = check(q, k, v, idx, [_causal(B, S, T)], spec, config=cfg)
+        assert torch.isnan(out[0, 0]).all() and torch.isneginf(lse[0, 0]).all() and torch.isnan(probs[0, 0]).all()
+        assert torch.isfinite(out[1]).all()
+
+
+def test_exp2_only_where_the_fold_is_exact():
+    # log2(e) folds into the last scale step when every mask term only writes -inf; not with
+    # an additive or finite-valued mask (finfo.min * log2(e) overflows to -inf, and a row of
+    # finfo.min scores, whose softmax is a mean over the slots, would become NaN), nor with a
+    # step after the scale or without a scale
+    L = math.log2(math.e)
+    rng = (MaskTerm(kind="range", hi=0),)
+    fmin = torch.finfo(torch.float32).min
+    assert log2_post(AttentionSpec(post=(("mul", 0.125), ("mask", 0)), masks=rng)) == (("mul", 0.125 * L), ("mask", 0))
+    assert log2_post(AttentionSpec(post=(("round", "float16"), ("div", 3.0), ("mask", 0)), masks=rng)) == (
+        ("round", "float16"), ("div", 3.0 / L), ("mask", 0))
+    assert log2_post(AttentionSpec(post=(("mask", 0),), masks=rng)) is None
+    assert log2_post(AttentionSpec(post=(("mul", 0.125), ("add", 1.0), ("mask", 0)), masks=rng)) is None
+    assert log2_post(AttentionSpec(post=(("mul", 0.125), ("mask", 0)), masks=(MaskTerm(kind="add", operand=0),))) is None
+    assert log2_post(AttentionSpec(post=(("mul", 0.125), ("mask", 0)),
+                                   masks=(MaskTerm(kind="range", hi=0, value=fmin),))) is None
+    # and the kernel asked for exp2 over a finfo.min mask: a row with every key hidden is the
+    # mean over its slots, as the reference (finite), not NaN
+    B, S, T, H, D, K = 1, 3, 24, 4, 16, 12
+    for i in range(SEEDS):
+        seed = fresh_seed(f"exp2 finfo.min #{i}")
+        q, k, v, idx = _inputs(seed, B, S, T, H, 1, D, D, K)
+        hidden = torch.rand(B, S, T, generator=torch.Generator().manual_seed(seed)) < 0.5
+        hidden[0, 1] = True
+        spec = _spec(D, torch.float32, ("mask", 0), masks=(MaskTerm(kind="add", operand=0),))
+        out, lse, _ = check(q, k, v, idx, [torch.where(hidden, fmin, 0.0)], spec,
+                            config=AttentionConfig(block_h=16, block_n=16, exp2=True))
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
 def test_strided_operands_and_block_h_split():
     # transposed q / k layouts (strides only) and more heads per kv head than one program
     # holds (block_h 16 of 40 heads: three programs per row, the last one part padding)
@@ -326,6 +381,37 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
         assert int(f["smem"]) <= 227 * 1024, row
         if f["shape"] == "mla128":
             assert f["wgmma"] == "1", f"the absorbed shape's dots are not wgmma: {row}"
+            if f["stages"] == "2":
+                # the row describes the build it reports: q [block_h, 576] and two stages of
+                # gathered keys [block_n, 576] in shared memory (bf16)
+                tiles = int(f["block_h"]) + 2 * int(f["block_n"])
+                assert int(f["smem"]) >= tiles * 576 * 2, f"smem does not hold the reported tiles: {row}"
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
+def test_prefetch_idx_pipelines_the_gather_sm90(tmp_path):
+    # candidates of the H200 sweep compile for sm_90 at the absorbed H = 128 shape (the one
+    # at the shared-memory limit) without spills and within shared memory, the return_probs
+    # path too; and only with the key positions prefetched does the pipeliner keep gathered
+    # tiles in flight (async_wait num > 0): at num_stages=3 without it each tile is waited
+    # for before the next one is issued
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    configs = ["block_n=32,num_stages=3", "block_n=32,num_stages=3,prefetch_idx=1",
+               "block_n=32,num_stages=4,prefetch_idx=1,exp2=1"]
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_sparse_attention.py"), "--inspect",
+                        "--shapes", "mla128", "--config", ";".join(configs)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    rows = [dict(kv.split("=", 1) for kv in ln.split()[1:] if "=" in kv) for ln in r.stdout.splitlines()
+            if ln.startswith("inspect ")]
+    assert sorted((f["config"], f["kernel"]) for f in rows) == sorted(
+        (c, kern) for c in configs for kern in ("fwd", "fwd_stats", "probs")), r.stdout
+    for f in rows:
+        assert int(f["spill"]) == 0 and int(f["smem"]) <= 227 * 1024 and f["wgmma"] == "1", f
+        if f["kernel"] != "probs":
+            assert (int(f["inflight"]) > 0) == ("prefetch_idx" in f["config"]), f
 
 
 # ---------------------------------------------------------------------------------------
@@ -380,3 +466,25 @@ def test_gpu_per_head_shape_and_compile():
                                  _launcher=lambda kern, args, launch: kern.warmup(*args, grid=(1,), **launch))
     ck._init_handles()  # loads the module: fills in the register and spill counts
     assert 0 < ck.n_regs <= 255 and ck.n_spills == 0, (ck.n_regs, ck.n_spills)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fields", [dict(exp2=True), dict(block_n=32, num_stages=3, prefetch_idx=True),
+                                    dict(block_n=32, num_stages=4, prefetch_idx=True, exp2=True)],
+                         ids=["exp2", "bn32_st3_prefetch", "bn32_st4_prefetch_exp2"])
+def test_gpu_loop_options_absorbed_bf16(fields):
+    # the H200 sweep's candidate configurations at the absorbed shape (scaled down in S and
+    # T; H = 16 and 128, d_qk 576, d_v 512, v = k[..., :512]), bf16, under the numerics rule
+    # with probs; two launches give the same bits
+    for H in (16, 128):
+        cfg = dataclasses.replace(default_config(H, 1, 576, 512), **fields)
+        for i in range(SEEDS):
+            seed = fresh_seed(f"gpu loop options {fields} H={H} #{i}")
+            B, S, T, K = 1, 64, 512, 160  # 160 slots: a partial last tile at 64 per tile
+            q, k, v, idx = (x.cuda() for x in _inputs(seed, B, S, T, H, 1, 576, 512, K, torch.bfloat16,
+                                                      torch.int32, v_of_k=True))
+            hi = _causal(B, S, T, empty_row=False).cuda()
+            spec = _spec(576, torch.bfloat16, ("mask", 0), masks=CAUSAL["masks"])
+            got = check(q, k, v, idx, [hi], spec, config=cfg)
+            again = sparse_attention_triton(q, k, v, idx, [hi], spec, return_probs=True, config=cfg)
+            assert all(torch.equal(a, b) for a, b in zip(got, again))
