@@ -95,6 +95,61 @@ def test_default_launch_keeps_no_tensor_past_its_return(interpret, case, return_
         triton_hytopk.redone_blocks()
 
 
+class _StaleAllocations(TorchDispatchMode):
+    """Every tensor an ``empty``-family op returns inside it comes filled with ``byte``: what
+    a CUDA graph's private pool hands out during a capture (the bytes earlier work left),
+    where eager calls of the same launch mostly get back their own previous buffers."""
+
+    _EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+              torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+              torch.ops.aten.new_empty_strided.default}
+
+    def __init__(self, byte: int):
+        super().__init__()
+        self.byte, self.filled = byte, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self._EMPTY and out.numel():
+            out.untyped_storage().fill_(self.byte)
+            self.filled += 1
+        return out
+
+
+def _stale_cases():
+    """_launch_cases, and DSA's indexer form (an additive causal mask of finfo.min, 16 heads):
+    rows that take fillers, rows compacted inside the tile loop, tied scores; one row block
+    per launch, so that under the interpreter (which runs the programs one after another)
+    every block starts on stale scratch."""
+    cases = {name: (spec, masks, _operands(torch.Generator().manual_seed(3)), 5)
+             for name, (spec, masks) in _launch_cases().items()}
+    spec = ScoreSpec(epilogue=(("mul", 0.25), ("relu",)), reduce="weighted_sum", post=(("mask", 0),),
+                     masks=(MaskTerm(kind="add", operand=0),))
+    for T, topk, visible in ((96, 16, (1, 5, 40, 96)), (300, 64, (3, 64, 200, 300))):
+        g = torch.Generator().manual_seed(T)
+        q, k, w = (torch.randint(-2, 3, shape, generator=g).float() for shape in ((1, 4, 16, 16), (1, T, 1, 16),
+                                                                                  (1, 4, 16)))
+        add = torch.where(torch.arange(T) < torch.tensor(visible)[:, None], 0.0, torch.finfo(torch.float32).min)
+        cases[f"dsa_add_T{T}"] = (spec, [add], (q, k, w), topk)
+    return cases
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", sorted(_stale_cases()))
+def test_default_launch_reads_no_stale_workspace(interpret, case):
+    # a CUDA graph's recording call gets its workspaces (scratch, block counter, key ranges,
+    # flags, outputs) from the graph's pool, holding whatever bytes were there: the launch
+    # must write every element it reads, so its indices cannot depend on them
+    spec, masks, (q, k, w), topk = _stale_cases()[case]
+    want = ref.streaming_topk(q, k, w, masks, topk, spec, return_values=True)
+    for byte in (0x7F, 0xFF):  # fp32 3.4e38 / int64 keys above every score; NaN / -1
+        with _StaleAllocations(byte) as stale:
+            got = hytopk_triton(q, k, w, masks, topk, spec, return_values=True)
+        assert stale.filled >= 3, stale.filled  # (the outputs and the scratch at least)
+        assert torch.equal(got[1], want[1]), (case, hex(byte))
+        assert torch.equal(got[0], want[0]), (case, hex(byte))
+
+
 def _runtime_scaled(q, k, w, scale):
     # a 0-d tensor scale (a learned temperature, or D ** -0.5 of a dynamic head dim): the
     # fused op takes it as a ``mul_operand`` step, read on the host at each call
