@@ -150,6 +150,61 @@ def test_default_launch_reads_no_stale_workspace(interpret, case):
         assert torch.equal(got[0], want[0]), (case, hex(byte))
 
 
+def _gpu_stale_cases(cuda):
+    """The compiled launch's paths: the DSA indexer's call of test_gpu_dsa_forward_reduce_
+    overhead_equals_default (fp32, 16 heads, an additive causal finfo.min mask, k = 64; random
+    and tied scores), and the bf16 DSA shape (TMA key tiles, the sampled estimate and its
+    redone blocks, the rows' sort kernel at k = 2048)."""
+    from tests.test_triton_hytopk import _dsa_case
+
+    S, H, D = 1024, 16, 16
+    spec = ScoreSpec(epilogue=(("mul", 0.25), ("relu",)), reduce="weighted_sum", post=(("mask", 0),),
+                     masks=(MaskTerm(kind="add", operand=0),))
+    add = torch.where(torch.arange(S)[None, :] <= torch.arange(S)[:, None], 0.0, torch.finfo(torch.float32).min)
+    g = torch.Generator().manual_seed(31)
+    cases = {"indexer_fp32": (torch.randn(1, S, H, D, generator=g), torch.randn(1, S, 1, D, generator=g),
+                              torch.randn(1, S, H, generator=g) * H ** -0.5),
+             "indexer_ties": tuple(torch.randint(-2, 3, shape, generator=g).float()
+                                   for shape in ((1, S, H, D), (1, S, 1, D), (1, S, H)))}
+    out = {name: (spec, [add.to(cuda)], tuple(t.to(cuda) for t in ops), 64) for name, ops in cases.items()}
+    q, k, w, dsa_spec, masks = _dsa_case(cuda, 1003, 4096)
+    out["dsa_bf16"] = (dsa_spec, masks, (q, k, w), 2048)
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_default_launch_reads_no_stale_workspace(cuda):
+    # the compiled launch, whose workspaces the recording call of a CUDA graph gets from the
+    # graph's pool: (1) eager, every empty-family allocation filled with stale bytes; (2)
+    # captured in a graph whose pool holds junk (allocated, filled and freed inside the same
+    # capture, so the launch's workspaces reuse those blocks), the first replay (what the
+    # recording call returns) and the second
+    for name, (spec, masks, (q, k, w), topk) in _gpu_stale_cases(cuda).items():
+        want = hytopk_triton(q, k, w, masks, topk, spec)
+        torch.cuda.synchronize()
+        for byte in (0x7F, 0xFF):
+            with _StaleAllocations(byte) as stale:
+                got = hytopk_triton(q, k, w, masks, topk, spec)
+            torch.cuda.synchronize()
+            assert stale.filled >= 3 and torch.equal(got, want), (name, hex(byte), int((got != want).any(-1).sum()))
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # (a warm-up on a side stream before the capture)
+                hytopk_triton(q, k, w, masks, topk, spec)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # (as CUDA graph trees)
+                junk = [torch.empty(n, dtype=torch.uint8, device=cuda).fill_(byte)
+                        for n in [512] * 64 + [4096] * 64 + [1 << 16] * 32 + [1 << 20] * 8 + [4 << 20] * 8]
+                del junk
+                out = hytopk_triton(q, k, w, masks, topk, spec)
+            for replay in ("first replay", "second replay"):
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out, want), (name, hex(byte), replay, int((out != want).any(-1).sum()))
+            del graph
+
+
 def _runtime_scaled(q, k, w, scale):
     # a 0-d tensor scale (a learned temperature, or D ** -0.5 of a dynamic head dim): the
     # fused op takes it as a ``mul_operand`` step, read on the host at each call
