@@ -142,7 +142,7 @@ def test_default_launch_reads_no_stale_workspace(interpret, case):
     # must write every element it reads, so its indices cannot depend on them
     spec, masks, (q, k, w), topk = _stale_cases()[case]
     want = ref.streaming_topk(q, k, w, masks, topk, spec, return_values=True)
-    for byte in (0x7F, 0xFF):  # fp32 3.4e38 / int64 keys above every score; NaN / -1
+    for byte in (0x7F, 0xFF):  # fp32 3.4e38, int64 keys above every finite score; NaN, -1
         with _StaleAllocations(byte) as stale:
             got = hytopk_triton(q, k, w, masks, topk, spec, return_values=True)
         assert stale.filled >= 3, stale.filled  # (the outputs and the scratch at least)
