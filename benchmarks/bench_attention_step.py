@@ -89,8 +89,8 @@ def bucket(name: str) -> str:
     """A kernel (or, on the CPU, an op) by name. The sparse attention's own kernels count as
     attention, before the selection's hyscale kernels are matched."""
     n = name.lower()
-    if "sparse_attention" in n or "sparse_attn" in n:
-        return "attention"
+    if "sparse_attention" in n or "sparse_attn" in n or n.startswith("attn_") or "_segment_" in n:
+        return "attention"  # the op's generated kernels: attn_fwd, attn_probs, attn_bwd_*, the key sums
     if any(s in n for s in ("hytopk", "sort_rows", "mask_ranges", "score_bound", "topk_table")):
         return "selection"
     if "topk" in n or "sort" in n or "radix" in n:

@@ -41,8 +41,8 @@ Deterministic: no atomics (default), every program writes its own outputs, confi
 are functions of the shapes and dtypes (``default_config``). The dots take the operands'
 16-bit dtype (P and dS rounded to it, as FlashAttention does) with fp32 accumulation; fp32
 operands stay fp32 (``spec.fp32_precision``). Post steps with a derivative here: mul, add,
-div, neg and every mask term; a spec with another step (roundings, relu, sigmoid, registered
-mods) runs the PyTorch path (``unsupported``).
+div, neg, roundings (HF's bf16 eager scores) and every mask term; a spec with another step
+(relu, sigmoid, registered mods) runs the PyTorch path (``unsupported``; explain says so).
 
 The op's CUDA path runs this; ``HYSCALE_ATTN_BWD=pytorch`` runs the chunked PyTorch path
 instead (A/B), ``=atomic`` the atomic variant (``attention_backward.backward_mode``).
@@ -61,7 +61,7 @@ from .spec import SpecError
 from .triton_attention import (_indent, _mask_args_def, _mask_launch_args, _mask_params, _next_pow2,
                                _render_row_bounds, check_attention_operands, form_of, render_kernel_source,
                                split_head_dim)
-from .triton_codegen import _interpreting, _lit, _mod_bodies, check_interpreter_mode, import_source
+from .triton_codegen import _interpreting, _lit, _mod_bodies, _round_expr, check_interpreter_mode, import_source
 
 BWD_TEMPLATE_VERSION = 1
 
@@ -178,7 +178,7 @@ def unsupported(spec: AttentionSpec) -> Optional[str]:
     """Why the kernels cannot differentiate ``spec`` (a post step without a derivative
     here), or None."""
     for step in spec.post:
-        if step[0] != "mask" and step[0] not in _LINEAR_STEPS:
+        if step[0] not in ("mask", "round") and step[0] not in _LINEAR_STEPS:
             return f"post step {step!r} has no derivative in the Triton backward"
     return None
 
@@ -198,6 +198,10 @@ def _render_post_grad(spec: AttentionSpec) -> list:
             lines.append("g = -g")
         elif op == "add":
             continue
+        elif op == "round":
+            # autograd's gradient of a cast: the incoming gradient in the cast's dtype (HF's
+            # bf16 eager scores), as backward._step_grad gives it
+            lines.append(f"g = {_round_expr('g', step[1])}")
         elif op == "mask":
             lines.extend(kind_of(spec.masks[step[1]], step[1]).slot_grad_lines())
         else:

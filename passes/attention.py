@@ -814,6 +814,11 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
         r.pv.replace_all_uses_with(applied.replaced)
         em.rollback()
         rec.rewritten, rec.backward = True, backward
+        if backward == "sparse":
+            from ..lowerings.triton_attention_backward import unsupported as triton_unsupported
+
+            why = triton_unsupported(m.spec)
+            rec.backward_impl = "on CUDA: Triton kernels" if why is None else f"on CUDA: chunked PyTorch, {why}"
         return rec
     except (_Reject, Unsupported) as e:
         em.rollback()

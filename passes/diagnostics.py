@@ -98,6 +98,8 @@ class AttentionRecord:
     spec: str = ""  # AttentionSpec.describe()
     sizes: Dict[str, Any] = dataclasses.field(default_factory=dict)
     backward: str = ""  # joint graphs: "sparse" or ""
+    # which implementation the sparse backward runs on CUDA (the Triton kernels, or why not)
+    backward_impl: str = ""
     graph: str = ""
     # the order the op reads the indices in (passes/order.py)
     order: str = "any deterministic order (the selection may stay unsorted)"
@@ -108,6 +110,8 @@ class AttentionRecord:
         if self.rewritten:
             sz = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
             bw = "; backward: sparse_attention_backward" if self.backward == "sparse" else ""
+            if bw and self.backward_impl:
+                bw += f" ({self.backward_impl})"
             return (f"[attention: sparse] {self.consumer} (indices of {self.selection}): form {self.form} {sz} | "
                     f"{self.spec}{bw}; index order: {self.order}" + (f"; {self.rows}" if self.rows else ""))
         return f"[attention: dense] {self.consumer} (indices of {self.selection}): {self.reason}"

@@ -156,6 +156,20 @@ def test_two_terms_and_linear_steps():
     check(q, k, v, idx, [bias, _causal(B, S, T)], spec, seed)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_rounding_steps(dtype):
+    # HF's eager scores in bf16: round -> scale -> round -> mask; the gradient is rounded
+    # where the forward rounds, as autograd's cast backward does
+    B, S, T, H, D, K = 1, 4, 20, 4, 24, 10
+    for i in range(2):
+        seed = fresh_seed(f"bwd round {dtype} #{i}")
+        q, k, v, idx, g = _inputs(seed, B, S, T, H, 1, D, 16, K, v_of_k=True)
+        spec = AttentionSpec(post=(("round", dtype), ("mul", D ** -0.5), ("round", dtype), ("mask", 0)),
+                             masks=(MaskTerm(kind="range", hi=0),), out_dtype="float32")
+        assert unsupported(spec) is None
+        check(q, k, v, idx, [_causal(B, S, T)], spec, seed, fold_v=True)
+
+
 def test_deterministic_repeats_and_ignores_the_chunking():
     H, Hk, D, Dv, v_of_k = FORMS["mqa"]
     B, S, T, K = 2, 4, 24, 12
@@ -321,12 +335,12 @@ def test_needs_subsets():
 
 
 def test_unsupported_steps_name_the_step():
-    spec = AttentionSpec(post=(("round", "float16"), ("mul", 0.25)), out_dtype="float32")
-    assert "round" in unsupported(spec)
+    spec = AttentionSpec(post=(("relu",), ("mul", 0.25)), out_dtype="float32")
+    assert "relu" in unsupported(spec)
     assert unsupported(_spec(16, torch.float32, [MaskTerm(kind="range", hi=0)])) is None
     q, k, v, idx, _ = _inputs(0, 1, 2, 8, 2, 1, 16, 16, 4)
     out, lse, _ = R.attention_forward(q, k, v, idx, [], spec)
-    with pytest.raises(SpecError, match="round"):
+    with pytest.raises(SpecError, match="relu"):
         attention_backward_triton(torch.ones_like(out), q, k, v, idx, [], out, lse, spec)
 
 
