@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import hyscale_compile
+from hyscale_compile.testing import assert_selection_equal
 from hyscale_compile.lowerings import reference as ref
 from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
 from hyscale_compile.lowerings import triton_hytopk
@@ -299,6 +300,13 @@ def _indexer_inputs(model, ids):
     return x, attn.q_a_norm(attn.q_a_proj(x)), causal_mask(S, ids.device)
 
 
+def _index_scores64(indexer, x, q_resid, mask):
+    """The example indexer's scores [B, S, T] in float64, from its fp32 projections."""
+    q, k, w = (t.double() for t in indexer.projections(x, q_resid))
+    s = torch.einsum("bshd,btd->bsht", q, k) * indexer.softmax_scale
+    return (w.unsqueeze(-1) * s.relu()).sum(2) + mask.double()
+
+
 def _calls(fn, inputs, mode, n):
     """fn compiled with the backend in ``mode`` (None: the default), called n times on
     ``inputs`` in turn; (each call's outputs, cloned; the op's calls so far after each)."""
@@ -343,11 +351,22 @@ def test_gpu_dsa_forward_reduce_overhead_equals_default(cudagraph_checks):
         want, _ = _calls(indexer, inputs, None, 3)
         got, calls = _calls(indexer, inputs, "reduce-overhead", 6)
         assert _replayed(calls), calls
-        # every call checked before failing (0 the warm-up, 1 the recording, 2-5 replays):
-        # which calls differ tells a fault of the recording alone from one of every replay
+        # Equality as the contract defines it (docs/contract.md, "Equality with eager"): on
+        # the H200 about one run in four, the recording (call 1) and the replay of the same
+        # batch (call 4) each differed from the default mode in one row of 1024 (measured),
+        # so a graph-mode difference for that input, not a recording fault. The indexer's
+        # projections are cuBLAS GEMMs, which may pick another algorithm under capture: a
+        # near-tie at the k-th score then swaps, which the contract allows. So every call's
+        # indices are checked against the stable top-k of the float64 scores, and the rows
+        # that differ from the default mode are printed.
         bad = {i: int((out != want[i % 3][0]).any(-1).sum()) for i, (out,) in enumerate(got)
-               if out.dtype != torch.int32 or not torch.equal(out, want[i % 3][0])}
-        assert not bad, f"calls differing from the default mode's (call: rows): {bad}"
+               if not torch.equal(out, want[i % 3][0])}
+        print(f"calls differing from the default mode's (call: rows): {bad}")
+        for i, (out,) in enumerate(got):
+            assert out.dtype == torch.int32, out.dtype
+            assert_selection_equal(out, _index_scores64(indexer, *inputs[i % 3]))
+        for i, (out,) in enumerate(want):
+            assert_selection_equal(out, _index_scores64(indexer, *inputs[i]))
         want, _ = _calls(model, [(ids,) for ids in batches], None, 3)
         got, calls = _calls(model, [(ids,) for ids in batches], "reduce-overhead", 6)
         assert _replayed(calls), calls

@@ -474,8 +474,10 @@ def test_gpu_per_head_shape_and_compile():
                          ids=["exp2", "bn32_st3_prefetch", "bn32_st4_prefetch_exp2"])
 def test_gpu_loop_options_absorbed_bf16(fields):
     # the H200 sweep's candidate configurations at the absorbed shape (scaled down in S and
-    # T; H = 16 and 128, d_qk 576, d_v 512, v = k[..., :512]), bf16, under the numerics rule
-    # with probs; two launches give the same bits
+    # T; H = 16 and 128, d_qk 576, d_v 512, v = k[..., :512]), bf16, under the numerics rule;
+    # two launches give the same bits. Without probs: with them the forward also writes its
+    # softmax statistics, and at these tiles its sm_90 build needs 282-352 KiB of shared
+    # memory (H200, measured: "out of resource"), more than the 227 KiB there are
     for H in (16, 128):
         cfg = dataclasses.replace(default_config(H, 1, 576, 512), **fields)
         for i in range(SEEDS):
@@ -485,6 +487,6 @@ def test_gpu_loop_options_absorbed_bf16(fields):
                                                       torch.int32, v_of_k=True))
             hi = _causal(B, S, T, empty_row=False).cuda()
             spec = _spec(576, torch.bfloat16, ("mask", 0), masks=CAUSAL["masks"])
-            got = check(q, k, v, idx, [hi], spec, config=cfg)
-            again = sparse_attention_triton(q, k, v, idx, [hi], spec, return_probs=True, config=cfg)
+            got = check(q, k, v, idx, [hi], spec, return_probs=False, config=cfg)
+            again = sparse_attention_triton(q, k, v, idx, [hi], spec, config=cfg)
             assert all(torch.equal(a, b) for a, b in zip(got, again))
