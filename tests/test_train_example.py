@@ -1,5 +1,5 @@
-"""``examples/train_dsa.py``: a short run of the DSA indexer recipe (dense model, dense warm-up of
-the indexer with its KL loss, sparse training, control), run as a user runs it, with the debug
+"""``examples/train_dsa.py``: the DSA indexer recipe (dense model, dense warm-up of the indexer with
+its KL loss, sparse training, control) at its CPU defaults, run as a user runs it, with the debug
 backend (same passes, no Inductor codegen) to keep it fast; and its two KL losses against the
 paper's formula in float64."""
 import math
@@ -26,7 +26,8 @@ def _run_example(tmp_path, *args):
 def test_train_dsa_meets_the_targets_and_the_control_does_not(tmp_path):
     # The CPU defaults (S = 128) with the debug backend (same passes, no Inductor codegen): the
     # whole recipe, its targets, and the control with the indexer frozen at init.
-    out, png = _run_example(tmp_path, "--backend", "hyscale_debug")
+    # 20 sparse steps instead of the default 50 keep the test near 40 s on 2 CPU cores.
+    out, png = _run_example(tmp_path, "--backend", "hyscale_debug", "--steps", "20")
     tail = out[-4000:]
     # explain: both layers' indexer top-k rewritten on the sparse stage's training graph
     assert re.search(r"^hyscale: 2 top-k site\(s\): 2 fused, 0 selected from the table, 0 left alone", out, re.M), tail
@@ -40,8 +41,9 @@ def test_train_dsa_meets_the_targets_and_the_control_does_not(tmp_path):
     dist, n_values, chance = int(m.group(1)), int(m.group(2)), float(m.group(3))
     assert dist >= seq // 2 and abs(chance - 1 / n_values) < 1e-4, tail
     # the sparse stage under hyscale_debug matched the reference backend step for step and at the end
-    assert re.search(r"^step-for-step check: PASSED: answer loss hyscale_debug vs aot_eager within 2% at all of the "
-                     r"first (\d+) step\(s\)", out, re.M), tail
+    # (the default reference of hyscale_debug: the same backend with the rewrite off)
+    assert re.search(r"^step-for-step check: PASSED: answer loss hyscale_debug vs hyscale_debug with "
+                     r"hyscale.enable=False within 2% at all of the first 20 step\(s\)", out, re.M), tail
     assert re.search(r"^final accuracy check: PASSED", out, re.M), tail
     # the warm-up's KL fell
     m = re.search(r"^  warm-up KL (\S+) -> (\S+);", out, re.M)
@@ -100,24 +102,24 @@ def test_dense_indexer_kl_matches_float64_formula_and_gradient():
         q, k, iq, ik, iw = _loss_inputs(seed=seed)
         ref = _dense_kl_float64(q, k, iq, ik, iw, mask, 0.5, 0.4)
         ref_grads = torch.autograd.grad(ref, (iq, ik, iw))
-        for chunk in (3, 64):  # several chunks (checkpointed) and one
-            got = t.dense_indexer_kl(q, k, iq, ik, iw, mask, 0.5, 0.4, chunk=chunk)
-            grads = torch.autograd.grad(got, (iq, ik, iw))
-            torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
-            for a, b in zip(grads, ref_grads):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # b: the float64 gradient, cast back
+        got = t.dense_indexer_kl(q, k, iq, ik, iw, 0.5, 0.4)
+        grads = torch.autograd.grad(got, (iq, ik, iw))
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # b: the float64 gradient, cast back
 
 
 def test_sparse_indexer_kl_over_every_key_is_the_dense_loss():
     # Selecting every key (the causally invalid ones as masked slots, as a top-k of a short row
-    # picks them) must give the dense loss: the masked slots count in neither distribution.
+    # picks them) must give the dense loss: the masked slots count in neither distribution (the
+    # slot loss's 1e-10 inside the logs moves it by far less than the tolerance).
     t = _example()
     S = 11
     mask = t.causal_mask(S, torch.device("cpu"))
     q, k, iq, ik, iw = _loss_inputs()
     g = torch.Generator().manual_seed(5)
     idx = torch.rand(2, S, S, generator=g).argsort(-1).to(torch.int32)  # every key, in a shuffled order
-    dense = t.dense_indexer_kl(q, k, iq, ik, iw, mask, 0.5, 0.4)
+    dense = t.dense_indexer_kl(q, k, iq, ik, iw, 0.5, 0.4)
     sparse = t.sparse_indexer_kl(q, k, iq, ik, iw, idx, mask, 0.5, 0.4, chunk=4)
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-6)
     for a, b in zip(torch.autograd.grad(sparse, (iq, ik, iw)), torch.autograd.grad(dense, (iq, ik, iw))):
