@@ -147,7 +147,7 @@ class Setup:
 def make_setup(seq: int, device: str, dtype: Optional[torch.dtype], batch: Optional[int],
                topk: Optional[int] = None) -> Setup:
     """The same small model at every S (2 layers, dim 64, indexer 16 heads x dim 16): the CPU
-    model learns the lookup; a dim-256 variant (indexer 16 x 64) had learnt nothing after 360 dense
+    model learns the lookup; a dim-256 variant (indexer 16 x 64) had not learnt it after 360 dense
     steps on the CPU (S = 128 then 512). Batch 16 up to S = 512, else 32768 // S sequences.
     k = S/32 (at most 2048, as DeepSeek-V3.2) unless ``topk``: at k/S = 1/16 a selection that
     ignores the key still holds the answer's value for 1 query in 16, and the dense model reads it
@@ -515,7 +515,7 @@ def parse_args(argv=None):
                    help="steps of the indexer's dense warm-up, model frozen (default 40)")
     p.add_argument("--steps", type=int, default=None, help="steps of sparse training (default 50)")
     p.add_argument("--compare-steps", type=int, default=None,
-                   help="sparse steps also run under --reference and compared (default: all at S <= 512, else 50; 0 skips)")
+                   help="sparse steps also run under --reference and compared (default: all; 0 skips)")
     p.add_argument("--near-queries", action=argparse.BooleanOptionalAction, default=False,
                    help="dense stage only: also 16 queries right after the pairs, a curriculum for long --seq "
                         "(default off)")
@@ -533,7 +533,7 @@ def parse_args(argv=None):
                         "hyscale_debug")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
-    p.add_argument("--topk", type=int, default=None, help="keys the indexer selects per query (default seq / 16, at most 2048)")
+    p.add_argument("--topk", type=int, default=None, help="keys the indexer selects per query (default seq / 32, at most 2048)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default 16 at S <= 512, else 32768 // seq)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                    help="weights/activations dtype (default fp32; the indexer and the losses compute in fp32 either way)")
@@ -559,7 +559,7 @@ def parse_args(argv=None):
     if a.topk is not None and not 1 <= a.topk <= a.seq:
         p.error(f"--topk must be in 1..--seq, got {a.topk}")
     if a.compare_steps is None:
-        a.compare_steps = 50 if long else a.steps
+        a.compare_steps = a.steps
     if a.compare_steps < 0:
         p.error(f"--compare-steps must be >= 0, got {a.compare_steps}")
     a.compare_steps = min(a.compare_steps, a.steps)
@@ -589,9 +589,9 @@ def main(argv=None) -> int:
     chance = 1 / s.pairs
     qpos = torch.arange(s.seq - s.queries, s.seq, dtype=torch.float64)
     baseline = float((c.index_topk / (qpos + 1)).clamp(max=1).mean())
-    say(f"task: {s.pairs} key->value pairs at positions 0..{2 * s.pairs - 1}, filler, {s.queries} query keys at "
-        f"{s.seq - s.queries}..{s.seq - 1} (distance >= {s.seq - s.queries - 2 * s.pairs + 1}); {s.pairs} values, "
-        f"chance {chance:.4f}; target accuracy >= {max(0.9, 10 * chance):.3f}")
+    say(f"task: {s.pairs} key->value pairs at positions 0..{2 * s.pairs - 1}, filler (value tokens), {s.queries} "
+        f"query keys at {s.seq - s.queries}..{s.seq - 1} (distance >= {s.seq - s.queries - 2 * s.pairs + 1}); "
+        f"{s.pairs} values, chance {chance:.4f}; target accuracy >= {max(0.9, 10 * chance):.3f}")
     say(f"recall@k random baseline (k / visible keys at the query rows): {baseline:.4f}")
 
     base = build_model(s, args.checkpoint, args.seed)
