@@ -130,3 +130,21 @@ def test_sparse_indexer_kl_over_every_key_is_the_dense_loss():
     gk = torch.autograd.grad(loss, ik)[0]
     assert torch.isfinite(loss) and torch.isfinite(gk).all()
     assert (gk[:, 4:] == 0).all() and (gk[:, 1:4] != 0).any()
+
+
+def test_gpu_sized_defaults_keep_the_task_honest():
+    # --seq 8192 / 32768 (the GPU runs): k/S <= 1/16 (S/32), the answers at distance >= S/2, and
+    # a dense stage at S = 128 then 512; a --seq too short for the distance is refused.
+    t = _example()
+    for seq, batch, compare in ((8192, 4, 100), (32768, 1, 50)):
+        a = t.parse_args(["--seq", str(seq), "--device", "cpu"])
+        s = t.make_setup(seq, "cpu", None, None)
+        assert s.cfg.index_topk == seq // 32 and s.batch == batch and s.dtype == torch.float32
+        assert seq - s.queries - 2 * s.pairs + 1 >= seq // 2
+        assert (a.backend, a.reference) == ("hyscale_debug", "off")
+        assert (a.dense_steps, a.warmup_steps, a.steps, a.compare_steps) == (360, 100, 100, compare)
+        assert [(p.seq, p.batch, n) for p, n in t.dense_phases(s, a.dense_steps)] == [(128, 16, 300), (512, 4, 60)]
+    s = t.make_setup(128, "cpu", None, None)
+    assert [(p.seq, n) for p, n in t.dense_phases(s, 300)] == [(128, 300)] and s.cfg.index_topk == 4
+    proc = subprocess.run([sys.executable, SCRIPT, "--seq", "80"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--seq must be at least 94" in proc.stderr, proc.stderr[-2000:]
