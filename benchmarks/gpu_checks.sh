@@ -24,8 +24,10 @@ for step in "$@"; do
              > "$OUT/sparse.md" 2> "$OUT/sparse.log"; echo "sparse rc=$?"; cat "$OUT/sparse.md" ;;
     variants) timeout 300 python3 benchmarks/bench_variants.py --seqs ${VARIANT_SEQS:-8192,32768} \
              > "$OUT/variants.md" 2> "$OUT/variants.log"; echo "variants rc=$?"; cat "$OUT/variants.md" ;;
-    train) timeout 400 python3 examples/train_dsa.py --device cuda --seq ${TRAIN_SEQ:-32768} --steps ${TRAIN_STEPS:-30} \
-             --out "$OUT/train_dsa_loss.png" > "$OUT/train.log" 2>&1; echo "train rc=$?"; grep -v "it/s\]" "$OUT/train.log" | tail -25 ;;
+    train)  # the example's own defaults beyond S = 512: k = S/32, 360 dense (S = 128, 512) + 100 warm-up + 100 sparse + 100 control steps, reference 100 (50 beyond 8K)
+      timeout ${TRAIN_TIMEOUT:-570} python3 examples/train_dsa.py --device cuda --seq ${TRAIN_SEQ:-8192} ${TRAIN_STEPS:+--steps $TRAIN_STEPS} \
+        --out "$OUT/train_dsa_loss.png" > "$OUT/train.log" 2>&1; echo "train rc=$?"
+      grep -E "step [0-9]+/[0-9]+:" "$OUT/train.log" | tail -4; grep -vE "^  .* step [0-9]+/[0-9]+:" "$OUT/train.log" | tail -32 ;;
     demo) timeout 400 python3 examples/demo.py --seq ${DEMO_SEQ:-16384} > "$OUT/demo.log" 2>&1; echo "demo rc=$?"; tail -12 "$OUT/demo.log" ;;
     matmul) timeout 120 python3 benchmarks/matmul_rate.py > "$OUT/matmul.md" 2> "$OUT/matmul.log"; echo "matmul rc=$?"; cat "$OUT/matmul.md" ;;
     qsa) timeout 200 python3 benchmarks/sweep_qsa_config.py --seq 32768 --keys ${QSA_KEYS:-fp32} ${QSA_CONFIGS:+--configs $QSA_CONFIGS} \

@@ -8,63 +8,88 @@ only if the indexer learned to find the answer:
    V3.1-Terminus), so the example first trains ``examples/dsa_model.py`` with dense attention
    (``model(ids, dense=True)``) on the answer loss; the indexer is not run;
 1. **dense warm-up of the indexer** (``--warmup-steps``): the model is frozen and attention stays
-   dense; only the indexer trains, with ``dense_indexer_kl``: the target is the main attention's
+   dense; only the indexer trains, with the dense KL: the target is the main attention's
    probabilities summed over heads and L1-normalised over the keys (detached), and the loss is
    KL(target_t || softmax(index scores_t + causal mask)), averaged over the query rows t;
 2. **sparse training** (``--steps``): the attention applies the indexer's top-k selection; the
-   model learns from the answer loss and the indexer from ``sparse_indexer_kl``, the same KL
-   restricted to the selected set, on detached indexer inputs (so the indexer learns only from
-   this loss, and the model only from the answer loss);
+   model learns from the answer loss and the indexer from the same KL restricted to the selected
+   set, on detached indexer inputs (so the indexer learns only from this loss, and the model only
+   from the answer loss);
 3. **control** (``--control``, on by default): the same sparse training from the same dense model,
    with the indexer frozen at its initialisation (no warm-up, no KL).
 
-The two KL losses are written in plain PyTorch, as a user would beside the model, in one function
-each; both go through the query rows in chunks under activation checkpointing, so they hold one
-chunk's tables at a time. ``model(ids, return_aux=True)`` returns, per layer, what they need (the
-main attention's q and k, the indexer's inputs, the selection); ``LightningIndexer.projections``
-gives the indexer's q, k and head weights with grad.
+The losses. ``model(ids, return_aux=True)`` returns, per layer, what they need (the main
+attention's q and k, the indexer's inputs, the selection); ``LightningIndexer.projections`` gives
+the indexer's q, k and head weights with grad. The warm-up calls ``hyscale_compile.dense_indexer_kl``
+(streamed: no [S, T] table; Triton kernels on CUDA). The sparse stage gathers the index scores at
+the k selected slots, recomputes the main attention's head-summed probabilities there (the HF-eager
+attention does not return them), and calls ``hyscale_compile.sparse_indexer_kl`` on the two [B, S, k]
+tensors. They are library calls rather than plain PyTorch because the backend's indexer-loss pass
+(docs/indexer_loss.md) would not rewrite a plain version here: the losses run beside the compiled
+model, and ``hyscale_compile.explain`` of the model and its loss together reports no
+``[indexer loss]`` site for either (the pass matches Megatron's index-mask form over [S, T] tables,
+not a loss already written at the slots, and leaves a dense warm-up dense by design).
 
 Before training it prints ``hyscale_compile.explain(...)`` of the sparse stage's (grad-enabled)
-forward: which top-k sites the backend rewrote into ``torch.ops.hyscale.hytopk``. The sparse stage
-runs twice from the same warmed-up model and batches, under ``backend="hyscale"`` and under default
-``torch.compile`` (``--reference``), and the answer losses are compared step for step (within
-``LOSS_RTOL`` = 2%) for ``--compare-steps`` steps; when those cover the whole stage the final
-accuracies are compared too (within 3 points). The backends need not agree exactly: ``torch.topk``
-and the hyscale op may order tied index scores differently (docs/contract.md, "Ties"), a trained
-indexer has near-ties, and one flipped slot changes the next update.
+forward: which top-k sites the backend rewrote into ``torch.ops.hyscale.hytopk``. All stages run
+through one compiled model (the reference and the control load their weights into it), so each of
+the dense, warm-up and sparse graphs compiles once (``TORCH_LOGS=recompiles`` shows three graphs and
+the reference's). The sparse stage runs twice from the same warmed-up model and batches, under
+``--backend`` and under ``--reference``, and the answer losses are compared step for step (within
+``LOSS_RTOL`` = 2%) over the first 50 steps; when the comparison covers the whole stage the final
+accuracies are compared too (within 3 points). The reference is default ``torch.compile``
+(Inductor) for ``--backend hyscale``; for ``hyscale_debug`` it is ``off``, the same backend with
+``options={"hyscale.enable": False}``: the same AOT graphs and decompositions without the rewrite
+(``aot_eager`` decomposes differently, so its fp32 rounding differs from the first step and two
+training runs drift apart, whatever the rewrite does). The backends need not agree exactly:
+``torch.topk`` and the hyscale op may order tied index scores differently (docs/contract.md,
+"Ties"), a trained indexer has near-ties, and one flipped slot changes the next update.
 
-The task. Each sequence starts with ``P`` key->value pairs ``K_1 v_1 K_2 v_2 ... K_P v_P`` (the keys
-in a fixed order, the ``P`` values a random permutation of the ``V = P`` value tokens), then random
-filler, then ``Q`` query keys at the end; the answer loss is the cross-entropy of the value predicted
-at each query key. Every answer's pair sits at distance >= S/2 from its query, the query keys alone
-say nothing about the values, and each value appears once in the context, so guessing gives 1/V.
-(With the keys in a random order the lookup needs a two-layer "induction" circuit that this small
-model does not find within a CPU-sized budget; in a fixed order it is one attention hop, and the
-indexer still has to find one position among hundreds.) The indexer selects k <= S/16 keys per
-query. recall@k is the fraction of queries whose selection contains the answer's value position,
-printed per layer beside the random baseline (k / number of visible keys).
+The task. Each sequence starts with ``P = 16`` key->value pairs ``K_1 v_1 K_2 v_2 ... K_P v_P`` (the
+keys in a fixed order, the values a random permutation of the ``V = P`` value tokens), then filler
+drawn from the same value tokens, then ``Q = 16`` query keys at the end; the answer loss is the
+cross-entropy of the value predicted at each query key; guessing gives 1/V. (With the keys in a
+random order the lookup needs a two-layer "induction" circuit that this small model does not find
+within a CPU-sized budget; in a fixed order it is one attention hop, and the indexer still has to
+find one position among S.) recall@k is the fraction of queries whose selection contains the
+answer's value position, printed per layer beside the random baseline (k / number of visible keys).
+
+What keeps the control honest, so that only an indexer that learned to find the key can pass:
+
+- every answer's value sits at distance >= S/2 from its query (``--seq`` >= 94);
+- k = S/32 (``--topk``): the dense model reads the answer wherever the selection happens to hold
+  it, so a selection that ignores the key scores about k/S + (1 - k/S)/V; at k/S = 1/16 that is
+  0.12, over the control's bound of chance + 0.05 = 0.1125, at 1/32 it is 0.09;
+- the filler is made of value tokens, so a value position looks like any other to an indexer that
+  does not know the key order (with a filler vocabulary of its own, a frozen indexer that happens
+  to prefer value tokens finds the answers more often than chance: its layer-1 recall was 1.6-1.7x
+  the random rate at k = 4 and 8, against 1.1-1.5x with value filler, same dense model);
+- nothing is always selected: the selection is the top-k of the index scores alone (no local
+  window, no forced sink), and the control's accuracy is measured in the sparse stage itself.
 
 Other flags: ``--checkpoint {full,sac,none}`` wraps each decoder block in activation checkpointing
-(``torch.utils.checkpoint.checkpoint(block, x, mask, use_reentrant=False)``; ``sac`` saves the
-projection matmuls; default full); ``--backend hyscale_debug`` runs the same passes without
-Inductor codegen (fast compiles; its reference is then ``aot_eager``); ``--topk``, ``--lr``,
-``--indexer-lr``, ``--batch``, ``--dtype``, ``--seed``; ``--out`` is the loss-curve PNG (default
-``out/train_dsa_loss.png``; skipped with a message when matplotlib is not installed).
+in the warm-up and sparse stages (``torch.utils.checkpoint.checkpoint(block, x, mask,
+use_reentrant=False)``; ``sac`` saves the projection matmuls; default full; the dense stage runs at
+S <= 512 and is not checkpointed); ``--backend`` (default ``hyscale`` on CUDA, ``hyscale_debug`` on
+the CPU: the same passes and rewrite, graphs run without Inductor codegen, so the CPU run compiles in
+seconds; ``--backend hyscale`` on the CPU compiles with Inductor, minutes cold); ``--reference``;
+``--topk``, ``--lr``, ``--indexer-lr``, ``--batch``, ``--dtype``, ``--seed``; ``--out`` is the
+loss-curve PNG (default ``out/train_dsa_loss.png``; skipped with a message when matplotlib is not
+installed); ``--near-queries`` adds, in the dense stage only, 16 queries right after the pairs (a
+curriculum; off by default).
 
-Sizes. The default runs on a CPU: fp32, seq 128, k 8, batch 16, dim 64 (``--seq 256`` needs more dense steps). For a GPU::
+Sizes. The same model at every S: 2 layers, dim 64, 4 heads, indexer 16 heads x dim 16, fp32. The
+default runs on a CPU in under a minute: seq 128, k 4, batch 16, 300 dense + 40 warm-up + 50
+sparse steps (and 50 reference and 50 control steps). For a GPU::
 
     python examples/train_dsa.py --device cuda --seq 8192      # up to --seq 32768
 
-which trains dim 256, 16 indexer heads of dim 64, k = seq / 16 (capped at 2048), in bf16 weights
-(the indexer and the losses compute in fp32), with 2000 dense steps. At a long ``--seq`` the
-step-for-step comparison runs ``--compare-steps`` (default 50) steps. The dense stage is the part
-that gets harder with S (at init each query spreads its attention over S keys): at S = 128 it
-learns the lookup in ~300 steps, at S = 256 it starts only after ~850 (measured on the CPU), so a
-long ``--seq`` may need many more ``--dense-steps``; watch its accuracy before the warm-up.
-``--near-queries`` adds, in the dense stage only, 16 queries right after the pairs (they see few
-keys, so the lookup is found sooner; the accuracy printed is the far queries'): at S = 256 the
-dense model then learned the far lookup by step ~240 instead of ~900, while at S = 128 it stalled
-at 0.63 within 400 steps, so it is off by default.
+k = S/32 (256 at 8K, 1024 at 32K), batch 32768 // S. A dense model at init spreads each query over
+S keys and finds the lookup late or never at long S (``dense_phases``), so beyond S = 512 the dense
+stage trains at S = 128 and then 512 (300 + 60 steps), and the warm-up, sparse and control stages
+run at the full S, 100 steps each (a batch holds fewer queries there); the reference runs all the
+sparse steps up to S = 8192 and the first 50 beyond. Progress lines print the stage's and the
+total elapsed time.
 """
 from __future__ import annotations
 
@@ -86,9 +111,14 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dsa_model import DSAConfig, causal_mask, make_model  # noqa: E402
 
+import hyscale_compile  # noqa: E402  registers backend="hyscale" / "hyscale_debug"; the indexer's KL losses
+
 # The step-for-step comparison: |loss_hyscale - loss_reference| <= LOSS_RTOL * |loss_reference| at
 # each compared step, and the final accuracies within ACC_ATOL.
 LOSS_RTOL, ACC_ATOL = 0.02, 0.03
+
+
+T_START = time.perf_counter()  # progress lines print the time since the start
 
 
 def say(msg: str = "") -> None:
@@ -118,18 +148,18 @@ class Setup:
 
 def make_setup(seq: int, device: str, dtype: Optional[torch.dtype], batch: Optional[int],
                topk: Optional[int] = None) -> Setup:
-    """Up to S = 512: the CPU-sized model; longer: dim 256 and 16 indexer heads of dim 64. k = S/16
-    (at most 2048, as DeepSeek-V3.2) unless ``topk``."""
-    k = topk or max(1, min(2048, seq // 16))
-    if seq <= 512:
-        cfg = DSAConfig(vocab=128, dim=64, layers=2, heads=4, index_heads=16, index_head_dim=16, index_topk=k,
-                        max_seq=seq, q_lora_rank=32, mlp_hidden=128)
-        return Setup(cfg=cfg, seq=seq, batch=batch or 16, pairs=16, queries=16, device=device,
-                     dtype=dtype or torch.float32)
-    cfg = DSAConfig(vocab=256, dim=256, layers=2, heads=4, index_heads=16, index_head_dim=64, index_topk=k,
-                    max_seq=seq, q_lora_rank=128, mlp_hidden=512)
-    return Setup(cfg=cfg, seq=seq, batch=batch or max(1, 32768 // seq), pairs=16, queries=16, device=device,
-                 dtype=dtype or (torch.bfloat16 if device == "cuda" else torch.float32))
+    """The same small model at every S (2 layers, dim 64, indexer 16 heads x dim 16): the CPU
+    model learns the lookup; a dim-256 variant (indexer 16 x 64) had not learnt it after 360 dense
+    steps on the CPU (S = 128 then 512). Batch 16 up to S = 512, else 32768 // S sequences.
+    k = S/32 (at most 2048, as DeepSeek-V3.2) unless ``topk``: at k/S = 1/16 a selection that
+    ignores the key still holds the answer's value for 1 query in 16, and the dense model reads it
+    wherever it is selected, so even a random selection would score 1/16 + 15/16 * 1/V = 0.12 at
+    V = 16, over the control's bound of chance + 0.05."""
+    k = topk or max(1, min(2048, seq // 32))
+    cfg = DSAConfig(vocab=128, dim=64, layers=2, heads=4, index_heads=16, index_head_dim=16, index_topk=k,
+                    max_seq=seq, q_lora_rank=32, mlp_hidden=128)
+    return Setup(cfg=cfg, seq=seq, batch=batch or (16 if seq <= 512 else max(1, 32768 // seq)), pairs=16,
+                 queries=16, device=device, dtype=dtype or torch.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,25 +175,31 @@ def make_batch(s: Setup, gen: torch.Generator, near: bool = False):
     and ``value_pos [B, Q]`` (where each answer's value sits in the context).
 
     Layout: ``K_1 v_1 ... K_P v_P | filler ... | q_1 ... q_Q``; the values are a random permutation
-    of the value tokens; the queries are distinct keys (a random order of ``Q <= P`` of them).
-    ``near``: also ``Q`` queries right after the pairs (answer positions first, then the far ones),
+    of the value tokens, and the filler is drawn from the same value tokens, so a value position
+    looks like any filler position to anything that does not know the key order; the queries run
+    through random orders of the keys (each key once per ``P`` queries).
+    ``near``: also ``P`` queries right after the pairs (answer positions first, then the far ones),
     ``--near-queries``' curriculum for the dense stage: a query that sees few keys finds the lookup
     sooner.
     """
-    keys_r, vals_r, fill_r = vocab_layout(s.cfg.vocab, s.pairs)
+    keys_r, vals_r, _ = vocab_layout(s.cfg.vocab, s.pairs)
     B, S, P, Q = s.batch, s.seq, s.pairs, s.queries
+
+    def key_orders(n):
+        return torch.cat([torch.rand(B, P, generator=gen).argsort(-1) for _ in range(-(-n // P))], 1)[:, :n]
+
     vals = torch.rand(B, P, generator=gen).argsort(-1) + vals_r.start
-    ids = torch.randint(fill_r.start, fill_r.stop, (B, S), generator=gen)
+    ids = torch.randint(vals_r.start, vals_r.stop, (B, S), generator=gen)
     ids[:, 0:2 * P:2] = torch.arange(P) + keys_r.start
     ids[:, 1:2 * P:2] = vals
-    pick = torch.rand(B, P, generator=gen).argsort(-1)[:, :Q]
+    pick = key_orders(Q)
     ids[:, S - Q:] = pick + keys_r.start
     answer_pos = torch.arange(S - Q, S)
     targets, value_pos = vals.gather(1, pick), 2 * pick + 1
     if near:
-        pick = torch.rand(B, P, generator=gen).argsort(-1)[:, :Q]
-        ids[:, 2 * P:2 * P + Q] = pick + keys_r.start
-        answer_pos = torch.cat([torch.arange(2 * P, 2 * P + Q), answer_pos])
+        pick = key_orders(P)
+        ids[:, 2 * P:3 * P] = pick + keys_r.start
+        answer_pos = torch.cat([torch.arange(2 * P, 3 * P), answer_pos])
         targets, value_pos = torch.cat([vals.gather(1, pick), targets], 1), torch.cat([2 * pick + 1, value_pos], 1)
     return tuple(t.to(s.device) for t in (ids, answer_pos, targets, value_pos))
 
@@ -177,61 +213,45 @@ def answer_loss(logits: torch.Tensor, answer_pos: torch.Tensor, targets: torch.T
 
 
 # --------------------------------------------------------------------------------------------
-# the indexer's losses (DeepSeek-V3.2), plain PyTorch
+# the indexer's losses (DeepSeek-V3.2)
 # --------------------------------------------------------------------------------------------
 def _index_scores(iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor, scale: float) -> torch.Tensor:
     """``I[b, s, t] = sum_h w[b, s, h] relu(q[b, s, h] . k[b, t] * scale)`` (the indexer's scores)."""
     return torch.einsum("bsh,bsht->bst", iw, F.relu(torch.einsum("bshd,btd->bsht", iq, ik) * scale))
 
 
-def _kl_rows(p: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """sum over rows of KL(p || softmax(scores)) over the valid entries (``p`` is 0 elsewhere)."""
-    logq = F.log_softmax(scores.masked_fill(~valid, torch.finfo(scores.dtype).min), dim=-1)
-    return torch.where(valid, torch.xlogy(p, p) - p * logq, 0.0).sum()
-
-
-def _dense_kl_chunk(p, iq, ik, iw, valid, scale):
-    return _kl_rows(p, _index_scores(iq, ik, iw, scale), valid)
-
-
 def dense_indexer_kl(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor,
-                     mask: torch.Tensor, attn_scale: float, index_scale: float, chunk: int = 1024) -> torch.Tensor:
-    """DSA's dense warm-up loss: ``mean_t KL(p_t || softmax(I_t))`` over all causal keys.
+                     attn_scale: float, index_scale: float) -> torch.Tensor:
+    """DSA's dense warm-up loss, ``mean_t KL(p_t || softmax(I_t))`` over all causal keys:
+    ``hyscale_compile.dense_indexer_kl``, streamed (no [S, T] table; Triton kernels on CUDA).
 
     ``q [B, h, S, d]``, ``k [B, h, T, d]``: the main attention's (the target ``p`` = its softmax
     probabilities summed over heads, L1-normalised over the keys, detached). ``iq [B, S, H, D]``,
     ``ik [B, T, D]``, ``iw [B, S, H]``: the indexer's projections (``LightningIndexer.projections``),
-    which get the gradient. ``mask [S, T]``: the additive causal mask. The paper writes the sum over
-    t; the mean over the ``B * S`` query rows keeps the learning rate independent of S."""
-    B, S = iq.shape[:2]
-    valid_all = mask == 0
-    total = iq.new_zeros(())
-    for r0 in range(0, S, chunk):
-        r = slice(r0, min(S, r0 + chunk))
-        with torch.no_grad():
-            logits = torch.matmul(q[:, :, r].float(), k.float().transpose(-1, -2)) * attn_scale + mask[r]
-            p = F.softmax(logits, dim=-1).sum(1)
-            p = p / p.sum(-1, keepdim=True)
-        valid = valid_all[r].expand_as(p)
-        total = total + checkpoint(_dense_kl_chunk, p, iq[:, r], ik, iw[:, r], valid, index_scale,
-                                   use_reentrant=False)
-    return total / (B * S)
+    which get the gradient. The library's index score is ``sum_h w_h relu(q_h . k_t)``; the
+    indexer's positive ``index_scale`` inside the ReLU moves into the weights. The paper writes the
+    sum over t; the mean over the ``B * S`` query rows keeps the learning rate independent of S."""
+    return hyscale_compile.dense_indexer_kl(q.transpose(1, 2), k.transpose(1, 2), iq, ik, iw * index_scale,
+                                            scale=attn_scale, causal=True)
 
 
 def _sparse_kl_chunk(p, iq, ik, iw, idx, valid, scale):
     ks = ik[torch.arange(ik.shape[0], device=ik.device)[:, None, None], idx]  # [B, c, k, D]
     scores = torch.einsum("bsh,bshj->bsj", iw, F.relu(torch.einsum("bshd,bsjd->bshj", iq, ks) * scale))
-    return _kl_rows(p, scores, valid)
+    # a masked slot (a row with fewer than k visible keys) gets P = 0 and an index score of -inf,
+    # and adds exactly 0 to the loss and its gradient
+    return hyscale_compile.sparse_indexer_kl(p, scores.masked_fill(~valid, -math.inf), reduction="none").sum()
 
 
 def sparse_indexer_kl(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor,
                       idx: torch.Tensor, mask: torch.Tensor, attn_scale: float, index_scale: float,
-                      chunk: int = 2048) -> torch.Tensor:
-    """DSA's sparse-stage loss: ``dense_indexer_kl`` restricted to the selected set ``idx [B, S, k]``:
-    the target is the main attention over the selected keys (what the sparse attention computes),
-    summed over heads and L1-normalised; the index scores are taken at the same slots. Slots
-    that are not causally valid (rows with fewer than k valid keys) count in neither. Call it on
-    detached indexer inputs so that only the indexer learns from it."""
+                      chunk: int = 1024) -> torch.Tensor:
+    """The sparse stage's loss: the same KL over each row's selected keys ``idx [B, S, k]``, both
+    distributions restricted to them, through ``hyscale_compile.sparse_indexer_kl`` at the k
+    slots. The target needs the main attention's head-summed probabilities at the slots, which the
+    model's (HF eager) attention does not return, so it is recomputed here from q and k, one chunk
+    of query rows at a time; the index scores are computed at the slots only, under activation
+    checkpointing."""
     B, S = iq.shape[:2]
     h = q.shape[1]
     total = iq.new_zeros(())
@@ -259,7 +279,7 @@ def indexer_losses(model: nn.Module, auxes, mask: torch.Tensor, sparse: bool) ->
         args = (q.detach(), k.detach(), iq, ik, iw)
         scales = (attn.head_dim**-0.5, attn.indexer.softmax_scale)
         total = total + (sparse_indexer_kl(*args, aux[4], mask, *scales) if sparse
-                         else dense_indexer_kl(*args, mask, *scales))
+                         else dense_indexer_kl(*args, *scales))
     return total
 
 
@@ -311,6 +331,10 @@ class CheckpointedBlock(nn.Module):
 def build_model(s: Setup, mode: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = make_model(s.cfg)
+    # nn.Embedding's N(0, 1) makes the positions as loud as the tokens; at 0.1 the dense model
+    # finds the lookup in ~250 steps instead of 300-450 (seeds 0-3 on the CPU setup)
+    for emb in (model.embed, model.pos_embed):
+        nn.init.normal_(emb.weight, std=0.1)
     model.blocks = nn.ModuleList(CheckpointedBlock(b, mode) for b in model.blocks)
     return model.to(device=s.device, dtype=s.dtype).train()
 
@@ -355,6 +379,20 @@ class Log:
 
 def fmt_recall(r: List[float]) -> str:
     return " / ".join(f"{x:.3f}" for x in r)
+
+
+def dense_phases(s: Setup, steps: int) -> List[Tuple[Setup, int]]:
+    """The dense stage's lengths: S itself up to S = 512; beyond, S = 128 for the first 5/6 of the
+    steps and 512 for the rest (batch 16 and 4, as on the CPU). At long S a dense model at init
+    spreads each query over S keys, and the lookup is found late or not at all (S = 256 took ~850
+    steps on the CPU, S = 128 ~200); learnt at 128 and sharpened at 512 it carries over (CPU model,
+    300 + 60 steps: dense accuracy 0.97 at S = 512, 1,024, 2,048 and 4,096). The lookup reads the
+    query's token, not its position, so the untrained position embeddings past 512 do not matter."""
+    if s.seq <= 512 or steps == 0:
+        return [(s, steps)]
+    long_steps = max(1, steps // 6)
+    return [(dataclasses.replace(s, seq=n, batch=16 * 128 // n), k)
+            for n, k in ((128, steps - long_steps), (512, long_steps)) if k]
 
 
 def run_stage(stage: str, fn, model: nn.Module, s: Setup, steps: int, seed: int, opts, kl_on: bool = True,
@@ -406,7 +444,7 @@ def run_stage(stage: str, fn, model: nn.Module, s: Setup, steps: int, seed: int,
         if (i + 1) % every == 0 or i + 1 == steps:
             say(f"  {stage} step {i + 1}/{steps}: answer loss {log.lm[-1]:.4f}  KL {log.kl[-1]:.4f}  "
                 f"acc {log.acc[-1]:.3f}" + (f"  recall@k {fmt_recall(rec)}" if rec else "")
-                + f"  [{time.perf_counter() - t_start:.1f} s]")
+                + f"  [{time.perf_counter() - t_start:.1f} s; total {time.perf_counter() - T_START:.0f} s]")
     log.seconds = time.perf_counter() - t_start
     return log
 
@@ -473,12 +511,14 @@ def parse_args(argv=None):
                                             "dense warm-up, then sparse training with the KL loss) on associative "
                                             "recall with torch.compile(backend='hyscale').")
     p.add_argument("--dense-steps", type=int, default=None,
-                   help="steps of dense training before the recipe (default 400 at S <= 512, 2000 longer)")
+                   help="steps of dense training before the recipe (default 300; beyond S = 512, 360: 300 at "
+                        "S = 128, then 60 at 512)")
     p.add_argument("--warmup-steps", type=int, default=None,
-                   help="steps of the indexer's dense warm-up, model frozen (default 60)")
-    p.add_argument("--steps", type=int, default=None, help="steps of sparse training (default 100)")
+                   help="steps of the indexer's dense warm-up, model frozen (default 40; beyond S = 512, 100)")
+    p.add_argument("--steps", type=int, default=None, help="steps of sparse training (default 50; beyond S = 512, 100)")
     p.add_argument("--compare-steps", type=int, default=None,
-                   help="sparse steps also run under --reference and compared (default: all at S <= 512, else 50; 0 skips)")
+                   help="sparse steps also run under --reference and compared (default: all up to S = 8192, "
+                        "else 50; 0 skips)")
     p.add_argument("--near-queries", action=argparse.BooleanOptionalAction, default=False,
                    help="dense stage only: also 16 queries right after the pairs, a curriculum for long --seq "
                         "(default off)")
@@ -486,18 +526,22 @@ def parse_args(argv=None):
                    help="also run the control: sparse training with the indexer frozen at init (default on)")
     p.add_argument("--checkpoint", choices=("none", "full", "sac"), default="full",
                    help="activation checkpointing around each decoder block (default full; sac saves matmuls)")
-    p.add_argument("--backend", choices=("hyscale", "hyscale_debug"), default="hyscale",
-                   help="hyscale (Inductor codegen) or hyscale_debug (same passes, graphs run without codegen: fast compiles)")
+    p.add_argument("--backend", choices=("hyscale", "hyscale_debug"), default=None,
+                   help="hyscale (Inductor codegen) or hyscale_debug (the same passes and rewrite, graphs run without "
+                        "codegen: fast compiles); default hyscale on CUDA, hyscale_debug on the CPU")
     p.add_argument("--reference", default=None,
-                   help="backend the sparse stage is compared with (default: inductor; aot_eager with --backend hyscale_debug)")
+                   help="backend the sparse stage is compared with: a torch.compile backend name, or 'off' for "
+                        "--backend itself with options={'hyscale.enable': False} (the same graphs without the "
+                        "rewrite); default inductor (default torch.compile) with --backend hyscale, off with "
+                        "hyscale_debug")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
-    p.add_argument("--topk", type=int, default=None, help="keys the indexer selects per query (default seq / 16, at most 2048)")
+    p.add_argument("--topk", type=int, default=None, help="keys the indexer selects per query (default seq / 32, at most 2048)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default 16 at S <= 512, else 32768 // seq)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
-                   help="weights/activations dtype (default fp32 on CPU, bf16 weights on CUDA beyond S = 512)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate of the model (default 3e-3)")
-    p.add_argument("--indexer-lr", type=float, default=1e-3, help="AdamW learning rate of the indexer (default 1e-3)")
+                   help="weights/activations dtype (default fp32; the indexer and the losses compute in fp32 either way)")
+    p.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate of the model (default 5e-3)")
+    p.add_argument("--indexer-lr", type=float, default=3e-3, help="AdamW learning rate of the indexer (default 3e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join("out", "train_dsa_loss.png"), help="loss-curve PNG")
     a = p.parse_args(argv)
@@ -505,12 +549,15 @@ def parse_args(argv=None):
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda was asked for, but torch.cuda.is_available() is False on this machine")
-    if a.seq < 64:
-        p.error(f"--seq must be at least 64 (16 pairs, 16 queries, and the pairs at distance >= S/2), got {a.seq}")
+    if a.seq - 16 - 2 * 16 + 1 < a.seq / 2:
+        p.error(f"--seq must be at least 94 (16 pairs, then 16 queries at distance >= S/2 from them), got {a.seq}")
     long = a.seq > 512
-    a.dense_steps = (2000 if long else 400) if a.dense_steps is None else a.dense_steps
-    a.warmup_steps = 60 if a.warmup_steps is None else a.warmup_steps
-    a.steps = 100 if a.steps is None else a.steps
+    a.dense_steps = (360 if long else 300) if a.dense_steps is None else a.dense_steps
+    # beyond S = 512 a batch holds fewer queries (16 per sequence, 32768 // S sequences) and the
+    # warm-up's KL averages over S rows per sequence, so the indexer needs more steps (S = 1,024,
+    # batch 2 on the CPU: recall@k 0.70 after 40 warm-up steps, 0.84 after 100)
+    a.warmup_steps = (100 if long else 40) if a.warmup_steps is None else a.warmup_steps
+    a.steps = (100 if long else 50) if a.steps is None else a.steps
     for name in ("dense_steps", "warmup_steps", "steps"):
         if getattr(a, name) < 0 or (name == "steps" and a.steps < 1):
             p.error(f"--{name.replace('_', '-')} must be {'at least 1' if name == 'steps' else '>= 0'}, "
@@ -518,19 +565,22 @@ def parse_args(argv=None):
     if a.topk is not None and not 1 <= a.topk <= a.seq:
         p.error(f"--topk must be in 1..--seq, got {a.topk}")
     if a.compare_steps is None:
-        a.compare_steps = 50 if long else a.steps
+        # at 32K the reference's dense index scores cost ~1 s a step (docs/performance.md)
+        a.compare_steps = a.steps if a.seq <= 8192 else 50
     if a.compare_steps < 0:
         p.error(f"--compare-steps must be >= 0, got {a.compare_steps}")
     a.compare_steps = min(a.compare_steps, a.steps)
+    if a.backend is None:
+        a.backend = "hyscale" if a.device == "cuda" else "hyscale_debug"
     if a.reference is None:
-        a.reference = "aot_eager" if a.backend == "hyscale_debug" else "inductor"
+        a.reference = "off" if a.backend == "hyscale_debug" else "inductor"
     return a
 
 
 def main(argv=None) -> int:
+    global T_START
     args = parse_args(argv)
-    t_start = time.perf_counter()
-    import hyscale_compile  # registers backend="hyscale" / "hyscale_debug"
+    t_start = T_START = time.perf_counter()
     from torch._dynamo.utils import counters
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[args.dtype]
@@ -546,9 +596,9 @@ def main(argv=None) -> int:
     chance = 1 / s.pairs
     qpos = torch.arange(s.seq - s.queries, s.seq, dtype=torch.float64)
     baseline = float((c.index_topk / (qpos + 1)).clamp(max=1).mean())
-    say(f"task: {s.pairs} key->value pairs at positions 0..{2 * s.pairs - 1}, filler, {s.queries} query keys at "
-        f"{s.seq - s.queries}..{s.seq - 1} (distance >= {s.seq - s.queries - 2 * s.pairs + 1}); {s.pairs} values, "
-        f"chance {chance:.4f}; target accuracy >= {max(0.9, 10 * chance):.3f}")
+    say(f"task: {s.pairs} key->value pairs at positions 0..{2 * s.pairs - 1}, filler (value tokens), {s.queries} "
+        f"query keys at {s.seq - s.queries}..{s.seq - 1} (distance >= {s.seq - s.queries - 2 * s.pairs + 1}); "
+        f"{s.pairs} values, chance {chance:.4f}; target accuracy >= {max(0.9, 10 * chance):.3f}")
     say(f"recall@k random baseline (k / visible keys at the query rows): {baseline:.4f}")
 
     base = build_model(s, args.checkpoint, args.seed)
@@ -569,17 +619,35 @@ def main(argv=None) -> int:
 
     logs: Dict[str, Log] = {}
     timings: Dict[str, float] = {}
+    # One model and one compiled callable for every stage: the reference and the control load
+    # their weights into the same module (load_state_dict copies in place), so Dynamo compiles
+    # each of the three graphs (dense, warm-up, sparse) once; only the reference backend adds one.
     model, fn = base, torch.compile(base, backend=args.backend, dynamic=False)
     main_p, idx_p = split_params(model)
 
     # -- stage 0: the dense model -----------------------------------------------------------------
-    say(f"\n[2/5] dense model: {args.dense_steps} step(s) of the answer loss with dense attention (lr {args.lr:g})")
+    phases = dense_phases(s, args.dense_steps)
+    say(f"\n[2/5] dense model: {args.dense_steps} step(s) of the answer loss with dense attention (lr {args.lr:g})"
+        + ("" if len(phases) == 1 else ", at " + " then ".join(f"S = {p.seq} (batch {p.batch}, {n} steps)"
+                                                               for p, n in phases)))
     if args.dense_steps:
-        logs["dense"] = run_stage("dense", fn, model, s, args.dense_steps, args.seed + 1, [adamw(main_p, args.lr)],
-                                  near=args.near_queries)
-        timings["dense model"] = logs["dense"].seconds
+        opt = adamw(main_p, args.lr)
+        dl = logs["dense"] = Log()
+        # no activation checkpointing here: the dense stage runs at S <= 512, where the
+        # activations are small (Dynamo guards the mode; this graph is the dense stage's own anyway)
+        for b in model.blocks:
+            b.mode = "none"
+        for i, (ps, n) in enumerate(phases):
+            part = run_stage("dense", fn, model, ps, n, args.seed + 1 + 1000 * i, [opt], near=args.near_queries)
+            dl.lm += part.lm
+            dl.acc += part.acc
+            dl.kl += part.kl
+            dl.seconds += part.seconds
+        timings["dense model"] = dl.seconds
+        for b in model.blocks:
+            b.mode = args.checkpoint
         say(f"  dense accuracy (last 10% of steps) {logs['dense'].tail(logs['dense'].acc):.3f}")
-    control_model = copy.deepcopy(model) if args.control else None
+    control_state = copy.deepcopy(model.state_dict()) if args.control else None  # its indexer is still at init
 
     # -- stage 1: dense warm-up of the indexer --------------------------------------------------
     say(f"\n[3/5] dense warm-up: {args.warmup_steps} step(s), model frozen, indexer trained on dense_indexer_kl "
@@ -590,12 +658,11 @@ def main(argv=None) -> int:
         timings["warm-up"] = wl.seconds
         say(f"  warm-up KL {wl.kl[0]:.4f} -> {wl.tail(wl.kl):.4f}; recall@k per layer {fmt_recall(wl.recall[0])} "
             f"(indexer at init) -> {fmt_recall(wl.recall_tail())} (baseline {baseline:.4f})")
+    warm_state = copy.deepcopy(model.state_dict()) if args.compare_steps else None
 
     # -- stage 2: sparse training, under both backends ----------------------------------------------
-    ref_model = copy.deepcopy(model) if args.compare_steps else None
     say(f"\n[4/5] sparse training: {args.steps} step(s), answer loss (model, lr {args.lr:g}) + sparse_indexer_kl "
         f"(indexer, lr {args.indexer_lr:g})")
-    main_p, idx_p = split_params(model)
     rw0 = counters["hyscale"]["rewritten"]
     sl = logs["sparse"] = run_stage("sparse", fn, model, s, args.steps, args.seed + 3,
                                     [adamw(main_p, args.lr), adamw(idx_p, args.indexer_lr)])
@@ -605,18 +672,21 @@ def main(argv=None) -> int:
         say(f"WARNING: the sparse training graph rewrote {n_rw} selection(s), expected {c.layers}: "
             f"a hyscale_compile bug, please report it")
     ok = True
+    ref_name = (f"{args.backend} with hyscale.enable=False" if args.reference == "off"
+                else f"backend={args.reference!r}")
     if args.compare_steps:
-        say(f"  the same {args.compare_steps} step(s) under backend={args.reference!r} (same warmed-up model, batches)")
-        rm, rp = split_params(ref_model)
-        rl = logs["reference"] = run_stage("sparse", torch.compile(ref_model, backend=args.reference, dynamic=False),
-                                           ref_model, s, args.compare_steps, args.seed + 3,
-                                           [adamw(rm, args.lr), adamw(rp, args.indexer_lr)])
-        timings[f"sparse ({args.reference}; first step {rl.first_step_s:.1f} s)"] = rl.seconds
+        say(f"  the same {args.compare_steps} step(s) under {ref_name} (same warmed-up model, batches)")
+        model.load_state_dict(warm_state)
+        ref_fn = (torch.compile(model, backend=args.backend, dynamic=False, options={"hyscale.enable": False})
+                  if args.reference == "off" else torch.compile(model, backend=args.reference, dynamic=False))
+        rl = logs["reference"] = run_stage("sparse", ref_fn, model, s, args.compare_steps, args.seed + 3,
+                                           [adamw(main_p, args.lr), adamw(idx_p, args.indexer_lr)])
+        timings[f"sparse ({ref_name}; first step {rl.first_step_s:.1f} s)"] = rl.seconds
         rel = [abs(a - b) / abs(b) for a, b in zip(sl.lm, rl.lm)]
         n50 = min(50, len(rel))
         worst = max(rel[:n50])
         cmp_ok = worst <= LOSS_RTOL
-        say(f"step-for-step check: {'PASSED' if cmp_ok else 'FAILED'}: answer loss {args.backend} vs {args.reference} "
+        say(f"step-for-step check: {'PASSED' if cmp_ok else 'FAILED'}: answer loss {args.backend} vs {ref_name} "
             f"within {LOSS_RTOL:.0%} at all of the first {n50} step(s) (max relative diff {worst:.2e}; over all "
             f"{len(rel)}: {max(rel):.2e}; KL max |diff| {max(abs(a - b) for a, b in zip(sl.kl, rl.kl)):.2e})")
         if not cmp_ok:
@@ -627,16 +697,14 @@ def main(argv=None) -> int:
             da = abs(sl.tail(sl.acc) - rl.tail(rl.acc))
             acc_ok = da <= ACC_ATOL
             say(f"final accuracy check: {'PASSED' if acc_ok else 'FAILED'}: {args.backend} {sl.tail(sl.acc):.3f}, "
-                f"{args.reference} {rl.tail(rl.acc):.3f} (|diff| {da:.3f}, tolerance {ACC_ATOL})")
+                f"{ref_name} {rl.tail(rl.acc):.3f} (|diff| {da:.3f}, tolerance {ACC_ATOL})")
             ok &= acc_ok
-        del ref_model
 
     # -- control: the indexer frozen at init ----------------------------------------------------
-    if control_model is not None:
+    if control_state is not None:
         say(f"\n[5/5] control: {args.steps} sparse step(s) from the same dense model, indexer frozen at init (no KL)")
-        cm, _ = split_params(control_model)
-        cl = logs["control"] = run_stage("sparse", torch.compile(control_model, backend=args.backend, dynamic=False),
-                                         control_model, s, args.steps, args.seed + 3, [adamw(cm, args.lr)],
+        model.load_state_dict(control_state)
+        cl = logs["control"] = run_stage("sparse", fn, model, s, args.steps, args.seed + 3, [adamw(main_p, args.lr)],
                                          kl_on=False)
         timings["control"] = cl.seconds
     else:
