@@ -389,18 +389,18 @@ def test_megatron_numerics_at_the_ops_indices(megatron_cpu, grad):
             assert eo < ORIG_SANE[torch.bfloat16]
 
 
-MEGATRON_GRAD = ("pass does not rewrite Megatron's unfused_dsa_fn in a training graph yet: the backward of its "
-                 "in-place `attention_scores += index_mask` on a view reaches the scale's backward through "
-                 "new_empty_strided -> copy -> view -> clone -> copy -> view (seq_nr of the add), which the region's "
-                 "backward does not pass through ('takes gradients from more than its output')")
-
-
-@pytest.mark.parametrize("grad", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=MEGATRON_GRAD))],
-                         ids=["no_grad", "grad"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_megatron_attention_rewritten(megatron_cpu, grad):
     r = run_megatron(megatron_cpu, grad)
     kinds = ("forward",) if grad else ("inference",)
     assert count(r["cap"], SELECTION, kinds) == 1
     assert count(r["cap"], ATTENTION, kinds) == 1
     if grad:
+        # the backward of the in-place `attention_scores += index_mask` on a view (functionalized:
+        # new_empty_strided -> copy -> view -> clone -> copy -> view) is the region's own
         assert count(r["cap"], ATTENTION_BACKWARD, ("backward",)) == 1
+        assert count(r["cap"], ATTENTION, ("backward",)) == 0
+        assert count(r["cap"], SELECTION + (torch.ops.aten.topk.default,), ("backward",)) == 0  # nothing re-selects
+        assert not [n for _, g in r["cap"] if not isinstance(g, str) for n in g.graph.nodes
+                    if n.target in (torch.ops.aten.scatter.value, torch.ops.aten.scatter.src)], \
+            "an index mask is still built"
