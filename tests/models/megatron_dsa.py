@@ -36,6 +36,11 @@ has no absorbed variant)::
 
 ``forced_indices(att, idx)`` makes the indexer return given indices (a reference at another
 run's selection); ``attention_reference`` is that attention in float64.
+
+Without the module (fp32, ``site_inputs``): ``dsa_site`` is a causal top-k over ``qi @ ki^T``
+and ``unfused_dsa_fn`` over it (or ``unfused_dsa_fn_with_index_bias``, whose index mask gets a
+gradient); ``absorbed_site`` the same with ``absorbed_dsa_fn``, MQA over one latent head
+masked as ``unfused_dsa_fn`` masks (the in-place add on a view of the scores).
 """
 from __future__ import annotations
 
