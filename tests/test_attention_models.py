@@ -419,12 +419,29 @@ def _megatron_site(case, seed):
         q = torch.randn(16, 1, 4, 12, generator=torch.Generator().manual_seed(seed)).requires_grad_()
         lat = torch.randn(16, 1, 1, 12, generator=torch.Generator().manual_seed(seed + 2)).requires_grad_()
         return M.absorbed_site, (qi, ki, q, lat), (q, lat)
+    if case.startswith("mla"):  # HF's K/V expansion of one latent (tests/test_mla.py) under unfused_dsa_fn
+        from tests import test_mla as T
+
+        args = [t.requires_grad_() if i >= 3 else t for i, t in enumerate(T.make_inputs(seed))]
+        extra = ()
+        if case == "mla_mask_gets_gradient":
+            extra = ((0.1 * torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(seed))).requires_grad_(),)
+
+        def fn(qi, ki, w, q_pass, q_rot, k_pass, k_rot, w_kv, *bias):
+            H, Dn = q_pass.shape[1], q_pass.shape[-1]
+            k, v = T.expand_kv(k_pass, k_rot, w_kv, H, Dn, w_kv.shape[0] // H - Dn)
+            sf = lambda t: t.permute(2, 0, 1, 3)  # noqa: E731  ([B, H, S, D] -> Megatron's [S, B, H, D])
+            attention = M.unfused_dsa_fn_with_index_bias if bias else None
+            return M.dsa_site(qi.mean(2), ki, sf(torch.cat((q_pass, q_rot), -1)), sf(k), sf(v), *bias,
+                              attention=attention)  # (qi [B, S, Hi, Di]: one indexer head)
+        return fn, (*args, *extra), (*args[3:], *extra)
     bias = (0.1 * torch.randn(1, 16, 16, generator=torch.Generator().manual_seed(seed))).requires_grad_()
     fn = lambda *a: M.dsa_site(*a, attention=M.unfused_dsa_fn_with_index_bias)  # noqa: E731
     return fn, (qi, ki, q, k, v, bias), (q, k, v, bias)
 
 
-@pytest.mark.parametrize("case", ["distinct", "absorbed", "key_is_query", "mask_gets_gradient"])
+@pytest.mark.parametrize("case", ["distinct", "absorbed", "mla", "key_is_query", "mask_gets_gradient",
+                                  "mla_mask_gets_gradient"])
 def test_megatron_inplace_add_on_a_view_backward_proof(case):
     """``unfused_dsa_fn``'s in-place ``attention_scores += index_mask`` on a view, in training:
     its functionalized backward (new_empty_strided -> copy -> view -> clone -> copy -> view,
@@ -432,6 +449,8 @@ def test_megatron_inplace_add_on_a_view_backward_proof(case):
     rejects a gradient into the mask and an operand used twice (dense, with the reason). The
     gradients match the rule (rewritten) or the eager original (dense)."""
     pytest.importorskip("megatron.core")
+    from hyscale_compile.passes import mla
+
     seed = fresh_seed(f"megatron in-place proof {case}") % 10_000
     fn, args, leaves = _megatron_site(case, seed)
     cap = []
@@ -446,14 +465,18 @@ def test_megatron_inplace_add_on_a_view_backward_proof(case):
     assert len(recs) == 1, [r.line() for r in recs]
     orig = fn(*args)
     orig_g = torch.autograd.grad(orig, leaves, go)
-    if case in ("distinct", "absorbed"):
+    if case in ("distinct", "absorbed", "mla"):
         assert recs[0].rewritten and recs[0].backward == "sparse", recs[0].line()
+        assert (recs[0].form == mla.FORM) == (case == "mla"), recs[0].line()
         assert count(cap, ATTENTION, ("forward",)) == 1 and count(cap, ATTENTION_BACKWARD, ("backward",)) == 1
+        assert count(cap, SELECTION + (torch.ops.aten.topk.default,), ("backward",)) == 0  # nothing re-selects
         # float64 at the same keys (the -inf picks of the first rows are hidden by the causal mask)
         a64 = [a.detach().double().requires_grad_(a.requires_grad) for a in args]
         ref = fn(*a64)
         ref_g = torch.autograd.grad(ref, [a for a in a64 if a.requires_grad], go.double())
-        names = ("grad query", "grad key", "grad value") if case == "distinct" else ("grad query", "grad latent")
+        names = {"distinct": ("grad query", "grad key", "grad value"), "absorbed": ("grad query", "grad latent"),
+                 "mla": ("grad q_pass", "grad q_rot", "grad k_pass", "grad k_rot", "grad w_kv")}[case]
+        assert len(names) == len(grads) == len(ref_g)
         for what, x, xo, xr in zip(("output", *names),
                                    (out, *grads), (orig, *orig_g), (ref, *ref_g)):
             assert_consumer_close(x, xo, xr, torch.float32, what=what)
@@ -461,6 +484,8 @@ def test_megatron_inplace_add_on_a_view_backward_proof(case):
     assert not recs[0].rewritten, recs[0].line()
     assert "training graph: cannot tell which operand the gradient" in recs[0].reason, recs[0].line()
     assert "(a gradient into a mask or an operand used twice)" in recs[0].reason, recs[0].line()
+    if case == "mla_mask_gets_gradient":  # the absorbed backward refused it first, then the per-head one
+        assert recs[0].sizes["latent"].startswith("training graph:") and "read outside" in recs[0].sizes["latent"]
     assert count(cap, ATTENTION, ("forward",)) == 0 and count(cap, ATTENTION_BACKWARD, ("backward",)) == 0
     torch.testing.assert_close(out, orig, rtol=1e-5, atol=1e-5)
     for x, xo in zip(grads, orig_g):
