@@ -26,7 +26,8 @@ the graph: a top-k's indices are distinct within a row) it follows the indices f
 3. **The rewrite.** q [B,S,H,Dqk], k [B,T,Hk,Dqk], v [B,T,Hk,Dv] are views of the graph's
    tensors; the op's output is laid out as the value contraction's was and replaces it.
    In a joint graph the region's backward (the nodes sharing ``seq_nr`` with its forward
-   nodes) becomes one ``sparse_attention_backward`` call; where it is not of the expected
+   nodes, and those between them that no forward node names: the backward of an in-place
+   op on a view) becomes one ``sparse_attention_backward`` call; where it is not of the expected
    shape the whole site stays dense.
 
 Why the result is the original's: at an unselected key the original's logit is ``-inf``
@@ -850,7 +851,8 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     no gradient reaches it; raises ``_Reject`` (the whole site stays dense) otherwise.
 
     As in ``sparse_backward.py``: the region R is the backward nodes whose ``seq_nr`` is that
-    of a forward node on a path from q, k or v to the value contraction. R must take exactly
+    of a forward node on a path from q, k or v to the value contraction, with the backward
+    nodes between them that no forward node names (``_gap_nodes``). R must take exactly
     one gradient from outside (the output's, shaped like the value contraction) and hand
     out at most one gradient per operand, each matched to its operand through the forward
     op that shares its ``seq_nr``. Anything else (a gradient into a mask, a second reader of
@@ -864,13 +866,9 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     if not region:
         return ""
     rset = set(region)
-    # nodes a pass wrote into the backward without a seq_nr (a dynamic scale's product), fed
-    # by the region and read only by it, are the region's too
-    for n in reversed(list(graph.nodes)):
-        if n.op == "call_function" and n not in rset and n.meta.get("seq_nr") is None and n.users and \
-                all(u in rset for u in n.users) and any(a in rset for a in n.all_input_nodes):
-            rset.add(n)
-            region.append(n)
+    for n in _gap_nodes(graph, rset, seqs):
+        rset.add(n)
+        region.append(n)
     grads_in = {a for x in region for a in x.all_input_nodes if a not in rset and is_backward_node(a)}
     if len(grads_in) != 1:
         raise _Reject(f"training graph: the attention's backward takes gradients from more than its output "
@@ -930,6 +928,41 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
     for e, new in replace.items():
         e.replace_all_uses_with(new, delete_user_cb=lambda u: u not in rset)
     return "sparse"
+
+
+def _gap_nodes(graph: fx.Graph, rset: set, seqs: Dict[int, List[fx.Node]]) -> List[fx.Node]:
+    """The backward nodes on a path from the region back into it that no forward node names
+    by ``seq_nr``, in graph order. Two kinds: nodes a pass wrote without a ``seq_nr`` (a
+    dynamic scale's product), and the backward of an in-place op on a view (Megatron's
+    ``attention_scores += index_mask`` on a reshape of the scores): autograd numbers the
+    view's and the in-place op's nodes (``CopySlices`` and the rebuilding of the base's
+    gradient: ``new_empty_strided -> copy -> view -> clone -> copy -> view``), but
+    functionalization leaves no forward node with those numbers. The caller's checks cover
+    them as every region node: a gradient from outside that one reads is a second gradient
+    in, and one read outside the region (the index mask's gradient, when the mask needs one)
+    matches no operand, since no forward node shares its number; either keeps the site dense."""
+    fwd = {n.meta.get("seq_nr") for n in graph.nodes if not is_backward_node(n)} - {None}
+    lo, hi = min(seqs), max(seqs)
+
+    def candidate(n: fx.Node) -> bool:
+        if n.op != "call_function" or n in rset:
+            return False
+        sn = n.meta.get("seq_nr")
+        # (an orphan number inside the site's range: autograd numbers nodes in creation order)
+        return sn is None or (is_backward_node(n) and sn not in fwd and lo < sn < hi)
+
+    down, stack = set(), [u for r in rset for u in r.users]
+    while stack:  # reached from the region through candidates
+        n = stack.pop()
+        if n in down or not candidate(n):
+            continue
+        down.add(n)
+        stack.extend(n.users)
+    gap: set = set()
+    for n in reversed(list(graph.nodes)):  # ... that reach it again (users first)
+        if n in down and any(u in rset or u in gap for u in n.users):
+            gap.add(n)
+    return [n for n in graph.nodes if n in gap]
 
 
 def _through_views(pv: fx.Node, g: fx.Node) -> Optional[fx.Node]:

@@ -36,6 +36,11 @@ has no absorbed variant)::
 
 ``forced_indices(att, idx)`` makes the indexer return given indices (a reference at another
 run's selection); ``attention_reference`` is that attention in float64.
+
+Without the module (fp32, ``site_inputs``): ``dsa_site`` is a causal top-k over ``qi @ ki^T``
+and ``unfused_dsa_fn`` over it (or ``unfused_dsa_fn_with_index_bias``, whose index mask gets a
+gradient); ``absorbed_site`` the same with ``absorbed_dsa_fn``, MQA over one latent head
+masked as ``unfused_dsa_fn`` masks (the in-place add on a view of the scores).
 """
 from __future__ import annotations
 
@@ -269,3 +274,77 @@ def attention_reference(query, key, value, idx, softmax_scale):
     keep &= torch.ones(sq, skv, dtype=torch.bool).tril()
     p = scores.masked_fill(~keep.unsqueeze(1), float("-inf")).softmax(-1)
     return (p @ v).permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+def unfused_dsa_fn_with_index_bias(query, key, value, topk_indices, softmax_scale, bias):
+    """``unfused_dsa_fn`` with a learned [b, sq, skv] ``bias`` added into the index mask (a
+    mask that gets a gradient), otherwise line for line the same (the in-place adds on views)."""
+    sq, b, np, hn = query.size()
+    skv = key.size(0)
+    hnv = value.size(3)
+    query = query.permute(1, 2, 0, 3).reshape(b * np, sq, hn)
+    key = key.permute(1, 2, 3, 0).reshape(b * np, hn, skv)
+    attention_scores = torch.bmm(query.float(), key.float()) * softmax_scale
+    attention_scores = attention_scores.reshape(b, np, sq, skv)
+    index_mask = torch.full((b, sq, skv), float("-inf"), device=attention_scores.device)
+    index_mask.scatter_(-1, topk_indices, 0)
+    causal_mask = torch.triu(torch.full((sq, skv), float("-inf"), dtype=torch.float32, device=index_mask.device),
+                             diagonal=1)
+    index_mask += causal_mask.view(1, sq, skv)
+    index_mask = index_mask + bias
+    attention_scores += index_mask.unsqueeze(1)
+    attention_scores = torch.nn.functional.softmax(attention_scores, dim=-1, dtype=torch.float32)
+    value = value.permute(1, 2, 0, 3).reshape(b * np, skv, hnv)
+    attention_scores = attention_scores.reshape(b * np, sq, skv)
+    output = torch.bmm(attention_scores.to(value.dtype), value)
+    output = output.reshape(b, np, sq, hnv).permute(2, 0, 1, 3).contiguous()
+    return output.reshape(sq, b, np * hnv)
+
+
+def dsa_site(qi, ki, query, key, value, *extra, topk: int = 4, attention=None):
+    """A selection and Megatron's attention over it, without the module: the indexer's scores
+    ``qi @ ki^T`` [b, sq, skv] under the causal mask, their top-``topk`` indices, and
+    ``attention(query, key, value, indices, 1/sqrt(hn), *extra)`` (``unfused_dsa_fn`` by
+    default; query, key [s, b, np, hn], value [s, b, np, hnv])."""
+    if attention is None:
+        from megatron.core.transformer.experimental_attention_variant.dsa import unfused_dsa_fn as attention
+    s = qi @ ki.transpose(-1, -2) + causal_mask(qi.shape[1])
+    idx = s.topk(topk, dim=-1).indices
+    return attention(query, key, value, idx, query.shape[-1] ** -0.5, *extra)
+
+
+def site_inputs(seed: int, B: int = 1, S: int = 16, NP: int = 2, HN: int = 8, DI: int = 8):
+    """fp32 (qi, ki, query, key, value) for ``dsa_site``; query, key and value require grad."""
+    g = torch.Generator().manual_seed(seed)
+    qi, ki = (torch.randn(B, S, DI, generator=g) for _ in range(2))
+    q, k, v = (torch.randn(S, B, NP, HN, generator=g).requires_grad_() for _ in range(3))
+    return qi, ki, q, k, v
+
+
+def absorbed_dsa_fn(query, latent, topk_indices, softmax_scale, v_channels: int = 8):
+    """The absorbed form (``_unfused_absorbed_dsa_fn`` of later Megatron-Core, which 0.16.1
+    lacks) written as ``unfused_dsa_fn`` writes its masking: MQA over one latent head
+    (query [sq, b, np, hn], latent [skv, b, 1, hn], value = latent[..., :v_channels]), the
+    scores reshaped (a view) and the index mask added in place."""
+    sq, b, np, hn = query.size()
+    skv = latent.size(0)
+    q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+    k = latent.permute(1, 2, 3, 0)  # [b, 1, hn, skv]
+    attention_scores = (torch.matmul(q.float(), k.float()) * softmax_scale).reshape(b, np, sq, skv)
+    index_mask = torch.full((b, sq, skv), float("-inf"), device=attention_scores.device)
+    index_mask.scatter_(-1, topk_indices, 0)
+    causal_mask = torch.triu(torch.full((sq, skv), float("-inf"), dtype=torch.float32, device=index_mask.device),
+                             diagonal=1)
+    index_mask += causal_mask.view(1, sq, skv)
+    attention_scores += index_mask.unsqueeze(1)
+    attention_scores = torch.nn.functional.softmax(attention_scores, dim=-1, dtype=torch.float32)
+    value = latent[..., :v_channels].permute(1, 2, 0, 3)  # [b, 1, skv, v]
+    output = torch.matmul(attention_scores.to(value.dtype), value)  # [b, np, sq, v]
+    return output.permute(2, 0, 1, 3).contiguous().reshape(sq, b, np * v_channels)
+
+
+def absorbed_site(qi, ki, query, latent, topk: int = 4):
+    """``dsa_site`` for ``absorbed_dsa_fn``."""
+    s = qi @ ki.transpose(-1, -2) + causal_mask(qi.shape[1])
+    idx = s.topk(topk, dim=-1).indices
+    return absorbed_dsa_fn(query, latent, idx, query.shape[-1] ** -0.5)
