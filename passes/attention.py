@@ -14,7 +14,9 @@ the graph: a top-k's indices are distinct within a row) it follows the indices f
    graph already has (``attention_mask & ~index_mask`` is ``attention_mask`` there,
    ``full(-inf).scatter_(idx, 0) + mask`` is ``mask``), and at the other keys, where it
    must be a constant that hides the key (``-inf`` added, ``False`` kept, a fill of
-   ``-inf``). An op that would expose an unselected key stops the walk.
+   ``-inf``). An op that would expose an unselected key stops the walk. Indices that
+   reach a scatter only through something else (V4's remapping ``where``s, a view of
+   another shape) are not followed, and the scatter is reported dense with the reason.
 2. **The application.** The op where that tensor meets the scores (an ``add``, a
    ``masked_fill``/``where`` of the scores) must lie on the chain from a score contraction
    (``bmm``/``mm``: einsum and matmul decompose to it) to a softmax (decomposed:
@@ -72,6 +74,11 @@ prims = torch.ops.prims
 
 _RANDOM = {aten.bernoulli.default, aten.bernoulli.p, aten.rand.default, aten.rand_like.default,
            aten.native_dropout.default, aten.randn.default}
+# views of the indices that keep them the indices (the same shape is the same tensor)
+_INDEX_VIEWS = (aten.clone.default, aten.alias.default, aten.view.default, aten.reshape.default,
+                aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim)
+_SCATTERS = {aten.scatter.value, aten.scatter.src, aten.scatter.reduce, aten.scatter.value_reduce,
+             aten.scatter_add.default, aten.scatter_reduce.two}
 _SHAPE_QUERIES = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
 
 
@@ -129,14 +136,95 @@ class MaskWalk:
             for u in n.users:
                 if u.target in _CASTS and not dtype_of_node(u).is_floating_point and dtype_of_node(u) != torch.bool:
                     stack.append(u)
-                elif u.target in (aten.clone.default, aten.alias.default, aten.view.default, aten.reshape.default,
-                                  aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim):
+                elif u.target in _INDEX_VIEWS:
                     stack.append(u)  # (views keep the row-major order: the same shape is the same tensor)
                 elif u.target in (aten.scatter.value, aten.scatter.src) and len(u.args) > 2 and u.args[2] is n:
                     ns, xs = shape_of(n), shape_of(idx)
                     if len(ns) == len(xs) and all(statically_known_true(a == b) for a, b in zip(ns, xs)):
                         out.append(u)
         return out
+
+    def unfollowed(self, idx: fx.Node, followed: List[fx.Node]) -> List[Tuple[fx.Node, str]]:
+        """The scatters at integer tensors computed elementwise from ``idx`` (same non-unit shape:
+        one row per row of the indices) that ``scatters`` does not return, each with the reason
+        the pass does not follow it: an index mask built from a selection is reported, never
+        missed silently. (A router's top-k reaches no scatter this way: its indices are
+        flattened or gathered with.)"""
+        real = _non_unit(shape_of(idx))
+        out: List[Tuple[fx.Node, str]] = []
+        seen = set(followed)
+        # (node, the remapping ops on its path, each with the input it reads the indices from)
+        stack: List[Tuple[fx.Node, Tuple[Tuple[fx.Node, fx.Node], ...]]] = [(idx, ())]
+        while stack:
+            n, path = stack.pop()
+            for u in n.users:
+                if u in seen or u.op != "call_function" or is_backward_node(u):
+                    continue
+                if u.target in _SCATTERS and len(u.args) > 2 and u.args[2] is n:
+                    seen.add(u)
+                    out.append((u, self._why_not_followed(u, n, idx, path)))
+                    continue
+                v = val(u)
+                if not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or v.dtype.is_complex or \
+                        v.dtype == torch.bool:
+                    continue
+                shape = _non_unit(v.shape)
+                if len(shape) != len(real) or not all(statically_known_true(a == b) for a, b in zip(shape, real)):
+                    continue
+                seen.add(u)
+                stack.append((u, path if u.target in _INDEX_VIEWS or u.target in _CASTS else path + ((u, n),)))
+        return out
+
+    def _why_not_followed(self, sc: fx.Node, at: fx.Node, idx: fx.Node,
+                          path: Tuple[Tuple[fx.Node, fx.Node], ...]) -> str:
+        if path:
+            steps = " -> ".join(f"{p.name} = {self._describe(p, prev, 'idx' if j == 0 else '.')}"
+                                for j, (p, prev) in enumerate(path))
+            why = (f"the indices are remapped by {steps} before the scatter {sc.name}: not a top-k's distinct "
+                   "positions (a remapped row may repeat a position or leave the key range; the pass follows a "
+                   "selection's indices only through casts and views)")
+        elif sc.target in (aten.scatter.value, aten.scatter.src):
+            why = (f"the index mask {sc.name} is scattered at a view of the indices shaped "
+                   f"{list(shape_of(at))}, not as the indices {list(shape_of(idx))}: the pass follows an index "
+                   "mask [B, S, T] scattered at the indices themselves")
+        else:
+            why = f"the indices reach {sc.name} ({sc.target}), which the pass does not follow as an index mask"
+        cat = self._cat_after(sc)
+        if cat is not None:
+            why += f"; the scattered mask is then concatenated ({cat.name}) onto another mask"
+        return why
+
+    def _describe(self, n: fx.Node, prev: fx.Node, name: str, depth: int = 1) -> str:
+        """``n`` as an expression of ``prev`` (written ``name``)."""
+        def arg(a):
+            if a is prev:
+                return name
+            if isinstance(a, fx.Node):
+                c = self.facts.constant(a)
+                if c is not None:
+                    return repr(c)
+                if depth > 0 and a.op == "call_function" and prev in a.args:
+                    return self._describe(a, prev, name, depth - 1)
+                return a.name
+            return repr(a)
+        op = n.target._opname if isinstance(n.target, torch._ops.OpOverload) else str(n.target)
+        return f"{op}({', '.join(arg(a) for a in n.args)})"
+
+    @staticmethod
+    def _cat_after(sc: fx.Node, hops: int = 4) -> Optional[fx.Node]:
+        """A ``cat`` that the scattered mask reaches through a few views or slices, if any."""
+        n = sc
+        for _ in range(hops):
+            us = [u for u in n.users if not is_backward_node(u)]
+            if len(us) != 1:
+                return None
+            if us[0].target is aten.cat.default:
+                return us[0]
+            if us[0].target not in _VIEWS and us[0].target not in (aten.slice.Tensor, aten.unsqueeze.default,
+                                                                   aten.expand.default):
+                return None
+            n = us[0]
+        return None
 
     def start(self, sc: fx.Node) -> Masked:
         base, dim, index, value = sc.args[:4]
@@ -275,6 +363,10 @@ class MaskWalk:
                 sel = self.emit_like(n, {i: x.sel})
             return Masked(sel, x.uns, x.scatter)
         return None
+
+
+def _non_unit(shape) -> list:
+    return [d for d in shape if not statically_known_true(d == 1)]
 
 
 def kwargs_reduce(sc: fx.Node) -> bool:
@@ -739,6 +831,8 @@ def _rewrite_all(graph, facts_sources, graph_kind, replay, enabled, off_reason, 
     for sel in selection_indices(graph):
         walk = MaskWalk(facts, Emitter(graph, sel))
         scs = walk.scatters(sel)
+        for sc, why in walk.unfollowed(sel, scs):
+            records.append(AttentionRecord(sel.name, sc.name, False, why))
         for sc in scs:
             try:
                 walk.start(sc)
