@@ -446,3 +446,27 @@ def test_training_absorbed_through_fused_sdpa(case):
     assert f"form {mla.FORM}" in recs[0].line()
     left = {n.target for kind in ("forward", "backward") for n in nodes(cap, kind)}
     assert not left & {op, *FUSED_BACKWARD}, left
+
+
+def test_inductor_training_through_fused_sdpa():
+    """backend="hyscale" (Inductor) around the absorbed op and backward that replace the CPU
+    flash node and its backward node (whose gradient of q the graph's views read with the
+    kernel's strides): the step matches the eager model's."""
+    args = list(make_inputs(fresh_seed("mla_inductor_fused_sdpa"), Dv=24)) + [af.hf_bool_causal_mask(2, 16)]
+    model = lambda *a: fused_mla_model(*a, op=FLASH_CPU)  # noqa: E731
+    g = torch.randn(2, 4, 16, 24)
+
+    def run(f):
+        xs = [t.detach().clone().requires_grad_(True) if 3 <= j < 8 else t for j, t in enumerate(args)]
+        out = f(*xs)
+        out.backward(g)
+        return [out.detach()] + [t.grad for t in xs[3:8]]
+    torch._dynamo.reset()
+    diagnostics.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        got = run(torch.compile(model, backend="hyscale"))
+    for x, o in zip(got, run(model)):
+        torch.testing.assert_close(x, o, rtol=1e-5, atol=1e-5)
+    recs = diagnostics.attention_records()
+    assert [(r.rewritten, r.form, r.backward) for r in recs] == [(True, mla.FORM, "sparse")], [r.line() for r in recs]
