@@ -45,7 +45,11 @@ q_cat and d latent (its key part plus its value view); d q_pass (bmm with W_kb^T
 dW_kb; d k_rot once per token (what the expand's backward sums). The region is found by
 the gradient's flow from the value contraction's backward to the gradients of q, the
 latent, the weight and k_rot; where another gradient enters it or one of its nodes is read
-elsewhere, the attention runs per head and explain says why.
+elsewhere, the attention runs per head and explain says why. Through a fused sdpa node
+(written out as its math by ``passes/sdpa.py``: HF's default ``attn_implementation="sdpa"``)
+the region is the same, with the fused backward node in it: the gradient enters as that of
+the node's [B, H, S, Dv] output (a row-major view of the value contraction) and the node
+hands out the gradients of q, k and v together, told apart by position.
 """
 from __future__ import annotations
 
@@ -430,11 +434,17 @@ def _region(graph: fx.Graph, pv: fx.Node, sources: dict):
     """(gradient in, {role: the gradient of that source}, region) for the backward of the
     attention and the per-head K/V expansion with its up-projection (the forward nodes
     between ``sources`` and the value contraction ``pv``). The gradient in is the one the
-    backward of ``pv`` reads; each source's gradient is the node of the backward of its
-    reader (by ``seq_nr``) shaped like it; the region is every backward node between them
-    (the expansion's in-place writes have backward nodes whose ``seq_nr`` no functional
-    forward node carries, so the region is found by the gradient's flow). Unsupported where
-    another gradient enters the region or a node of it is read outside."""
+    backward of ``pv`` reads: shaped like ``pv``, or, where ``pv`` is a lowered fused sdpa's
+    math (``passes/sdpa.py``), like the view of it that stands for the fused node's output,
+    whose backward node reads that gradient; each source's gradient is the node of the
+    backward of its reader (by ``seq_nr``) shaped like it (an output of a fused sdpa's
+    backward: the one at the source's position, ``sdpa.gradient_operand``); the region is
+    every backward node between them (the expansion's in-place writes have backward nodes
+    whose ``seq_nr`` no functional forward node carries, so the region is found by the
+    gradient's flow). Unsupported where another gradient enters the region or a node of it
+    is read outside."""
+    from . import sdpa
+    from .attention import _through_views
     from .canonicalize import is_backward_node
     from .sparse_backward import _same_shape, _site_nodes, same_value
 
@@ -445,9 +455,10 @@ def _region(graph: fx.Graph, pv: fx.Node, sources: dict):
     if not pv_bw:
         return None, {}, set()
     g_ins = {a for n in pv_bw for a in n.all_input_nodes if is_backward_node(a) and a.meta.get("seq_nr") != sn}
-    if len(g_ins) != 1 or not _same_shape(next(iter(g_ins)), pv):
+    g_in = g_ins.pop() if len(g_ins) == 1 else None
+    fused_out = g_in is not None and any(n.target in sdpa.BACKWARD and n.args[0] is g_in for n in pv_bw)
+    if g_in is None or not (_same_shape(g_in, pv) or (fused_out and _through_views(pv, g_in) is not None)):
         raise Unsupported("the backward of the value contraction does not read one gradient shaped like its output")
-    g_in = g_ins.pop()
     desc, stack = set(), [g_in]
     while stack:
         for u in stack.pop().users:
@@ -462,7 +473,8 @@ def _region(graph: fx.Graph, pv: fx.Node, sources: dict):
         xs = same_value(x, site)
         seqs = {f.meta.get("seq_nr") for f in site if f not in xs and xs & set(f.all_input_nodes)} - {None}
         cands = [e for e in desc if e.meta.get("seq_nr") in seqs and _same_shape(e, x)
-                 and any(u.meta.get("seq_nr") not in seqs for u in e.users)]
+                 and any(u.meta.get("seq_nr") not in seqs for u in e.users)
+                 and sdpa.gradient_operand(e) in (None, *xs)]  # (q and k may have one shape)
         if len(cands) > 1:
             raise Unsupported(f"cannot tell which node of the backward is the gradient of {role} ({x.name})")
         if cands:
@@ -498,8 +510,9 @@ def rewrite_backward(graph: fx.Graph, m, applied) -> str:
     (with the reason) where the region is not of that shape: the caller then runs the
     attention per head."""
     from ..lowerings import attention_ops  # noqa: F401
+    from . import sdpa
     from .rewrite import Emitter
-    from .sparse_backward import KeepDense, _invert_views
+    from .sparse_backward import KeepDense, _invert_views, _same_shape
 
     ab: Absorbed = applied.absorbed
     pv, spec = m.region.pv, m.spec.to_json()
@@ -524,7 +537,10 @@ def rewrite_backward(graph: fx.Graph, m, applied) -> str:
         return x if val(x).dtype == dt else em.call(conv, [x, dt])
 
     try:
-        g = _invert_views(em, g_in, applied.replaced, applied.out)
+        g = g_in
+        if not _same_shape(g_in, pv):  # the gradient of a lowered fused sdpa's output, a row-major view of pv
+            g = em.call(aten.reshape.default, [g, list(val(pv).shape)])
+        g = _invert_views(em, g, applied.replaced, applied.out)
         # out = per head out_lat @ W_vb
         gh, wv = _common_dtype(em, _per_head(em, g, H, B, S), ab.w_v)
         d_ol = em.call(aten.bmm.default, [gh, em.call(aten.permute.default, [wv, [0, 2, 1]])])
@@ -563,7 +579,10 @@ def rewrite_backward(graph: fx.Graph, m, applied) -> str:
             pieces.append(em.call(aten.full.default, [[R, H, lt.E - at], 0.0],
                                   {"dtype": val(lt.weight).dtype, "device": val(lt.weight).device}))
         d_w = em.call(aten.reshape.default, [em.call(aten.cat.default, [pieces, -1]), [R, H * lt.E]])
-        grads = {"q": _invert_views(em, d_q, ab.q_canon, sources["q"]),
+        d_q = _invert_views(em, d_q, ab.q_canon, sources["q"])
+        if "q" in found and sdpa.gradient_operand(found["q"]) is not None:  # laid out as the fused backward's
+            d_q = sdpa.like_strides(em, d_q, val(found["q"]))  # (the graph's views were traced on it)
+        grads = {"q": d_q,
                  "rows": cast(_invert_views(em, d_lat, ab.lat, lt.rows), lt.rows),
                  "w": d_w,
                  "rot": cast(_invert_views(em, d_rot, ab.rot, ab.rot_src), ab.rot_src)}

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import hyscale_compile  # noqa: F401
 from hyscale_compile.lowerings import attention_ops
-from hyscale_compile.passes import diagnostics
+from hyscale_compile.passes import diagnostics, mla
 from hyscale_compile.testing import assert_consumer_close
 from tests.contract import fresh_seed
 from tests.models import attention_forms as af
@@ -377,6 +377,7 @@ def test_hf_v32_efficient_training_is_rewritten(monkeypatch):
     r = run_hf_v32_dispatched("efficient", torch.float32, True, monkeypatch)
     recs = r["records"]
     assert len(recs) == 2 and all(x.rewritten and x.backward == "sparse" for x in recs), [x.line() for x in recs]
+    assert_absorbed(r)
     assert M.count(r["cap"], OP, ("forward",)) == 2
     assert M.count(r["cap"], torch.ops.hyscale.sparse_attention_backward.default, ("backward",)) == 2
     assert M.count(r["cap"], (EFFICIENT, aten._scaled_dot_product_efficient_attention_backward.default),
@@ -403,6 +404,47 @@ def test_hf_v32_cudnn_is_rewritten(train, monkeypatch):
     if train:
         assert all(x.backward == "sparse" for x in recs)
         assert M.count(r["cap"], torch.ops.hyscale.sparse_attention_backward.default, ("backward",)) == 2
+    assert_absorbed(r)
+    M.check_numerics(r)
+
+
+def assert_absorbed(r):
+    """Both layers ran as MQA over the shared latent (passes/mla.py), in training through the
+    absorbed backward too: no graph, forward or backward, holds an mm over ``kv_b_proj``'s
+    weight [H * (Dn + Dv), R] (the per-head K/V up-projection or its weight's gradient)."""
+    recs = r["records"]
+    assert all(x.form == mla.FORM and f"form {mla.FORM}" in x.line() for x in recs), [x.line() for x in recs]
+    cfg = r["model"].config
+    E, R = cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank
+    w = {(cfg.num_attention_heads * E, R), (R, cfg.num_attention_heads * E)}
+    kinds = ("forward", "backward") if r["train"] else ("inference",)
+    mms = [n for k, g in r["cap"] if k in kinds and not isinstance(g, str) for n in g.graph.nodes
+           if n.target is aten.mm.default and {tuple(x.meta["val"].shape) for x in (n, *n.args)} & w]
+    assert not mms, [n.format_node() for n in mms]
+
+
+def test_hf_v32_cpu_flash_training_is_absorbed(monkeypatch):
+    """On the CPU, sdpa runs HF V3.2's attention as the CPU flash kernel where the value
+    heads are as wide as the key heads (v_head_dim 24 = 16 + 8 here; else the math path):
+    its forward node and its backward node (the gradients of q, k and v as outputs 0, 1, 2)
+    become the absorbed op and its backward, in both layers; no CPU flash node is left; the
+    logits and every gradient within the rule (the CPU kernel is ``orig``)."""
+    from tests import test_attention_models as M
+    from tests.models import hf_models
+
+    common = hf_models._dsa_common
+    monkeypatch.setattr(hf_models, "_dsa_common", lambda *a, **k: {**common(*a, **k), "v_head_dim": 24})
+    monkeypatch.setattr(M, "_RUNS", {})
+    r = M.run_hf("deepseek_v32", "sdpa", True)
+    recs = r["records"]
+    for x in recs:
+        print(x.line())
+    assert len(recs) == 2 and all(x.rewritten and x.backward == "sparse" for x in recs), [x.line() for x in recs]
+    assert M.count(r["cap"], OP, ("forward",)) == 2
+    assert M.count(r["cap"], torch.ops.hyscale.sparse_attention_backward.default, ("backward",)) == 2
+    assert M.count(r["cap"], (FLASH_CPU, aten._scaled_dot_product_flash_attention_for_cpu_backward.default),
+                   ("forward", "backward")) == 0
+    assert_absorbed(r)
     M.check_numerics(r)
 
 
@@ -441,7 +483,8 @@ def test_hf_v32_sdpa_on_cuda(dtype, train, backend, monkeypatch):
     original on the same kernel (logits, and in training every parameter's gradient).
     cuDNN (bf16: the H200's default pick) is rewritten only with its proof that no row is
     fully masked, which explain records; efficient attention (fp32 training) through its
-    backward node's gradients."""
+    backward node's gradients; under both fused kernels, as MQA over the shared latent
+    (absorbed, in training too)."""
     import contextlib
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -474,6 +517,8 @@ def test_hf_v32_sdpa_on_cuda(dtype, train, backend, monkeypatch):
         assert len(recs) == 2 and all(r.rewritten for r in recs), [r.line() for r in recs]
         if pick == "CUDNN_ATTENTION":
             assert all(r.rows.startswith("cuDNN: no fully masked row, proven: ") for r in recs), [r.rows for r in recs]
+        if pick in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):  # (the math path scales k: it runs per head)
+            assert all(r.form == mla.FORM for r in recs), [r.line() for r in recs]
         grads = {}
         if train:
             (logits * M._loss_weights(logits, seed).to(logits.dtype)).sum().backward()

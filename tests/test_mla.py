@@ -381,3 +381,92 @@ def test_inductor_end_to_end(train):
         torch.testing.assert_close(x, o, rtol=1e-5, atol=1e-5)
     recs = diagnostics.attention_records()
     assert [(r.rewritten, r.form) for r in recs] == [(True, mla.FORM)], [r.line() for r in recs]
+
+
+EFFICIENT = aten._scaled_dot_product_efficient_attention.default
+FLASH_CPU = aten._scaled_dot_product_flash_attention_for_cpu.default
+FUSED_BACKWARD = (aten._scaled_dot_product_efficient_attention_backward.default,
+                  aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+
+
+def fused_mla_model(qi, ki, w, q_pass, q_rot, k_pass, k_rot, w_kv, mask, op=None):
+    """HF V3.2's attention with attn_implementation="sdpa" as a trace holds it: the per-head
+    K/V expansion of the latent, the index mask made sdpa's additive bias
+    (tests/test_attention_sdpa.py) and the fused node the dispatcher picked (``op``; None:
+    ``F.scaled_dot_product_attention`` itself, the references' math path)."""
+    from tests.test_attention_sdpa import _bias
+
+    H, Dn = q_pass.shape[1], q_pass.shape[-1]
+    k, v = expand_kv(k_pass, k_rot, w_kv, H, Dn, w_kv.shape[0] // H - Dn)
+    q = torch.cat((q_pass, q_rot), dim=-1)
+    bias = _bias(af.indexer(qi, ki, w, 4), mask, k.shape[2], H, False).to(q.dtype)
+    if op is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.3)
+    if op is EFFICIENT:  # (sdpa asks for the log-sum-exp where a gradient is wanted)
+        return op(q, k, v, bias, torch.is_grad_enabled() and q.requires_grad, 0.0, False, scale=0.3)[0]
+    return op(q, k, v, attn_mask=bias, scale=0.3)[0]
+
+
+@pytest.mark.parametrize("case", ["flash_cpu", "efficient"])
+def test_training_absorbed_through_fused_sdpa(case):
+    """Training through a fused sdpa node (written out as its math by passes/sdpa.py): its
+    backward node hands out the gradients of q, k and v together (outputs 0, 1, 2; q and k
+    of one shape) and reads the output's gradient laid out as the node's [B, H, S, Dv]
+    output, not as the written-out value contraction. The site still runs absorbed, forward
+    and backward; no fused node is left (efficient attention has no CPU kernel: the step ran
+    only because of that); out and the gradients of q_pass, q_rot, the latent, k_rot and the
+    up-projection within the rule for 5 printed seeds (orig: the CPU kernel itself, or for
+    efficient attention the math sdpa in fp32), with a fully masked padding row (0 in every
+    kernel and in the op)."""
+    op = {"flash_cpu": FLASH_CPU, "efficient": EFFICIENT}[case]
+    fn, cap = compiled(lambda *a: fused_mla_model(*a, op=op))
+    names = ("out", "q_pass", "q_rot", "k_pass", "k_rot", "w_kv")
+    for i in range(5):
+        seed = fresh_seed(f"mla_fused_sdpa_training[{case}, {i}]")
+        mask = af.hf_bool_causal_mask(2, 16).clone()
+        mask[1, :, 5] = False  # a padding row: every key hidden
+        args = list(make_inputs(seed, Dv=24)) + [mask]  # (the CPU kernel: Dv == Dqk = 16 + 8)
+        g = torch.randn(2, 4, 16, 24, generator=torch.Generator().manual_seed(seed + 1))
+
+        def run(f, dtype):
+            xs = [t.detach().to(dtype).requires_grad_(True) if 3 <= j < 8 else t for j, t in enumerate(args)]
+            out = f(*xs)
+            out.backward(g.to(dtype))
+            return [out.detach()] + [t.grad for t in xs[3:8]]
+        got = run(fn, torch.float32)
+        orig = run(lambda *a: fused_mla_model(*a, op=FLASH_CPU if op is FLASH_CPU else None), torch.float32)
+        ref = run(fused_mla_model, torch.float64)
+        assert (got[0][1, :, 5] == 0).all() and (got[1][1, :, 5] == 0).all()
+        for name, x, o, r in zip(names, got, orig, ref):
+            assert x.dtype == o.dtype and x.shape == o.shape, name
+            e_op, e_orig = assert_consumer_close(x, o, r, torch.float32, f"{case} {name}")
+            print(f"seed {seed} {case} {name}: err(op) {e_op:.3g}, err(orig) {e_orig:.3g}")
+    recs = diagnostics.attention_records()
+    assert_absorbed_training(cap, recs)
+    assert f"form {mla.FORM}" in recs[0].line()
+    left = {n.target for kind in ("forward", "backward") for n in nodes(cap, kind)}
+    assert not left & {op, *FUSED_BACKWARD}, left
+
+
+def test_inductor_training_through_fused_sdpa():
+    """backend="hyscale" (Inductor) around the absorbed op and backward that replace the CPU
+    flash node and its backward node (whose gradient of q the graph's views read with the
+    kernel's strides): the step matches the eager model's."""
+    args = list(make_inputs(fresh_seed("mla_inductor_fused_sdpa"), Dv=24)) + [af.hf_bool_causal_mask(2, 16)]
+    model = lambda *a: fused_mla_model(*a, op=FLASH_CPU)  # noqa: E731
+    g = torch.randn(2, 4, 16, 24)
+
+    def run(f):
+        xs = [t.detach().clone().requires_grad_(True) if 3 <= j < 8 else t for j, t in enumerate(args)]
+        out = f(*xs)
+        out.backward(g)
+        return [out.detach()] + [t.grad for t in xs[3:8]]
+    torch._dynamo.reset()
+    diagnostics.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        got = run(torch.compile(model, backend="hyscale"))
+    for x, o in zip(got, run(model)):
+        torch.testing.assert_close(x, o, rtol=1e-5, atol=1e-5)
+    recs = diagnostics.attention_records()
+    assert [(r.rewritten, r.form, r.backward) for r in recs] == [(True, mla.FORM, "sparse")], [r.line() for r in recs]
