@@ -517,3 +517,70 @@ def test_megatron_inplace_add_on_a_view_backward_proof(case):
     torch.testing.assert_close(out, orig, rtol=1e-5, atol=1e-5)
     for x, xo in zip(grads, orig_g):
         torch.testing.assert_close(x, xo, rtol=1e-5, atol=1e-5)
+
+
+# --- Megatron-Core _unfused_absorbed_dsa_fn (newer Megatron-LM; tests/models/megatron_dsa.py) -----
+
+# (mask, seq_chunk_size) at S = 16: 256 is the source's chunk (one chunk), 8 gives two row chunks
+ABSORBED_CASES = [("additive", 256), ("varlen", 256), ("additive", 8), ("varlen", 8)]
+ABSORBED_IDS = ["additive", "varlen", "additive-chunked", "varlen-chunked"]
+
+
+def run_megatron_absorbed(mask, chunk, grad):
+    """``megatron_absorbed_site`` (fp32, B=1, S=16, 4 heads over one latent of 8 + 4) compiled
+    with the debug backend; with grad, the gradients of query, latent and the value
+    up-projection for a seeded output gradient. Cached per case."""
+    import functools
+
+    from tests.models import megatron_dsa as M
+
+    key_ = ("megatron_absorbed", mask, chunk, grad)
+    if key_ in _RUNS:
+        return _RUNS[key_]
+    seed = fresh_seed(f"megatron absorbed {mask} chunk={chunk} grad={grad}") % 10_000
+    args = M.absorbed_site_inputs(seed)
+    fn = functools.partial(M.megatron_absorbed_site, mask=mask, seq_chunk_size=chunk)
+    cap = []
+    diagnostics.clear()
+    torch._dynamo.reset()
+    c = torch.compile(fn, backend="hyscale_debug", fullgraph=True, options={"hyscale.capture": cap})
+    with recorded_selections() as calls, torch.set_grad_enabled(grad):
+        out = c(*args)
+    recs = selection_consumers(diagnostics.attention_records())
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    grads = torch.autograd.grad(out, args[2:], go) if grad else ()  # (outside the recording: no re-selection)
+    torch._dynamo.reset()
+    _RUNS[key_] = dict(M=M, args=args, cap=cap, calls=calls, out=out.detach(), grads=grads, go=go, grad=grad,
+                       records=recs, mask=mask, chunk=chunk)
+    return _RUNS[key_]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("mask, chunk", ABSORBED_CASES, ids=ABSORBED_IDS)
+def test_megatron_absorbed_dense_reason(mask, chunk, grad):
+    """Megatron's absorbed form stays dense, with the reason in explain: its index mask is a
+    ``scatter_reduce`` ('amax') of ``where(idx >= 0, 0, -inf)`` (``clamp_min(idx, 0)`` is the
+    top-k's indices themselves), which the pass does not follow as a scatter of a constant;
+    scattered in row chunks, each chunk's scatter is reported, naming its rows. The output is
+    the eager original's."""
+    r = run_megatron_absorbed(mask, chunk, grad)
+    M, (qi, ki, q, lat, w) = r["M"], r["args"]
+    chunks = -(-16 // chunk)
+    recs = r["records"]
+    assert len(recs) == chunks, [x.line() for x in recs]
+    for j, x in enumerate(sorted(recs, key=lambda x: x.line())):
+        assert not x.rewritten, x.line()
+        assert "scatter_reduce" in x.reason and "'amax'" in x.reason, x.line()
+        assert "where(ge(idx, 0), 0.0, -inf)" in x.reason and "a scatter of a constant" in x.reason, x.line()
+        assert "remapped" not in x.reason, x.line()  # clamp_min(idx, 0) of a top-k's indices is no remapping
+        if chunks > 1:
+            assert "row chunk" in x.reason, x.line()
+    kinds = ("forward",) if grad else ("inference",)
+    assert count(r["cap"], ATTENTION, kinds) == 0
+    assert count(r["cap"], SELECTION, kinds) == 1
+    with torch.set_grad_enabled(grad):
+        orig = M.megatron_absorbed_site(qi, ki, q, lat, w, mask=mask, seq_chunk_size=chunk)
+    torch.testing.assert_close(r["out"], orig.detach(), rtol=1e-5, atol=1e-5)
+    if grad:
+        for g, go in zip(r["grads"], torch.autograd.grad(orig, (q, lat, w), r["go"])):
+            torch.testing.assert_close(g, go, rtol=1e-5, atol=1e-5)
