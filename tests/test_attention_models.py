@@ -1,8 +1,9 @@
 """The sparse attention over the selection (``torch.ops.hyscale.sparse_attention``) on the real
 models' own attention code: HF DeepSeek-V3.2 (eager and sdpa), GLM-5 with IndexCache (one
 selection feeds two layers), Megatron-Core's ``unfused_dsa_fn`` (the per-head form
-``DSAttention`` runs in megatron-core 0.16.1, which has no absorbed variant) and DeepSeek-V4 CSA
-(left dense, with a reason). Debug backend, tiny configs (tests/models/hf_models.py,
+``DSAttention`` runs in megatron-core 0.16.1, which has no absorbed variant), newer Megatron-Core's
+``_unfused_absorbed_dsa_fn`` (a stand-in of its source; left dense, with a reason) and DeepSeek-V4
+CSA (left dense, with a reason). Debug backend, tiny configs (tests/models/hf_models.py,
 tests/models/megatron_dsa.py), no_grad and training.
 
 For each form: the op appears in the compiled graphs where expected (counted), and the outputs
@@ -634,3 +635,31 @@ def test_megatron_absorbed_attention_rewritten(mask, chunk, grad):
         assert not [n for k, g in r["cap"] if k == "backward" and not isinstance(g, str) for n in g.graph.nodes
                     if n.target in (torch.ops.aten.scatter.value, torch.ops.aten.scatter.src,
                                     torch.ops.aten.scatter_reduce.two)], "an index mask is rebuilt in the backward"
+
+
+@pytest.mark.parametrize("lo", [0, 1])
+def test_clamp_min_of_the_indices_is_a_remapping_only_above_zero(lo):
+    """``clamp_min(idx, 0)`` (Megatron's ``safe_idx``) is the top-k's indices themselves, so the
+    dense reason names the scatter; ``clamp_min(idx, 1)`` moves the picks of key 0 and is
+    reported as a remapping. Either way the output is eager's."""
+    from tests.models import attention_forms as af
+
+    def fn(qi, ki, w, q, kk, v):
+        idx = (torch.einsum("bshd,btd->bsht", qi, ki).relu() * w.unsqueeze(-1)).sum(dim=2).topk(4, dim=-1)[1]
+        im = torch.full((q.shape[0], q.shape[1], kk.shape[1]), float("-inf"))
+        im = im.scatter_reduce(-1, idx.clamp_min(lo), torch.zeros(idx.shape), "amax")
+        scores = torch.einsum("bshd,bthd->bhst", q, kk) * q.shape[-1] ** -0.5 + im.unsqueeze(1)
+        return torch.einsum("bhst,bthd->bshd", scores.softmax(-1), v)
+
+    args = af.make_inputs(fresh_seed(f"clamp_min {lo}"))
+    diagnostics.clear()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(fn, backend="hyscale_debug")(*args)
+        torch.testing.assert_close(out, fn(*args), atol=1e-5, rtol=1e-5)
+    recs = diagnostics.attention_records()
+    assert len(recs) == 1 and not recs[0].rewritten, [x.line() for x in recs]
+    if lo == 0:
+        assert "is a scatter_reduce ('amax') of" in recs[0].reason and "remapped" not in recs[0].reason, recs[0].line()
+    else:
+        assert "remapped by clamp_min = clamp_min(idx, 1)" in recs[0].reason, recs[0].line()
