@@ -150,33 +150,40 @@ class MaskWalk:
         the pass does not follow it: an index mask built from a selection is reported, never
         missed silently. (A router's top-k reaches no scatter this way: its indices are
         flattened or gathered with.)"""
-        real = _non_unit(shape_of(idx))
         out: List[Tuple[fx.Node, str]] = []
         seen = set(followed)
-        # (node, the remapping ops on its path, each with the input it reads the indices from)
-        stack: List[Tuple[fx.Node, Tuple[Tuple[fx.Node, fx.Node], ...]]] = [(idx, ())]
+        # (node, the remapping ops on its path, each with the input it reads the indices from,
+        #  the node's non-unit shape, the row slice of the indices it holds: (dim, start, end) or None)
+        stack: List[Tuple[fx.Node, Tuple[Tuple[fx.Node, fx.Node], ...], list, Any]] = \
+            [(idx, (), _non_unit(shape_of(idx)), None)]
         while stack:
-            n, path = stack.pop()
+            n, path, real, rows = stack.pop()
             for u in n.users:
                 if u in seen or u.op != "call_function" or is_backward_node(u):
                     continue
                 if u.target in _SCATTERS and len(u.args) > 2 and u.args[2] is n:
                     seen.add(u)
-                    out.append((u, self._why_not_followed(u, n, idx, path)))
+                    out.append((u, self._why_not_followed(u, n, idx, path, rows)))
                     continue
                 v = val(u)
                 if not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or v.dtype.is_complex or \
                         v.dtype == torch.bool:
                     continue
+                sliced = _row_slice(u, n) if rows is None else None
+                if sliced is not None:  # a chunk of the rows (a mask scattered in row chunks)
+                    seen.add(u)
+                    stack.append((u, path, _non_unit(v.shape), sliced))
+                    continue
                 shape = _non_unit(v.shape)
                 if len(shape) != len(real) or not all(statically_known_true(a == b) for a, b in zip(shape, real)):
                     continue
                 seen.add(u)
-                stack.append((u, path if u.target in _INDEX_VIEWS or u.target in _CASTS else path + ((u, n),)))
+                same = u.target in _INDEX_VIEWS or u.target in _CASTS or _clamps_below_zero(self.facts, u, n)
+                stack.append((u, path if same else path + ((u, n),), real, rows))
         return out
 
     def _why_not_followed(self, sc: fx.Node, at: fx.Node, idx: fx.Node,
-                          path: Tuple[Tuple[fx.Node, fx.Node], ...]) -> str:
+                          path: Tuple[Tuple[fx.Node, fx.Node], ...], rows: Any = None) -> str:
         if path:
             steps = " -> ".join(f"{p.name} = {self._describe(p, prev, 'idx' if j == 0 else '.')}"
                                 for j, (p, prev) in enumerate(path))
@@ -187,8 +194,22 @@ class MaskWalk:
             why = (f"the index mask {sc.name} is scattered at a view of the indices shaped "
                    f"{list(shape_of(at))}, not as the indices {list(shape_of(idx))}: the pass follows an index "
                    "mask [B, S, T] scattered at the indices themselves")
+        elif sc.target in (aten.scatter_reduce.two, aten.scatter.reduce, aten.scatter.value_reduce,
+                           aten.scatter_add.default):
+            red = sc.args[4] if len(sc.args) > 4 else sc.kwargs.get("reduce", "sum")
+            src = sc.args[3]
+            base = at.args[0] if _clamps_below_zero(self.facts, at, at.args[0]) else at  # (src may read either)
+            what = self._describe(src, base, "idx") if isinstance(src, fx.Node) else repr(src)
+            if isinstance(src, fx.Node) and self.facts.constant(src) is not None:
+                what = repr(self.facts.constant(src))
+            why = (f"the index mask {sc.name} is a {sc.target._opname} ({red!r}) of {what} at the indices, which "
+                   "the pass does not follow: it follows a scatter of a constant (no reduction)")
         else:
             why = f"the indices reach {sc.name} ({sc.target}), which the pass does not follow as an index mask"
+        if rows is not None:
+            d, lo, hi = rows
+            why += (f"; it scatters rows {lo}:{hi} (dim {d}) of the indices into a slice of the mask: a row chunk of a "
+                    "mask built chunk by chunk")
         cat = self._cat_after(sc)
         if cat is not None:
             why += f"; the scattered mask is then concatenated ({cat.name}) onto another mask"
@@ -363,6 +384,36 @@ class MaskWalk:
                 sel = self.emit_like(n, {i: x.sel})
             return Masked(sel, x.uns, x.scatter)
         return None
+
+
+def _row_slice(u: fx.Node, n: fx.Node) -> Optional[Tuple[int, Any, Any]]:
+    """(dim, start, end) where ``u`` is a step-1 slice of the indices ``n`` along a row dim (not
+    the last, the k picks), else None."""
+    if u.target is not aten.slice.Tensor or u.args[0] is not n:
+        return None
+    nd = len(shape_of(n))
+    d = (u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)) % nd
+    step = u.args[4] if len(u.args) > 4 else u.kwargs.get("step", 1)
+    if d == nd - 1 or step != 1:
+        return None
+    lo = u.args[2] if len(u.args) > 2 else u.kwargs.get("start", 0)
+    hi = u.args[3] if len(u.args) > 3 else u.kwargs.get("end", None)
+    return d, lo, hi
+
+
+def _clamps_below_zero(facts: GraphFacts, u: fx.Node, n: fx.Node) -> bool:
+    """``u`` is ``clamp_min(n, c)`` / ``clamp(n, c, None)`` with ``c <= 0``: the identity on a
+    selection's indices (each in [0, T))."""
+    if u.args[0] is not n:
+        return False
+    if u.target is aten.clamp_min.default:
+        c = u.args[1]
+    elif u.target is aten.clamp.default and (len(u.args) < 3 or u.args[2] is None) and not u.kwargs.get("max"):
+        c = u.args[1] if len(u.args) > 1 else u.kwargs.get("min")
+    else:
+        return False
+    c = facts.constant(c) if isinstance(c, fx.Node) else c
+    return isinstance(c, (int, float)) and not isinstance(c, bool) and c <= 0
 
 
 def _non_unit(shape) -> list:

@@ -41,6 +41,14 @@ Without the module (fp32, ``site_inputs``): ``dsa_site`` is a causal top-k over 
 and ``unfused_dsa_fn`` over it (or ``unfused_dsa_fn_with_index_bias``, whose index mask gets a
 gradient); ``absorbed_site`` the same with ``absorbed_dsa_fn``, MQA over one latent head
 masked as ``unfused_dsa_fn`` masks (the in-place add on a view of the scores).
+
+Megatron-Core's own absorbed form (``_unfused_absorbed_dsa_fn`` of newer Megatron-LM, source
+commit and path at ``megatron_absorbed_dsa_fn``), op for op: the index mask scattered in row
+chunks (``scatter_reduce_(amax)`` of ``where(idx >= 0, 0, -inf)`` at ``clamp_min(idx, 0)`` into
+slices of one ``full(-inf)``), the causal row mask added (or, on DSAttention's plain causal path,
+``masked_fill`` by varlen bounds), ``masked_softmax`` over ``isfinite(index_mask)``, the value
+the latent's first ``v_channels``; ``megatron_absorbed_site`` puts a selection before it and the
+value up-projection after it, ``absorbed_reference`` is it in float64.
 """
 from __future__ import annotations
 
@@ -348,3 +356,171 @@ def absorbed_site(qi, ki, query, latent, topk: int = 4):
     s = qi @ ki.transpose(-1, -2) + causal_mask(qi.shape[1])
     idx = s.topk(topk, dim=-1).indices
     return absorbed_dsa_fn(query, latent, idx, query.shape[-1] ** -0.5)
+
+
+# --- Megatron-Core's absorbed form, as its source writes it ---------------------------------------
+# NVIDIA/Megatron-LM d98e8a64ddf34856e74b24714e3bedb2f5a39553 (2026-08-22),
+# megatron/core/transformer/experimental_attention_variant/dsa.py ``_unfused_absorbed_dsa_fn``
+# and the dsa_masking.py helpers it calls (prepare_sparse_mask_context, prepare_additive_mask,
+# normalize_varlen_bounds, scatter_topk_into_index_mask, apply_sparse_validity_to_index_mask,
+# build_valid_mask_from_starts_ends, masked_softmax), inlined op for op (their asserts and the
+# branches the arguments do not take left out). ``seq_chunk_size`` is the scatter's chunk
+# (the source passes 256; a smaller one gives several chunks at a tiny S).
+
+def _mg_valid_from_starts_ends(starts, ends, key_positions):
+    key_positions = key_positions.to(dtype=torch.int64)
+    starts = starts.to(dtype=torch.int64)
+    ends = ends.to(dtype=torch.int64)
+    return (key_positions.unsqueeze(0) >= starts.unsqueeze(-1)) & (key_positions.unsqueeze(0) < ends.unsqueeze(-1))
+
+
+def _mg_normalize_varlen_bounds(varlen_starts, varlen_ends, key_positions, sk, device):
+    if varlen_starts is None:
+        return None, None, None
+    varlen_starts_i64 = varlen_starts.to(device=device, dtype=torch.int64)
+    varlen_ends_i64 = varlen_ends.to(device=device, dtype=torch.int64)
+    if key_positions is None:
+        key_positions_i64 = torch.arange(sk, dtype=torch.int64, device=device)
+    else:
+        key_positions_i64 = key_positions.to(device=device, dtype=torch.int64)
+    return varlen_starts_i64, varlen_ends_i64, key_positions_i64
+
+
+def _mg_prepare_sparse_mask_context(mask, varlen_starts, varlen_ends, key_positions, sq, sk, b, device):
+    varlen_starts_i64, varlen_ends_i64, key_positions_i64 = _mg_normalize_varlen_bounds(
+        varlen_starts, varlen_ends, key_positions, sk, device)
+    if varlen_starts_i64 is not None:
+        return None, varlen_starts_i64, varlen_ends_i64, key_positions_i64
+    # prepare_additive_mask: its index_score_mask
+    if mask is None:
+        score_mask = torch.triu(torch.full((sq, sk), float("-inf"), dtype=torch.float32, device=device), diagonal=1)
+    else:
+        score_mask = mask
+    index_score_mask = score_mask.unsqueeze(0) if score_mask.ndim == 2 else score_mask
+    return index_score_mask, None, None, None
+
+
+def _mg_scatter_topk_into_index_mask(index_mask, topk_indices, seq_chunk_size=256):
+    b, sq, _ = index_mask.shape
+    device = index_mask.device
+    seq_chunk_size = max(1, int(seq_chunk_size))
+    for s0 in range(0, sq, seq_chunk_size):
+        s1 = min(s0 + seq_chunk_size, sq)
+        idx_chunk = topk_indices[:, s0:s1]
+        if idx_chunk.dtype != torch.int64 or idx_chunk.device != device:
+            idx_chunk = idx_chunk.to(dtype=torch.int64, device=device)
+        valid_topk = idx_chunk >= 0
+        safe_idx = idx_chunk.clamp_min(0)
+        src = torch.where(
+            valid_topk,
+            torch.zeros((), dtype=index_mask.dtype, device=device),
+            torch.full((), float("-inf"), dtype=index_mask.dtype, device=device),
+        )
+        index_mask[:, s0:s1].scatter_reduce_(-1, safe_idx, src, reduce="amax", include_self=True)
+
+
+def _mg_apply_sparse_validity_to_index_mask(index_mask, row_mask, varlen_starts, varlen_ends, key_positions):
+    if varlen_starts is not None:
+        varlen_starts, varlen_ends, key_positions = _mg_normalize_varlen_bounds(
+            varlen_starts, varlen_ends, key_positions, index_mask.size(-1), index_mask.device)
+        valid_mask = _mg_valid_from_starts_ends(varlen_starts, varlen_ends, key_positions).unsqueeze(0)
+        return index_mask.masked_fill(~valid_mask, float("-inf"))
+    return index_mask + row_mask
+
+
+def masked_softmax(logits, valid_mask, *, dim=-1, eps=1e-10):
+    """``dsa_masking.masked_softmax``: a softmax over the valid entries, 0 elsewhere (and 0 in
+    a row with none)."""
+    masked_logits = logits.masked_fill(~valid_mask, torch.finfo(logits.dtype).min)
+    row_has_valid = valid_mask.any(dim=dim, keepdim=True)
+    row_max = masked_logits.max(dim=dim, keepdim=True).values
+    row_max = torch.where(row_has_valid, row_max, torch.zeros_like(row_max))
+    probs = torch.exp(masked_logits - row_max)
+    probs = probs.masked_fill(~valid_mask, 0.0)
+    probs = probs / probs.sum(dim=dim, keepdim=True).clamp_min(eps)
+    return probs.masked_fill(~valid_mask, 0.0)
+
+
+def megatron_absorbed_dsa_fn(query, key, topk_indices, softmax_scale, v_channels, mask=None, varlen_starts=None,
+                             varlen_ends=None, key_positions=None, seq_chunk_size=256):
+    """``_unfused_absorbed_dsa_fn``: MQA over one latent head (query [sq, b, np, hn], key
+    [skv, b, 1, hn], value = key[..., :v_channels]); returns [sq, b, np, v_channels]."""
+    sq, b, np, hn = query.size()
+    skv = key.size(0)
+    row_mask, varlen_starts, varlen_ends, key_positions = _mg_prepare_sparse_mask_context(
+        mask, varlen_starts, varlen_ends, key_positions, sq, skv, b, query.device)
+    q = query.permute(1, 2, 0, 3)
+    k = key.permute(1, 2, 3, 0)
+    attention_scores = torch.matmul(q.float(), k.float()) * softmax_scale
+    index_mask = torch.full((b, sq, skv), float("-inf"), device=attention_scores.device)
+    _mg_scatter_topk_into_index_mask(index_mask, topk_indices, seq_chunk_size=seq_chunk_size)
+    index_mask = _mg_apply_sparse_validity_to_index_mask(index_mask, row_mask, varlen_starts, varlen_ends,
+                                                         key_positions)
+    attention_scores = attention_scores + index_mask.unsqueeze(1)
+    valid_index_mask = torch.isfinite(index_mask)
+    attention_scores = masked_softmax(
+        attention_scores.float(), valid_index_mask.unsqueeze(1).expand(b, np, sq, skv), dim=-1)
+    value = key[..., :v_channels].permute(1, 2, 0, 3)
+    output = torch.matmul(attention_scores.to(value.dtype), value)
+    return output.permute(2, 0, 1, 3).contiguous()
+
+
+def plain_causal_varlen(sq: int, skv: int):
+    """The (starts, ends) ``build_dsattention_forward_mask`` gives a plain causal DSAttention
+    (no packing, no context parallelism): what ``_unfused_absorbed_dsa_fn`` then receives."""
+    varlen_starts = torch.zeros(sq, dtype=torch.int64)
+    varlen_ends = torch.arange(1, sq + 1, dtype=torch.int64).clamp(max=skv)
+    return varlen_starts, varlen_ends
+
+
+def megatron_absorbed_attention(query, latent, w_uv, idx, *, v_channels: int = 8, mask: str = "additive",
+                                seq_chunk_size: int = 256):
+    """``_run_sparse_attention``'s absorbed path over the indices ``idx`` [b, sq, k]:
+    ``megatron_absorbed_dsa_fn`` then ``einsum('sbhc,hdc->sbhd', out, up_v_weight)`` viewed
+    [sq, b, np * d]. ``mask``: "additive" (mask=None: the default causal row mask) or
+    "varlen" (the plain causal (starts, ends), built in the graph)."""
+    sq, skv = query.shape[0], latent.shape[0]
+    kw = {}
+    if mask == "varlen":
+        kw = dict(zip(("varlen_starts", "varlen_ends"), plain_causal_varlen(sq, skv)))
+    elif mask != "additive":
+        raise ValueError(f"mask must be 'additive' or 'varlen', got {mask!r}")
+    out = megatron_absorbed_dsa_fn(query, latent, idx, query.shape[-1] ** -0.5, v_channels,
+                                   seq_chunk_size=seq_chunk_size, **kw)
+    out = torch.einsum("sbhc,hdc->sbhd", out, w_uv).contiguous()
+    return out.view(out.size(0), out.size(1), -1)
+
+
+def megatron_absorbed_site(qi, ki, query, latent, w_uv, *, topk: int = 4, **kw):
+    """A causal top-k over ``qi @ ki^T`` and ``megatron_absorbed_attention`` over it."""
+    s = qi @ ki.transpose(-1, -2) + causal_mask(qi.shape[1])
+    idx = s.topk(topk, dim=-1).indices
+    return megatron_absorbed_attention(query, latent, w_uv, idx, **kw)
+
+
+def absorbed_reference(query, latent, w_uv, idx, v_channels: int = 8):
+    """``megatron_absorbed_attention`` in float64 as what it computes: each query's softmax
+    over its selected causal keys of the latent, the value the latent's first ``v_channels``,
+    then the value up-projection (a row with no such key gives 0, as ``masked_softmax``)."""
+    sq, b, np, hn = query.shape
+    skv = latent.shape[0]
+    q = query.double().permute(1, 2, 0, 3)  # [b, np, sq, hn]
+    lat = latent.double().permute(1, 2, 0, 3)  # [b, 1, skv, hn]
+    scores = q @ lat.transpose(-1, -2) * hn ** -0.5
+    keep = torch.zeros(b, sq, skv, dtype=torch.bool).scatter(-1, idx.long(), True)
+    keep &= torch.ones(sq, skv, dtype=torch.bool).tril()
+    p = scores.masked_fill(~keep.unsqueeze(1), float("-inf")).softmax(-1).nan_to_num(0.0)
+    out = (p @ lat[..., :v_channels]).permute(2, 0, 1, 3)  # [sq, b, np, c]
+    return torch.einsum("sbhc,hdc->sbhd", out, w_uv.double()).reshape(sq, b, -1)
+
+
+def absorbed_site_inputs(seed: int, B: int = 1, S: int = 16, NP: int = 4, C: int = 8, R: int = 4, DI: int = 8,
+                         DV: int = 6):
+    """fp32 (qi, ki, query [S, B, NP, C + R], latent [S, B, 1, C + R], up_v_weight [NP, DV, C]);
+    query, latent and the weight require grad."""
+    g = torch.Generator().manual_seed(seed)
+    qi, ki = (torch.randn(B, S, DI, generator=g) for _ in range(2))
+    q = torch.randn(S, B, NP, C + R, generator=g).requires_grad_()
+    lat = torch.randn(S, B, 1, C + R, generator=g).requires_grad_()
+    w = (torch.randn(NP, DV, C, generator=g) * C ** -0.5).requires_grad_()
+    return qi, ki, q, lat, w
