@@ -35,6 +35,13 @@ dtype of q and W (rounded to bf16 in a bf16 model, as FlashMLA does); the op's o
 over the latent is rounded to the attention's output dtype before the value projection.
 The tests check both against the numerics rule of docs/contract.md.
 
+Keys multiplied by a scalar known at compile time (sdpa's math path multiplies q and k
+each by sqrt(scale) before the matmul, after upcasting bf16/fp16 to fp32; exact upcasts are
+stepped over too) are the up-projection times that factor: the factor moves to the query,
+applied before the absorption in the query's dtype (in bf16 the original rounds each k * c,
+the absorbed form each q * c instead), and explain records it as ``key_scale``. A factor
+known only at run time keeps the attention per head, with the reason.
+
 explain records the form as "mqa over the latent (absorbed)" with R, Dr and the rule's
 byte counts, or "per_head" with the reason under ``latent``.
 
