@@ -35,6 +35,13 @@ dtype of q and W (rounded to bf16 in a bf16 model, as FlashMLA does); the op's o
 over the latent is rounded to the attention's output dtype before the value projection.
 The tests check both against the numerics rule of docs/contract.md.
 
+Keys multiplied by a scalar known at compile time (sdpa's math path multiplies q and k
+each by sqrt(scale) before the matmul, after upcasting bf16/fp16 to fp32; exact upcasts are
+stepped over too) are the up-projection times that factor: the factor moves to the query,
+applied before the absorption in the query's dtype (in bf16 the original rounds each k * c,
+the absorbed form each q * c instead), and explain records it as ``key_scale``. A factor
+known only at run time keeps the attention per head, with the reason.
+
 explain records the form as "mqa over the latent (absorbed)" with R, Dr and the rule's
 byte counts, or "per_head" with the reason under ``latent``.
 
@@ -59,6 +66,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .canonicalize import Unsupported, shape_of, val
@@ -90,15 +98,86 @@ def _contiguous_strides(shape) -> List[Any]:
     return list(reversed(out))
 
 
-def _trace(n: fx.Node, fake_mode) -> Tuple[fx.Node, torch.Tensor]:
+_MULS = {aten.mul.Tensor, aten.mul.Scalar}
+
+
+def _exact_cast(n: fx.Node) -> bool:
+    """A cast that keeps every value (bf16/fp16 -> fp32, a float -> fp64; sdpa's math path
+    upcasts its operands so): it changes no index map, and the latent form reads the
+    uncast tensors (promoting where it meets wider operands)."""
+    if n.target is not torch.ops.prims.convert_element_type.default:
+        return False
+    src, dst = val(n.args[0]), val(n)
+    if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)):
+        return False
+    a, b = src.dtype, dst.dtype
+    return a == b or (b == torch.float32 and a in (torch.float16, torch.bfloat16)) or \
+        (b == torch.float64 and a.is_floating_point)
+
+
+def _constant_scalar(x) -> Optional[float]:
+    """The value of a scalar factor known at compile time (a Python number, a constant
+    SymFloat, a 0-d tensor the graph builds from one or holds as a constant), else None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        return float(x) if x.node.is_constant() else None
+    if not isinstance(x, fx.Node) or not isinstance(val(x), torch.Tensor) or val(x).dim() != 0:
+        return None
+    if x.target in (aten.scalar_tensor.default, aten.full.default) or x.target in _IDENTITY or _exact_cast(x) or \
+            x.target is aten.lift_fresh_copy.default:
+        if x.target is aten.full.default:
+            return _constant_scalar(x.args[1]) if list(x.args[0]) == [] else None
+        return _constant_scalar(x.args[0])
+    if x.op == "get_attr":
+        gm = x.graph.owning_module
+        t = getattr(gm, x.target, None) if gm is not None else None
+        if isinstance(t, torch.Tensor) and t.dim() == 0 and not isinstance(t, torch._subclasses.FakeTensor) \
+                and t.device.type != "meta":
+            with unset_fake_temporarily():  # (the passes run under the graph's fake mode)
+                return float(t.item())
+    return None
+
+
+def _scale_of(n: fx.Node) -> Tuple[fx.Node, float]:
+    """(x, c) for ``n = x * c`` with ``c`` a scalar known at compile time (the keys scaled
+    before the score matmul, as sdpa's math path does with sqrt(scale)); Unsupported for a
+    factor known only at run time or a product that is not by a scalar."""
+    a, b = n.args[0], n.args[1]
+    x, c = (a, b) if isinstance(a, fx.Node) and shape_of(a) == shape_of(n) else (b, a)
+    if not isinstance(x, fx.Node) or shape_of(x) != shape_of(n):
+        raise Unsupported(f"the keys are multiplied ({n.name}) by a tensor that broadcasts into them")
+    if isinstance(c, fx.Node) and (not isinstance(val(c), torch.Tensor) or val(c).dim() != 0):
+        raise Unsupported(f"the keys are multiplied ({n.name}) by a tensor, not a scalar")
+    f = _constant_scalar(c)
+    if f is None:
+        name = c.name if isinstance(c, fx.Node) else str(c)
+        raise Unsupported(f"the keys are multiplied ({n.name}) by a tensor known only at run time ({name})")
+    if f != f or f in (float("inf"), float("-inf")):
+        raise Unsupported(f"the keys are multiplied ({n.name}) by a factor that is not finite ({f})")
+    if val(n).dtype != val(x).dtype:
+        raise Unsupported(f"the keys' product by a scalar ({n.name}) changes their dtype")
+    return x, f
+
+
+def _trace(n: fx.Node, fake_mode, factors: Optional[List[float]] = None) -> Tuple[fx.Node, torch.Tensor]:
     """(base, fake): walk back from ``n`` through views, slices and split outputs to the first
     other node; ``fake`` is ``n`` rebuilt from a contiguous fake of the base, so its strides
-    and storage offset are the index map from ``n`` into the base (row-major)."""
+    and storage offset are the index map from ``n`` into the base (row-major). Exact upcasts
+    are stepped over; with ``factors``, so are products by a compile-time scalar (they
+    commute with the views), each factor appended to it."""
     ops, cur = [], n
     while isinstance(cur, fx.Node) and cur.op == "call_function":
         if cur.target in _REPLAY or cur.target in _IDENTITY:
             ops.append(cur)
             cur = cur.args[0]
+        elif _exact_cast(cur):
+            cur = cur.args[0]
+        elif factors is not None and cur.target in _MULS:
+            cur, f = _scale_of(cur)
+            factors.append(f)
         elif cur.target is operator.getitem and isinstance(cur.args[0], fx.Node) and cur.args[0].target in _SPLITS:
             ops.append(cur)
             cur = cur.args[0].args[0]
@@ -147,6 +226,9 @@ class Latent:
     rot_dims: List[Optional[int]]  # canonical k dim -> rot_node dim (None: a unit dim)
     R: int
     Dr: int
+    # the keys are these up-projections times ``scale`` (a compile-time scalar, e.g. sdpa's
+    # math path's sqrt(scale)); the absorbed form multiplies the query by it instead
+    scale: float = 1.0
 
 
 def _dim_map(fk: torch.Tensor, base_shape) -> List[Optional[int]]:
@@ -245,7 +327,11 @@ def find_latent(k: fx.Node, v: fx.Node, fake_mode) -> Latent:
     Dv = shape_of(v)[3]
     if not isinstance(H, int) or H < 1:
         raise Unsupported("the number of heads is dynamic")
-    ksrc, fk = _trace(k, fake_mode)
+    factors: List[float] = []
+    ksrc, fk = _trace(k, fake_mode, factors)
+    scale = 1.0
+    for f in factors:
+        scale *= f
     kmap = _dim_map(fk, shape_of(ksrc))
     dd = kmap[3]
     if dd is None:
@@ -285,7 +371,7 @@ def find_latent(k: fx.Node, v: fx.Node, fake_mode) -> Latent:
     if not (0 <= o_k and o_k + Dn <= E and 0 <= o_v and o_v + Dv <= E):
         raise Unsupported("a head's key or value columns leave its E columns")
     return Latent(rows=lat, weight=W, H=H, E=E, o_k=o_k, Dn=Dn, o_v=o_v, Dv=Dv, nope=(s, e), rot=rot[:2],
-                  rot_node=rot[2], rot_dims=kmap, R=R, Dr=rot[1] - rot[0])
+                  rot_node=rot[2], rot_dims=kmap, R=R, Dr=rot[1] - rot[0], scale=scale)
 
 
 def latent_is_cheaper(lt: Latent, k: fx.Node, v: fx.Node) -> Tuple[bool, str]:
@@ -325,7 +411,10 @@ class Absorbed:
 
     def record(self) -> dict:
         lt = self.latent
-        return {"Hk": 1, "R": lt.R, "Dr": lt.Dr, "rule": self.why}
+        out = {"Hk": 1, "R": lt.R, "Dr": lt.Dr, "rule": self.why}
+        if lt.scale != 1.0:
+            out["key_scale"] = lt.scale  # folded into the query
+        return out
 
     def output(self, em, out_lat: fx.Node) -> fx.Node:
         """The op's output over the latent [B, S, H, R] -> the attention's [B, S, H, Dv]."""
@@ -408,9 +497,12 @@ def absorb(em, q: fx.Node, k: fx.Node, v: fx.Node) -> Absorbed:
         rot = em.call(aten.select.int, [rot, 2, 0])
     kl = em.call(aten.unsqueeze.default, [em.call(aten.cat.default, [[lat, rot], -1]), 2])
     vl = em.call(aten.slice.Tensor, [kl, 3, 0, R])
-    # the absorbed query [B, S, H, R + Dr] = [q_pass W_kb | q_rot]
-    qp = em.call(aten.slice.Tensor, [q, 3, lt.nope[0], lt.nope[1]])
-    qr = em.call(aten.slice.Tensor, [q, 3, lt.rot[0], lt.rot[1]])
+    # the absorbed query [B, S, H, R + Dr] = [q_pass W_kb | q_rot], times the keys' factor
+    # (applied where the original applies it, before the matmul in the operand's dtype: one
+    # rounding of each scaled query element in place of one of each scaled key element)
+    qs = q if lt.scale == 1.0 else em.call(aten.mul.Tensor, [q, lt.scale])
+    qp = em.call(aten.slice.Tensor, [qs, 3, lt.nope[0], lt.nope[1]])
+    qr = em.call(aten.slice.Tensor, [qs, 3, lt.rot[0], lt.rot[1]])
     wk = _head_weight(em, lt, lt.o_k, lt.Dn, [1, 2, 0])  # [H, Dn, R]
     wv = _head_weight(em, lt, lt.o_v, lt.Dv, [1, 0, 2])  # [H, R, Dv]
     qp, wk = _common_dtype(em, qp, wk)
@@ -561,8 +653,10 @@ def rewrite_backward(graph: fx.Graph, m, applied) -> str:
         d_qp = _from_heads(em, em.call(aten.bmm.default, [gqa, em.call(aten.permute.default, [wk, [0, 2, 1]])]), H, B, S)
         qh, gqa2 = _common_dtype(em, ab.q_heads, gqa)
         d_wk = em.call(aten.bmm.default, [em.call(aten.permute.default, [qh, [0, 2, 1]]), gqa2])  # [H, Dn, R]
-        parts = sorted([(lt.nope[0], cast(d_qp, ab.q_canon)),
-                        (lt.rot[0], cast(em.call(aten.slice.Tensor, [gq, 3, R, R + lt.Dr]), ab.q_canon))],
+        # (the gradients of the scaled query: the keys' factor, if any, once more)
+        sc = lambda x: x if lt.scale == 1.0 else em.call(aten.mul.Tensor, [x, lt.scale])  # noqa: E731
+        parts = sorted([(lt.nope[0], cast(sc(d_qp), ab.q_canon)),
+                        (lt.rot[0], cast(sc(em.call(aten.slice.Tensor, [gq, 3, R, R + lt.Dr])), ab.q_canon))],
                        key=lambda p: p[0])
         d_q = em.call(aten.cat.default, [[p for _, p in parts], -1])
         # W^T [R, H*E]: each head's key and value columns, zero elsewhere

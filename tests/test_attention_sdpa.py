@@ -555,3 +555,44 @@ def test_safe_softmax_spellings(spelling):
         assert got is None
     else:
         assert got is not None and got[0].target is aten.where.self and got[0].args[2] is div
+
+
+# ------------------------------------------- HF V3.2 sdpa through the math path, on the CPU
+
+@pytest.mark.parametrize("dtype,train", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
+                                         (torch.bfloat16, True)],
+                         ids=["fp32-no_grad", "fp32-train", "bf16-no_grad", "bf16-train"])
+def test_hf_v32_math_path_is_absorbed(dtype, train):
+    """On the CPU sdpa runs the tiny HF V3.2's attention (Dv 16 != Dqk 24) by its math path,
+    which multiplies q and k each by sqrt(scale) before the matmul (after upcasting bf16 to
+    fp32): the factor on the keys is folded into the absorbed query, so both layers run as
+    MQA over the shared latent (in training through the absorbed backward), within the rule
+    for the logits and every gradient."""
+    from tests import test_attention_models as M
+
+    build = {"first_k_dense_replace": 2} if dtype == torch.bfloat16 else {}
+    r = M.run_hf("deepseek_v32", "sdpa", train, dtype, **build)
+    recs = r["records"]
+    for x in recs:
+        print(x.line())
+    assert len(recs) == 2 and all(x.rewritten and "key_scale=" in x.line() for x in recs), [x.line() for x in recs]
+    if train:
+        assert all(x.backward == "sparse" for x in recs), [x.line() for x in recs]
+    assert_absorbed(r)
+    M.check_numerics(r)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,train", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)],
+                         ids=["fp32-no_grad", "fp32-train", "bf16-no_grad"])
+def test_hf_v32_sdpa_math_on_cuda_is_absorbed(dtype, train, monkeypatch):
+    """Only sdpa's math path enabled on CUDA (the fallback where no fused kernel takes a
+    shape): ``test_hf_v32_sdpa_on_cuda``'s checks (the op's calls, the numerics rule), and
+    both layers as MQA over the shared latent, the keys' sqrt(scale) folded into the query."""
+    from tests import test_attention_models as M
+
+    test_hf_v32_sdpa_on_cuda(dtype, train, "MATH", monkeypatch)
+    recs = M.selection_consumers(diagnostics.attention_records())
+    assert len(recs) == 2 and all(r.form == mla.FORM and "key_scale=" in r.line() for r in recs), \
+        [r.line() for r in recs]

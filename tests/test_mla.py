@@ -35,18 +35,21 @@ def expand_kv(k_pass, k_rot, w_kv, H, Dn, Dv, cat=False):
     return key_states, value_states
 
 
-def mla_attention(idx, q_pass, q_rot, k_pass, k_rot, w_kv, cat=False):
+def mla_attention(idx, q_pass, q_rot, k_pass, k_rot, w_kv, cat=False, scale=None):
     """HF's MLA projections (q [B, H, S, Dn | Dr], K/V expanded from the latent) feeding the
-    official V3.2 sparse attention (index mask by scatter, fp32 softmax)."""
+    official V3.2 sparse attention (index mask by scatter, fp32 softmax). ``scale``: q and k
+    each multiplied by it first, in their dtype, as sdpa's math path does with sqrt(scale)."""
     H, Dn = q_pass.shape[1], q_pass.shape[-1]
     Dv = w_kv.shape[0] // H - Dn
     q = torch.cat((q_pass, q_rot), dim=-1)
     k, v = expand_kv(k_pass, k_rot, w_kv, H, Dn, Dv, cat)
+    if scale is not None:
+        q, k = q * scale, k * scale
     return af.official_v32_attention(idx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
 
-def mla_model(qi, ki, w, q_pass, q_rot, k_pass, k_rot, w_kv, k: int = 4, cat: bool = False):
-    return mla_attention(af.indexer(qi, ki, w, k), q_pass, q_rot, k_pass, k_rot, w_kv, cat)
+def mla_model(qi, ki, w, q_pass, q_rot, k_pass, k_rot, w_kv, k: int = 4, cat: bool = False, scale=None):
+    return mla_attention(af.indexer(qi, ki, w, k), q_pass, q_rot, k_pass, k_rot, w_kv, cat, scale)
 
 
 def make_inputs(seed, B=2, S=16, H=4, Dn=16, Dv=16, R=32, Dr=8, dtype=torch.float32):
@@ -68,19 +71,19 @@ def nodes(cap, kind):
     return [n for k, g in cap if k == kind for n in g.graph.nodes if n.op == "call_function"]
 
 
-def reference(args, cat=False):
+def reference(args, cat=False, scale=None):
     qi, ki, w, *rest = args
     idx = af.indexer(qi, ki, w, 4)
-    return mla_attention(idx, *[t.double() for t in rest], cat=cat)
+    return mla_attention(idx, *[t.double() for t in rest], cat=cat, scale=scale)
 
 
-def check(seed, dtype, cat=False, **dims):
+def check(seed, dtype, cat=False, scale=None, **dims):
     args = make_inputs(seed, dtype=dtype, **dims)
-    fn, cap = compiled(lambda *a: mla_model(*a, cat=cat))
+    fn, cap = compiled(lambda *a: mla_model(*a, cat=cat, scale=scale))
     with torch.no_grad():
         out = fn(*args)
-        orig = mla_model(*args, cat=cat)
-    ref = reference(args, cat)
+        orig = mla_model(*args, cat=cat, scale=scale)
+    ref = reference(args, cat, scale)
     assert out.dtype == orig.dtype and out.shape == orig.shape
     e_op, e_orig = assert_consumer_close(out, orig, ref, dtype, "out")
     print(f"seed {seed} {dtype}: err(op) {e_op:.3g}, err(orig) {e_orig:.3g}")
@@ -205,11 +208,11 @@ def grads_of(fn, args, g):
     return out.detach(), [t.grad for t in leaves[3:]]
 
 
-def check_training(seed, dtype, cat=False, **dims):
+def check_training(seed, dtype, cat=False, scale=None, **dims):
     args = make_inputs(seed, dtype=dtype, **dims)
-    model = lambda *a: mla_model(*a, cat=cat)  # noqa: E731
+    model = lambda *a: mla_model(*a, cat=cat, scale=scale)  # noqa: E731
     fn, cap = compiled(model)
-    g = torch.randn(mla_model(*args, cat=cat).shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    g = torch.randn(model(*args).shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     out, grads = grads_of(fn, args, g)
     orig, ograds = grads_of(model, args, g)
     ref, rgrads = grads_of(model, [t.double() if i >= 3 else t for i, t in enumerate(args)], g.double())
@@ -470,3 +473,58 @@ def test_inductor_training_through_fused_sdpa():
         torch.testing.assert_close(x, o, rtol=1e-5, atol=1e-5)
     recs = diagnostics.attention_records()
     assert [(r.rewritten, r.form, r.backward) for r in recs] == [(True, mla.FORM, "sparse")], [r.line() for r in recs]
+
+
+# ------------------------------------------- keys scaled by a constant (sdpa's math path)
+
+# sqrt(scale) for Dqk = 16 + 8: sdpa's math path multiplies q and k each by it before the matmul
+SQRT_SCALE = 24 ** -0.25
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("i", range(5))
+def test_absorbed_through_scaled_keys(dtype, i):
+    """q and k each multiplied by a constant before the score matmul (in bf16 the original
+    rounds k * c to bf16, which the absorbed form cannot reproduce): the factor moves from
+    the keys to the query, and the result is within the rule."""
+    cap, recs = check(fresh_seed(f"mla_scaled_keys[{dtype}][{i}]"), dtype, scale=SQRT_SCALE)
+    assert_absorbed(cap, recs)
+    assert f"key_scale={SQRT_SCALE!r}" in recs[0].line(), recs[0].line()
+
+
+def test_absorbed_through_a_constant_0d_key_scale():
+    """The factor as a 0-d tensor built in the graph (known at compile time)."""
+    def model(*a):
+        return mla_model(*a, scale=torch.tensor(0.5, dtype=a[3].dtype))
+    args = make_inputs(fresh_seed("mla_scaled_keys_0d"))
+    fn, cap = compiled(model)
+    with torch.no_grad():
+        out = fn(*args)
+        orig = model(*args)
+    e_op, e_orig = assert_consumer_close(out, orig, reference(args, scale=0.5), torch.float32, "out")
+    print(f"err(op) {e_op:.3g}, err(orig) {e_orig:.3g}")
+    recs = diagnostics.attention_records()
+    assert_absorbed(cap, recs)
+    assert "key_scale=0.5" in recs[0].line(), recs[0].line()
+
+
+def test_runtime_key_scale_runs_per_head():
+    """A factor the graph only knows at run time (an input tensor) is not folded: the
+    attention runs per head, with the reason."""
+    args = make_inputs(fresh_seed("mla_scaled_keys_runtime"))
+    c = torch.tensor(SQRT_SCALE)
+    fn, cap = compiled(lambda *a: mla_model(*a[:-1], scale=a[-1]))
+    with torch.no_grad():
+        out = fn(*args, c)
+        orig = mla_model(*args, scale=c)
+    recs = diagnostics.attention_records()
+    assert len(recs) == 1 and recs[0].rewritten and recs[0].form == "per_head", [r.line() for r in recs]
+    assert "by a tensor known only at run time" in recs[0].sizes["latent"], recs[0].sizes
+    torch.testing.assert_close(out, orig)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_training_absorbed_through_scaled_keys(dtype):
+    """The same in training: the absorbed backward, every gradient within the rule."""
+    cap, recs = check_training(fresh_seed(f"mla_training_scaled_keys[{dtype}]"), dtype, scale=SQRT_SCALE)
+    assert_absorbed_training(cap, recs)
