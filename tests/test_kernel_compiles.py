@@ -31,7 +31,11 @@ def _ptxas_available() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
+# the offline sm_90 builds' skip (test_triton_attention*.py take it from here)
+needs_ptxas = pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
+
+
+@needs_ptxas
 def test_dsa_kernel_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
@@ -75,7 +79,7 @@ def test_dsa_kernel_compiles_for_sm90(tmp_path):
             assert loop_bar <= 2 and loop_atom == 0 and loop_spill <= 8, row
 
 
-@pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
+@needs_ptxas
 def test_qsa_split_kernel_compiles_for_sm90(tmp_path):
     # bf16 queries against fp32 keys (QSA's pooled keys) take three bf16 tensor-core dots
     # per tile (_dot_split3, docs/kernel.md "Scoring a tile"): 3 dots x 8 k-steps of 16 = 24
@@ -120,7 +124,7 @@ for name, net, warps, rows in [(n, v, 2, 1) for n, v in NETWORKS.items()] + [
 """
 
 
-@pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
+@needs_ptxas
 def test_sort_rows_minmax_network_compiles_for_sm90(tmp_path):
     # The rows' sort kernel at the DSA row length (2,048 keys, 2 and 4 warps): the minmax network
     # (docs/kernel.md, "The final sort") compares each in-register pair once, so it has about half
@@ -215,7 +219,7 @@ for name, term, masks in (
 """
 
 
-@pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
+@needs_ptxas
 def test_mask_kernels_compile_for_sm90(tmp_path):
     # The kernels that skip finite hidden values (docs/kernel.md, "Skipping hidden tiles"): the
     # score bound, a mask tensor's key ranges, and the HyTopK kernel for HF's finite masks and

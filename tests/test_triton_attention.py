@@ -20,6 +20,7 @@ from hyscale_compile.lowerings.spec import MaskTerm, SpecError
 from hyscale_compile.lowerings.triton_attention import (AttentionConfig, default_config, log2_post,
                                                         render_kernel_source, sparse_attention_triton, split_head_dim)
 from tests.contract import fresh_seed
+from tests.test_kernel_compiles import needs_ptxas
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEEDS = 5
@@ -351,15 +352,7 @@ def test_op_on_cpu_runs_the_reference(monkeypatch):
     assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(got, want))
 
 
-def _ptxas_available() -> bool:
-    import importlib.util
-
-    spec = importlib.util.find_spec("triton")
-    base = list(spec.submodule_search_locations)[0] if spec and spec.submodule_search_locations else ""
-    return os.path.exists(os.path.join(base, "backends", "nvidia", "bin", "ptxas"))
-
-
-@pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
+@needs_ptxas
 def test_kernels_compile_for_sm90_offline(tmp_path):
     # compiled Triton rejects code the interpreter accepts: build the default configurations
     # of the benchmark's shapes for sm_90 (no GPU needed) and check ptxas' report
@@ -388,7 +381,7 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
                 assert int(f["smem"]) >= tiles * 576 * 2, f"smem does not hold the reported tiles: {row}"
 
 
-@pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
+@needs_ptxas
 def test_prefetch_idx_pipelines_the_gather_sm90(tmp_path):
     # candidates of the H200 sweep compile for sm_90 at the absorbed H = 128 shape (the one
     # at the shared-memory limit) without spills and within shared memory, the return_probs

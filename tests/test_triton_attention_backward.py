@@ -22,6 +22,7 @@ from hyscale_compile.lowerings.triton_attention_backward import (SMEM_BYTES, att
                                                                  default_config, smem_estimate, unsupported)
 from hyscale_compile.testing import assert_consumer_close
 from tests.contract import fresh_seed
+from tests.test_kernel_compiles import needs_ptxas
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEEDS = 5
@@ -362,15 +363,7 @@ def test_default_configs_fit_shared_memory(shape):
     assert k1 <= SMEM_BYTES and k2 <= SMEM_BYTES, (cfg, k1, k2)
 
 
-def _ptxas_available() -> bool:
-    import importlib.util
-
-    spec = importlib.util.find_spec("triton")
-    base = list(spec.submodule_search_locations)[0] if spec and spec.submodule_search_locations else ""
-    return os.path.exists(os.path.join(base, "backends", "nvidia", "bin", "ptxas"))
-
-
-@pytest.mark.skipif(not _ptxas_available(), reason="the triton wheel's ptxas is not installed")
+@needs_ptxas
 def test_latent_kernels_compile_for_sm90_without_spills(tmp_path):
     # the interpreter accepts code compiled Triton rejects: build the H = 128 latent shape's
     # kernels for sm_90 offline (no GPU) and check registers, spills and shared memory
