@@ -51,6 +51,7 @@ SHAPES = {  # name: (H, Hk, d_qk, d_v, v is a view of k)
     "per_head": (16, 16, 192, 128, False),
     "mqa16": (16, 1, 576, 512, True),
     "mqa128": (128, 1, 576, 512, True),
+    "mqa128_own_v": (128, 1, 576, 512, False),
 }
 
 

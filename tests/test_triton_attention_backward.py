@@ -371,11 +371,13 @@ def test_latent_kernels_compile_for_sm90_without_spills(tmp_path):
     env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     lines = []
-    # the op's launches (v = k[..., :512]: the values' part folded into the keys'), then apart
-    for flags, keys in (([], {"kernel=attn_bwd_keys(fold)"}), (["--no-fold"], {"kernel=attn_bwd_keys",
-                                                                               "kernel=attn_bwd_keys(v)"})):
+    # the op's launches (v = k[..., :512]: the values' part folded into the keys'), then apart,
+    # then with v its own [T, 1, 512] tensor (its gathered tiles beside the keys')
+    apart = {"kernel=attn_bwd_keys", "kernel=attn_bwd_keys(v)"}
+    for shape, flags, keys in (("mqa128", [], {"kernel=attn_bwd_keys(fold)"}), ("mqa128", ["--no-fold"], apart),
+                               ("mqa128_own_v", [], apart)):
         r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention_backward.py"),
-                            "--inspect", "--shapes", "mqa128", *flags], capture_output=True, text=True, env=env,
+                            "--inspect", "--shapes", shape, *flags], capture_output=True, text=True, env=env,
                            timeout=900)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
         got = [ln for ln in r.stdout.splitlines() if ln.startswith("inspect ")]
