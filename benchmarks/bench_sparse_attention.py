@@ -211,7 +211,7 @@ def run_shape(name, S, selections, peers, quick, rate, rows, configs=None):
                 from hyscale_compile.lowerings.attention_spec import AttentionSpec
                 from hyscale_compile.lowerings.triton_attention import default_config, sparse_attention_triton
 
-                cfg = dataclasses.replace(default_config(H, Hk, dqk, dv), **fields)
+                cfg = dataclasses.replace(default_config(H, Hk, dqk, dv, v_from_k=v_of_k), **fields)
                 parsed = AttentionSpec.from_json(spec)
                 def fn(cfg=cfg, parsed=parsed):
                     return sparse_attention_triton(q, k, v, idx, [hi], parsed, config=cfg)
@@ -312,7 +312,7 @@ def inspect_sm90(configs=None, shapes=None) -> int:
         spec = AttentionSpec.from_json(spec_json(dqk))
         if dtype == torch.float32:
             spec = dataclasses.replace(spec, out_dtype="float32", fp32_precision="tf32")
-        base = default_config(H, Hk, dqk, dv, elem_bytes=k.element_size())
+        base = default_config(H, Hk, dqk, dv, elem_bytes=k.element_size(), v_from_k=v_of_k)
         # (label, config or None for the launcher's own choice, return_probs)
         if configs is None:
             runs = [("default", None, False)] + ([("default", None, True)] if probs else [])
