@@ -51,6 +51,7 @@ SHAPES = {  # name: (H, Hk, d_qk, d_v, v is a view of k)
     "per_head": (16, 16, 192, 128, False),
     "mqa16": (16, 1, 576, 512, True),
     "mqa128": (128, 1, 576, 512, True),
+    "mqa128_own_v": (128, 1, 576, 512, False),
 }
 
 
@@ -235,7 +236,7 @@ def inspect_sm90(shapes, dump: str = None, fold: bool = True) -> int:
         lse = torch.empty(1, S, H)
         spec = AttentionSpec(name="bench", post=(("mul", Dq ** -0.5), ("mask", 0)),
                              masks=(MaskTerm(kind="range", hi=0),), out_dtype="bfloat16")
-        cfg = default_config(H, Hk, Dq, Dv)
+        cfg = default_config(H, Hk, Dq, Dv, v_from_k=view)
         for atomic in (False, True):
             built = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, atomic=atomic, fold_v=fold,
                                               _launcher=lambda kern, args, kw: (kern.__name__, kw.get("FOLD"),

@@ -211,7 +211,7 @@ def run_shape(name, S, selections, peers, quick, rate, rows, configs=None):
                 from hyscale_compile.lowerings.attention_spec import AttentionSpec
                 from hyscale_compile.lowerings.triton_attention import default_config, sparse_attention_triton
 
-                cfg = dataclasses.replace(default_config(H, Hk, dqk, dv), **fields)
+                cfg = dataclasses.replace(default_config(H, Hk, dqk, dv, v_from_k=v_of_k), **fields)
                 parsed = AttentionSpec.from_json(spec)
                 def fn(cfg=cfg, parsed=parsed):
                     return sparse_attention_triton(q, k, v, idx, [hi], parsed, config=cfg)
@@ -295,7 +295,10 @@ def inspect_sm90(configs=None, shapes=None) -> int:
     cases = [(n, *SHAPES[n], torch.bfloat16, True) for n in SHAPES]
     cases += [("gqa_fp32_tf32", 8, 2, 96, 64, False, torch.float32, False),
               ("gqa_fp16", 8, 2, 96, 64, False, torch.float16, False),
-              ("mla128_fp32", 128, 1, 576, 512, True, torch.float32, False)]
+              ("mla128_fp32", 128, 1, 576, 512, True, torch.float32, False),
+              # the latent's widths with v its own tensor (not a view of k): its tiles take more
+              # shared memory than the view's
+              ("mqa128_own_v", 128, 1, 576, 512, False, torch.bfloat16, True)]
     if shapes is not None:
         cases = [c for c in cases if c[0] in shapes]
     failed = 0
@@ -309,7 +312,7 @@ def inspect_sm90(configs=None, shapes=None) -> int:
         spec = AttentionSpec.from_json(spec_json(dqk))
         if dtype == torch.float32:
             spec = dataclasses.replace(spec, out_dtype="float32", fp32_precision="tf32")
-        base = default_config(H, Hk, dqk, dv, elem_bytes=k.element_size())
+        base = default_config(H, Hk, dqk, dv, elem_bytes=k.element_size(), v_from_k=v_of_k)
         # (label, config or None for the launcher's own choice, return_probs)
         if configs is None:
             runs = [("default", None, False)] + ([("default", None, True)] if probs else [])
@@ -348,7 +351,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="S = 8K, the random selection, fewer repetitions")
     ap.add_argument("--shapes", default=None, help=f"comma list of {sorted(SHAPES)} (default: all; with "
-                    "--inspect also gqa_fp32_tf32, gqa_fp16, mla128_fp32)")
+                    "--inspect also gqa_fp32_tf32, gqa_fp16, mla128_fp32, mqa128_own_v)")
     ap.add_argument("--seqs", default=None, help="comma list of S (default 8192,32768,131072; --quick: 8192)")
     ap.add_argument("--selections", default=None, help="comma list of random,structured")
     ap.add_argument("--peers", default="sdpa_mask,flex,sdpa_causal", help="comma list, or 'none'")

@@ -100,10 +100,11 @@ class AttentionConfig:
 
 
 def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
-                   elem_bytes: int = 2) -> AttentionConfig:
+                   elem_bytes: int = 2, v_from_k: bool = True) -> AttentionConfig:
     """The fixed configuration of a shape and operand width (``elem_bytes``: 4 for fp32
-    keys); chosen so that the sm_90 build neither spills nor exceeds shared memory
-    (``bench_sparse_attention.py --inspect``), not by timing."""
+    keys; ``v_from_k``: v is read from k's tile, as for a view of the latent); chosen so that
+    the sm_90 build neither spills nor exceeds shared memory (``bench_sparse_attention.py
+    --inspect``), not by timing."""
     G = H // Hk
     block_h = max(16, min(64, _next_pow2(G)))
     if interpret:
@@ -117,7 +118,10 @@ def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
         # 64 slots per tile at the latent's widths too: 1.25x over 32 at H = 128 and 16 (H200,
         # S = 16K; docs/performance.md, "Sparse attention")
         # (attn_probs keeps 32: at 64 its sm_90 build spills)
-        return AttentionConfig(block_h=block_h, block_n=64, num_warps=8 if block_h >= 64 and wide else 4,
+        # (v its own tensor at the latent's widths and 64 heads per program: two stages of
+        # [64, 576] keys and [64, 512] values need 352 KiB of shared memory; 32 slots fit)
+        block_n = 32 if wide and not v_from_k and block_h >= 64 else 64
+        return AttentionConfig(block_h=block_h, block_n=block_n, num_warps=8 if block_h >= 64 and wide else 4,
                                num_stages=2, probs_block_n=32 if wide else 0)
     return AttentionConfig(block_h=block_h, block_n=32 if wide or elem_bytes > 2 else 64, num_warps=4, num_stages=2)
 
@@ -264,7 +268,12 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
     K = idx.shape[-1]
     G = H // Hk
     form_of(H, Hk)  # raises for H % Hk != 0
-    cfg = config or default_config(H, Hk, Dqk, Dv, interpret=interp, elem_bytes=max(k.element_size(), v.element_size()))
+    da, db = split_head_dim(Dqk)
+    block_dv = max(16, _next_pow2(Dv))
+    v_from_k = (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.dtype == k.dtype
+                and block_dv == da)
+    cfg = config or default_config(H, Hk, Dqk, Dv, interpret=interp, elem_bytes=max(k.element_size(), v.element_size()),
+                                   v_from_k=v_from_k)
     if config is None and return_probs and cfg.probs_block_n:
         # with its softmax statistics written (WRITE_STATS) the forward at 64 slots per tile
         # needs more shared memory than an H200 has (352 KiB at H = 128): the probs path keeps
@@ -272,12 +281,8 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
         cfg = dataclasses.replace(cfg, block_n=cfg.probs_block_n)
     if cfg.block_h < 16 or cfg.block_n < 16 or cfg.block_h & (cfg.block_h - 1) or cfg.block_n & (cfg.block_n - 1):
         raise SpecError(f"{cfg}: block_h and block_n must be powers of two >= 16 (tl.dot)")
-    da, db = split_head_dim(Dqk)
-    block_dv = max(16, _next_pow2(Dv))
     # the interpreter has no bf16 dot; mixed q/k dtypes meet in fp32
     upcast = q.dtype != k.dtype or (interp and torch.bfloat16 in (q.dtype, k.dtype, v.dtype))
-    v_from_k = (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.dtype == k.dtype
-                and block_dv == da)
     out = torch.empty((B, S, H, Dv), dtype=dtype_of(spec.out_dtype), device=device)
     lse = torch.empty((B, S, H), dtype=torch.float32, device=device)
     probs = torch.empty((B, S, K) if return_probs else (0,), dtype=torch.float32, device=device)

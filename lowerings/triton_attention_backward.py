@@ -118,7 +118,7 @@ def smem_estimate(cfg: BackwardConfig, Dqk: int, Dv: int, elem_bytes: int) -> tu
 
 
 def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
-                   elem_bytes: int = 2) -> BackwardConfig:
+                   elem_bytes: int = 2, v_from_k: bool = True) -> BackwardConfig:
     """The fixed configuration of a shape and operand width (``HYSCALE_ATTN_BWD_CONFIG``,
     e.g. "num_warps=8,block_n=16", overrides fields: benchmarks only).
 
@@ -136,7 +136,9 @@ def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
     latent's widths: 16 heads x 16 slots, as the forward, 8 warps, dQ apart (106 KiB; 516
     bytes of spills remain). Per head (Dqk 192, Dv 128): 16 x
     256 + 16 x 128 + 2 x 64 x 256 halves = 76 KiB (55 KiB built, 210 registers)
-    (``bench_attention_backward.py --inspect`` prints the build's numbers)."""
+    (``bench_attention_backward.py --inspect`` prints the build's numbers). With v its own
+    tensor (``v_from_k`` False) kernel 1 gathers [block_n, 512] values beside the keys: at
+    BLOCK_H = 64, 16 slots per tile (208 KiB built; 32 need 280 KiB)."""
     G = H // Hk
     block_h = max(16, min(64, _next_pow2(G)))
     keys_g = max(16, min(64, _next_pow2(G)))
@@ -148,7 +150,8 @@ def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
         cfg = BackwardConfig(16, 16, 8, 2, keys_g, 64, 64, 4, 2, fused_dq=False)
     elif form_of(H, Hk) == "mqa" and wide:
         big = block_h >= 64
-        cfg = BackwardConfig(block_h, 32, 16 if big else 8, 2, keys_g, 128, 64, 4, 2, fused_dq=not big)
+        cfg = BackwardConfig(block_h, 16 if big and not v_from_k else 32, 16 if big else 8, 2, keys_g, 128, 64, 4, 2,
+                             fused_dq=not big)
     elif form_of(H, Hk) == "mqa":
         cfg = BackwardConfig(block_h, 64, 8 if block_h >= 64 else 4, 2, keys_g, 128, 64, 4, 2)
     else:
@@ -295,11 +298,12 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
               or (interp and torch.bfloat16 in (q.dtype, k.dtype, v.dtype)))
     cd = f32 if upcast else q.dtype  # the dots' operand dtype
     esize = torch.tensor([], dtype=cd).element_size()
-    cfg = config or default_config(H, Hk, D, Dv, interpret=interp, elem_bytes=max(k.element_size(), v.element_size()))
     da, db = split_head_dim(D)
     block_dv = max(16, _next_pow2(Dv))
     v_from_k = (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.dtype == k.dtype
                 and block_dv == da)
+    cfg = config or default_config(H, Hk, D, Dv, interpret=interp, elem_bytes=max(k.element_size(), v.element_size()),
+                                   v_from_k=v_from_k)
     fold = fold_v and needs[1] and needs[2] and v_is_view_of_k(k, v)
     gq = torch.zeros(q.shape, dtype=q.dtype, device=device) if needs[0] else q.new_empty(0)
     gk = torch.zeros((B, T, Hk, D), dtype=f32, device=device) if needs[1] else None

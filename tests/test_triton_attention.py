@@ -425,8 +425,9 @@ def test_gpu_absorbed_shape_bf16(monkeypatch):
         for i in range(SEEDS):
             seed = fresh_seed(f"gpu absorbed H={H} #{i}")
             B, S, T, K = 1, 64, 512, 128
-            q, k, v, idx = (x.cuda() for x in _inputs(seed, B, S, T, H, 1, 576, 512, K, torch.bfloat16,
+            q, k, _, idx = (x.cuda() for x in _inputs(seed, B, S, T, H, 1, 576, 512, K, torch.bfloat16,
                                                       torch.int32, v_of_k=True))
+            v = k[..., :512]  # (a view of the latent on the device too: .cuda() copies a view apart)
             hi = _causal(B, S, T, empty_row=False).cuda()
             spec = _spec(576, torch.bfloat16, ("mask", 0), masks=CAUSAL["masks"])
             out, lse, probs = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json(), True)
@@ -476,8 +477,9 @@ def test_gpu_loop_options_absorbed_bf16(fields):
         for i in range(SEEDS):
             seed = fresh_seed(f"gpu loop options {fields} H={H} #{i}")
             B, S, T, K = 1, 64, 512, 160  # 160 slots: a partial last tile at 64 per tile
-            q, k, v, idx = (x.cuda() for x in _inputs(seed, B, S, T, H, 1, 576, 512, K, torch.bfloat16,
+            q, k, _, idx = (x.cuda() for x in _inputs(seed, B, S, T, H, 1, 576, 512, K, torch.bfloat16,
                                                       torch.int32, v_of_k=True))
+            v = k[..., :512]  # (a view of the latent on the device too: .cuda() copies a view apart)
             hi = _causal(B, S, T, empty_row=False).cuda()
             spec = _spec(576, torch.bfloat16, ("mask", 0), masks=CAUSAL["masks"])
             got = check(q, k, v, idx, [hi], spec, return_probs=False, config=cfg)

@@ -371,11 +371,13 @@ def test_latent_kernels_compile_for_sm90_without_spills(tmp_path):
     env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     lines = []
-    # the op's launches (v = k[..., :512]: the values' part folded into the keys'), then apart
-    for flags, keys in (([], {"kernel=attn_bwd_keys(fold)"}), (["--no-fold"], {"kernel=attn_bwd_keys",
-                                                                               "kernel=attn_bwd_keys(v)"})):
+    # the op's launches (v = k[..., :512]: the values' part folded into the keys'), then apart,
+    # then with v its own [T, 1, 512] tensor (its gathered tiles beside the keys')
+    apart = {"kernel=attn_bwd_keys", "kernel=attn_bwd_keys(v)"}
+    for shape, flags, keys in (("mqa128", [], {"kernel=attn_bwd_keys(fold)"}), ("mqa128", ["--no-fold"], apart),
+                               ("mqa128_own_v", [], apart)):
         r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention_backward.py"),
-                            "--inspect", "--shapes", "mqa128", *flags], capture_output=True, text=True, env=env,
+                            "--inspect", "--shapes", shape, *flags], capture_output=True, text=True, env=env,
                            timeout=900)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
         got = [ln for ln in r.stdout.splitlines() if ln.startswith("inspect ")]
@@ -434,16 +436,18 @@ def _digests(mode, reps):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("shape", [(128, 1, 576, 512), (16, 1, 576, 512), (16, 16, 192, 128)],
-                         ids=["mqa128", "mqa16", "per_head"])
+@pytest.mark.parametrize("shape", [(128, 1, 576, 512, True), (16, 1, 576, 512, True), (16, 16, 192, 128, False),
+                                   (128, 1, 576, 512, False)],
+                         ids=["mqa128", "mqa16", "per_head", "mqa128_own_v"])
 def test_gpu_bf16_gradients_match_float64(shape):
-    # the compiled kernels (bf16 tensor-core dots) at the benchmark's head dims, scaled down
-    H, Hk, D, Dv = shape
+    # the compiled kernels (bf16 tensor-core dots) at the benchmark's head dims, scaled down;
+    # mqa128_own_v: the latent's widths with v its own tensor (more shared memory per tile)
+    H, Hk, D, Dv, v_of_k = shape
     B, S, T, K = 1, 192, 512, 256
     seed = fresh_seed(f"bwd gpu {shape}")
-    q, k, v, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, torch.bfloat16, v_of_k=Hk == 1)
+    q, k, v, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, torch.bfloat16, v_of_k=v_of_k)
     q, k, idx = q.cuda(), k.cuda(), idx.cuda()
-    v = k[..., :Dv] if Hk == 1 else v.cuda()
+    v = k[..., :Dv] if v_of_k else v.cuda()
     hi = (torch.arange(S, device="cuda") + (T - S) + 1).view(1, S)
     spec = _spec(D, torch.bfloat16, [MaskTerm(kind="range", hi=0)])
     out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json())
