@@ -173,7 +173,7 @@ def run_row(args) -> dict:
         with profile(activities=acts) as p:
             compiled(ids)
             sync()
-        split = {}
+        split, kernels = {}, []
         for ev in p.key_averages():
             if device == "cuda":
                 t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
@@ -181,6 +181,9 @@ def run_row(args) -> dict:
                 t = ev.self_cpu_time_total
             if t:
                 split[bucket(ev.key)] = split.get(bucket(ev.key), 0.0) + t / 1000.0
+                kernels.append((t / 1000.0, ev.count, ev.key))
+        for t, n, key in sorted(kernels, reverse=True)[: getattr(args, "top", 0)]:
+            progress(f"kernel {t:9.2f} ms x{n:<4d} [{bucket(key)}] {key[:100]}")
         for b in ("attention", "selection", "gemm", "scatter/gather", "other"):
             row[f"{b} ms"] = round(split.get(b, 0.0), 1)
         progress("profiled: " + ", ".join(f"{b} {v:.1f} ms" for b, v in sorted(split.items(), key=lambda kv: -kv[1])))
@@ -232,6 +235,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", choices=("deepseek_v32", "glm_moe_dsa"), default="deepseek_v32",
                     help="the HF class (same dimensions; GLM-5's eager index mask is -inf, V3.2's finfo.min)")
     ap.add_argument("--iters", type=int, default=3, help="timed calls (the median is reported)")
+    ap.add_argument("--top", type=int, default=0, help="also print the profiled call's N longest kernels")
     ap.add_argument("--backend", default=None, help="default: hyscale on CUDA, hyscale_debug on the CPU")
     ap.add_argument("--tiny", action="store_true", help="a CPU-sized model (hidden 64, k 8)")
     ap.add_argument("--cpu", action="store_true", help="with --tiny: run on the CPU even where CUDA is present")
