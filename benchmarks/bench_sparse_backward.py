@@ -15,8 +15,9 @@ out of memory says so.
 A second table times ``values_backward`` alone at the same shapes (bf16 q/k, fp32 w, the
 causal fill, the forward's own indices) with the key gradient accumulated two ways:
 ``index_add`` (CUDA atomics, the former path) and ``segment_sum`` (a stable sort and
-attention_backward's segment sum, the current one), and the fused per-row Triton kernel
-(``triton_values_backward``, ``HYSCALE_BWD_FUSED=1``) before the segment sum. "bitwise repeat" says whether
+attention_backward's segment sum) after the chunked PyTorch row part, and the fused per-row
+Triton kernel (``triton_values_backward``, the CUDA default) before the segment sum. The step
+table runs the op's default; ``HYSCALE_BWD_FUSED=0`` runs it with the PyTorch row part. "bitwise repeat" says whether
 ``--repeats`` calls gave identical gk; "max |diff|" is the largest gk difference between the
 two ways, relative to max |gk|.
 

@@ -30,8 +30,10 @@ stable sort of the chunk's keys and a Triton segment sum, one program per key, n
 loop follows the same order.
 
 ``triton_values_backward`` fuses the per-row part (gather, rebuilt steps, derivatives, gq,
-gw and the per-slot key contributions) into one Triton kernel for the specs it covers; it is
-opt-in on CUDA (``HYSCALE_BWD_FUSED=1``) until measured there.
+gw and the per-slot key contributions) into one Triton kernel for the specs it covers; on
+CUDA it is the default (``HYSCALE_BWD_FUSED=0`` keeps the chunked PyTorch row part): 2.4x
+faster at the DSA indexer's shape (docs/performance.md, "Sparse backward"), with the same
+deterministic key sum.
 """
 from __future__ import annotations
 
@@ -192,8 +194,8 @@ def values_backward(
 ):
     """(gq, gk, gw) for ``grad`` = d loss / d values [B, S, k]; an input that needs no
     gradient (``needs``) gets an empty tensor. ``fused``: the per-row part as one Triton
-    kernel (``triton_values_backward``; default: on CUDA when ``HYSCALE_BWD_FUSED=1`` and
-    the spec is covered; tests run it on the CPU under TRITON_INTERPRET=1)."""
+    kernel (``triton_values_backward``; default: on CUDA unless ``HYSCALE_BWD_FUSED=0``,
+    where the spec is covered; tests run it on the CPU under TRITON_INTERPRET=1)."""
     topk = idx.shape[-1]
     shape = check_operands(q, k, w, masks, topk, spec)
     B, S, H, D, T, Hk = shape
@@ -207,7 +209,7 @@ def values_backward(
     if chunk_bytes is None:
         chunk_bytes = DEFAULT_CHUNK_BYTES.get(q.device.type, DEFAULT_CHUNK_BYTES["cpu"])
     if fused is None:
-        fused = q.device.type == "cuda" and os.environ.get("HYSCALE_BWD_FUSED", "0") == "1"
+        fused = q.device.type == "cuda" and os.environ.get("HYSCALE_BWD_FUSED", "1") != "0"
     if fused:
         from . import triton_values_backward as tvb
 
