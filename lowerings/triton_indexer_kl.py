@@ -97,8 +97,8 @@ class IndexerKLConfig:
     dk_heads: int = 1  # indexer heads stacked along the key gradient's reduction (a power of two)
     lse_block_m: int = 0  # the attention lse pass's query tile (0: block_m)
     lse_num_warps: int = 0  # its warps (0: num_warps)
-    attn_chain: int = 1  # 1: the attention score's head-dim chunks in one dot chain (``_attn_scores``)
-    di_zeroed: int = 0  # 1: the dI workspace starts zeroed: the gradient kernels read it with bounds masks only
+    attn_chain: int = 0  # 1: the attention score's head-dim chunks in one dot chain (``_attn_scores``)
+    di_zeroed: int = 1  # the dI workspace starts zeroed: the gradient kernels read it with bounds masks only
 
 
 def default_config(q: torch.Tensor, qi: torch.Tensor, T: int, interpret: Optional[bool] = None) -> IndexerKLConfig:
@@ -122,9 +122,15 @@ def default_config(q: torch.Tensor, qi: torch.Tensor, T: int, interpret: Optiona
         return IndexerKLConfig(block_m=32, block_n=32, block_d=bd, num_warps=4, num_stages=2, chunk_rows=rows(32),
                                dk_block_n=32)
     # (compiled for sm_90 at the DSA shape: no spills, wgmma; 128 keys per tile halve the
-    # re-reads of the Hi query heads per tile, the key gradient's accumulator keeps 64)
-    return IndexerKLConfig(block_m=64, block_n=128, block_d=bd, num_warps=8 if _next_pow2(Di) >= 128 else 4,
-                           num_stages=2, chunk_rows=rows(64))
+    # re-reads of the Hi query heads per tile, the key gradient's accumulator keeps 64.
+    # The gradients' dots, whose results feed a second dot, are laid out over all 8 warps'
+    # rows: two heads stacked make them 128 rows, so no warp group repeats another's tile;
+    # the lse pass at 128 rows reads each key tile for twice the rows)
+    warps = 8 if _next_pow2(Di) >= 128 else 4
+    stack = 2 if warps == 8 else 1
+    return IndexerKLConfig(block_m=64, block_n=128, block_d=bd, num_warps=warps, num_stages=2, chunk_rows=rows(64),
+                           dq_heads=stack, dq_block_n=64 if stack > 1 else 0, dk_heads=stack,
+                           lse_block_m=128 if warps == 8 else 0)
 
 
 @triton.jit
