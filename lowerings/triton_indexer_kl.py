@@ -95,6 +95,7 @@ class IndexerKLConfig:
     dq_block_m: int = 0  # the query gradient's query tile (0: block_m)
     dq_block_n: int = 0  # the query gradient's key tile (0: block_n)
     dk_heads: int = 1  # indexer heads stacked along the key gradient's reduction (a power of two)
+    dk_trans: int = 0  # 1: the key gradient key-major (``_kl_dk_kernel``'s TRANS)
     lse_block_m: int = 0  # the attention lse pass's query tile (0: block_m)
     lse_num_warps: int = 0  # its warps (0: num_warps)
     attn_chain: int = 0  # 1: the attention score's head-dim chunks in one dot chain (``_attn_scores``)
@@ -122,15 +123,16 @@ def default_config(q: torch.Tensor, qi: torch.Tensor, T: int, interpret: Optiona
         return IndexerKLConfig(block_m=32, block_n=32, block_d=bd, num_warps=4, num_stages=2, chunk_rows=rows(32),
                                dk_block_n=32)
     # (compiled for sm_90 at the DSA shape: no spills, wgmma; 128 keys per tile halve the
-    # re-reads of the Hi query heads per tile, the key gradient's accumulator keeps 64.
-    # The gradients' dots, whose results feed a second dot, are laid out over all 8 warps'
-    # rows: two heads stacked make them 128 rows, so no warp group repeats another's tile;
-    # the lse pass at 128 rows reads each key tile for twice the rows)
-    warps = 8 if _next_pow2(Di) >= 128 else 4
-    stack = 2 if warps == 8 else 1
-    return IndexerKLConfig(block_m=64, block_n=128, block_d=bd, num_warps=warps, num_stages=2, chunk_rows=rows(64),
-                           dq_heads=stack, dq_block_n=64 if stack > 1 else 0, dk_heads=stack,
-                           lse_block_m=128 if warps == 8 else 0)
+    # re-reads of the Hi query heads per tile. The gradients' dots, whose results feed a
+    # second dot, are laid out over all 8 warps' rows, so they get 128 rows: two heads
+    # stacked in the query gradient, 128 keys in the key-major key gradient (8 head groups
+    # keep a chunk's launch at 128 programs or more); the lse pass at 128 rows reads each
+    # key tile for twice the rows)
+    if _next_pow2(Di) >= 128:
+        return IndexerKLConfig(block_m=64, block_n=128, block_d=bd, num_warps=8, num_stages=2, chunk_rows=rows(64),
+                               dq_heads=2, dq_block_n=64, dk_trans=1, dk_block_n=128, dk_head_split=8,
+                               lse_block_m=128)
+    return IndexerKLConfig(block_m=64, block_n=128, block_d=bd, num_warps=4, num_stages=2, chunk_rows=rows(64))
 
 
 @triton.jit
@@ -367,11 +369,14 @@ def _kl_dq_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dqi_ptr, dw_ptr, r0, r1, S, T,
 @triton.jit
 def _kl_dk_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dki_ptr, r0, r1, S, T, B,
                   CHUNK: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, HSPLIT: tl.constexpr, CAUSAL: tl.constexpr,
-                  G: tl.constexpr, ZEROED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BDI: tl.constexpr):
+                  G: tl.constexpr, ZEROED: tl.constexpr, TRANS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BDI: tl.constexpr):
     # heads in HSPLIT groups, each with its own partial sum (dki_ptr [HSPLIT, B, T, Di]),
     # summed in a fixed order afterwards: more programs where a chunk sees few key tiles.
     # The dots' rows are G heads x BM query rows (row r: head offset r // BM, query r % BM),
-    # so the key gradient's dot reduces over G * BM (head, query) pairs at once
+    # so the key gradient's dot reduces over G * BM (head, query) pairs at once.
+    # TRANS: key-major, as flash attention's dK: a^T = ki . qi_j^T is [BN, G * BM], and
+    # da^T enters the dki dot from registers (no transpose of da through shared memory)
     pid_n = tl.program_id(0)
     grp = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -397,19 +402,31 @@ def _kl_dk_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dki_ptr, r0, r1, S, T, B,
         vis = m_ok[:, None] & n_ok[None, :]
         if CAUSAL:
             vis = vis & (offs_n[None, :] <= offs_m[:, None])
-        dI_ptrs = dI_ptr + b * CHUNK * T + (offs_m - r0)[:, None] * T + offs_n[None, :]
-        if ZEROED:  # (as in _kl_dq_kernel)
-            dI = tl.load(dI_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+        if TRANS:
+            dI_ptrs = dI_ptr + b * CHUNK * T + (offs_m - r0)[None, :] * T + offs_n[:, None]
+            if ZEROED:
+                dI = tl.load(dI_ptrs, mask=n_ok[:, None] & m_ok[None, :], other=0.0)
+            else:
+                dI = tl.load(dI_ptrs, mask=tl.trans(vis), other=0.0)
         else:
-            dI = tl.load(dI_ptrs, mask=vis, other=0.0)
+            dI_ptrs = dI_ptr + b * CHUNK * T + (offs_m - r0)[:, None] * T + offs_n[None, :]
+            if ZEROED:  # (as in _kl_dq_kernel)
+                dI = tl.load(dI_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+            else:
+                dI = tl.load(dI_ptrs, mask=vis, other=0.0)
         for jj in range(HI // HSPLIT // G):
             j = grp * (HI // HSPLIT) + jj * G + offs_r // BM
             qj = tl.load(qi_base + offs_m[:, None] * (HI * DI) + j[:, None] * DI + offs_di[None, :],
                          mask=m_ok[:, None] & di_ok[None, :], other=0.0)
             wj = tl.load(w_base + offs_m * HI + j, mask=m_ok, other=0.0).to(tl.float32)
-            a = tl.dot(qj, tl.trans(ki_tile), input_precision="ieee")
-            da = tl.where(a > 0.0, dI * wj[:, None], 0.0)
-            dk = tl.dot(tl.trans(da.to(qj.dtype)), qj, acc=dk, input_precision="ieee")
+            if TRANS:
+                a_t = tl.dot(ki_tile, tl.trans(qj), input_precision="ieee")
+                da_t = tl.where(a_t > 0.0, dI * wj[None, :], 0.0)
+                dk = tl.dot(da_t.to(qj.dtype), qj, acc=dk, input_precision="ieee")
+            else:
+                a = tl.dot(qj, tl.trans(ki_tile), input_precision="ieee")
+                da = tl.where(a > 0.0, dI * wj[:, None], 0.0)
+                dk = tl.dot(tl.trans(da.to(qj.dtype)), qj, acc=dk, input_precision="ieee")
     tl.store(dk_ptrs, dk, mask=dk_mask)
 
 
@@ -528,7 +545,8 @@ def indexer_kl_triton_backward(grad, q, k, qi, ki, w, stats, row_stats, scale: f
                 ZEROED=bool(cfg.di_zeroed), BM=dq_bm, BN=cfg.dq_block_n or cfg.block_n, BDI=BDI, **meta)
         _launch(_kl_dk_kernel, (triton.cdiv(min(T, r1) if causal else T, cfg.dk_block_n), hsplit, B),
                 qi, ki, w, dI, dki, r0, r1, S, T, B, CHUNK=chunk, HI=HI, DI=DI, HSPLIT=hsplit, CAUSAL=bool(causal),
-                G=dk_g, ZEROED=bool(cfg.di_zeroed), BM=cfg.block_m, BN=cfg.dk_block_n, BDI=BDI, **meta)
+                G=dk_g, ZEROED=bool(cfg.di_zeroed), TRANS=bool(cfg.dk_trans), BM=cfg.block_m, BN=cfg.dk_block_n,
+                BDI=BDI, **meta)
     dk = dki[0]
     for i in range(1, hsplit):  # the groups' partial sums in a fixed order
         dk = dk + dki[i]

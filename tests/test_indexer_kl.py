@@ -124,15 +124,18 @@ def test_backward_in_chunks():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-# launch configurations beside the interpreter's default: stacked heads in the gradients'
-# dots (2 and 4, with the fallback to one head where they do not divide: Hi=3), the query
-# gradient's own tiles (a 32-row tile over 16-row chunks straddles each chunk's end), the lse
-# pass's tile, and the previous code paths (chained attention dots, causally masked dI loads)
+# launch configurations beside the interpreter's default: the GPU default's paths (stacked
+# heads in the query gradient, the key-major key gradient, 4 head groups), stacked heads (2
+# and 4, with the fallback to one head where they do not divide: Hi=3) in both gradients,
+# the query gradient's own tiles (a 32-row tile over 16-row chunks straddles each chunk's
+# end), the lse pass's tile, and the previous code paths (chained attention dots, causally
+# masked dI loads)
 CONFIGS = [
-    dict(dq_heads=2, dk_heads=2),
+    dict(dq_heads=2, dk_trans=1, dk_head_split=4, lse_block_m=32),
     dict(dq_heads=4, dq_block_m=8, dq_block_n=32, dk_heads=2, dk_block_n=16),
-    dict(dq_block_m=32, chunk_rows=16, dk_heads=2, lse_block_m=32, lse_num_warps=2),
-    dict(attn_chain=1, di_zeroed=0, dq_heads=2, dq_block_m=32, chunk_rows=16),
+    dict(dq_block_m=32, chunk_rows=16, dk_heads=2, dk_trans=1, lse_block_m=32, lse_num_warps=2),
+    dict(attn_chain=1, di_zeroed=0, dq_heads=2, dq_block_m=32, chunk_rows=16, dk_trans=1),
+    dict(attn_chain=1, di_zeroed=0),
 ]
 
 
