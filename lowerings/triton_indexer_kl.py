@@ -99,6 +99,12 @@ class IndexerKLConfig:
     lse_block_m: int = 0  # the attention lse pass's query tile (0: block_m)
     lse_num_warps: int = 0  # its warps (0: num_warps)
     attn_chain: int = 0  # 1: the attention score's head-dim chunks in one dot chain (``_attn_scores``)
+    # pipeline stages of single loops (0: the kernel's num_stages): 2 stages prefetch one
+    # iteration ahead, issued at the end of the previous one, so a head's L2 latency is
+    # mostly exposed
+    head_stages: int = 0  # the forward and dI kernels' index head loop (one qi_j tile a stage)
+    attn_stages: int = 0  # their attention head loop (the head's q and k chunks a stage)
+    grad_stages: int = 0  # the dq kernel's key loop and the dk kernel's head loop
     di_zeroed: int = 1  # the dI workspace starts zeroed: the gradient kernels read it with bounds masks only
 
 
@@ -127,11 +133,13 @@ def default_config(q: torch.Tensor, qi: torch.Tensor, T: int, interpret: Optiona
     # second dot, are laid out over all 8 warps' rows, so they get 128 rows: two heads
     # stacked in the query gradient, 128 keys in the key-major key gradient (8 head groups
     # keep a chunk's launch at 128 programs or more); the lse pass at 128 rows reads each
-    # key tile for twice the rows)
+    # key tile for twice the rows; deeper pipelines where shared memory allows: the index
+    # head loop's 4 stages fit in the attention loop's 2, the gradients' 3 stages take
+    # 144 KB (dq) and 80 KB (dk))
     if _next_pow2(Di) >= 128:
         return IndexerKLConfig(block_m=64, block_n=128, block_d=bd, num_warps=8, num_stages=2, chunk_rows=rows(64),
                                dq_heads=2, dq_block_n=64, dk_trans=1, dk_block_n=128, dk_head_split=8,
-                               lse_block_m=128)
+                               lse_block_m=128, head_stages=4, grad_stages=3)
     return IndexerKLConfig(block_m=64, block_n=128, block_d=bd, num_warps=4, num_stages=2, chunk_rows=rows(64))
 
 
@@ -164,10 +172,10 @@ def _attn_scores(q_base, k_base, offs_m, m_ok, offs_n, n_ok, scale,
 @triton.jit
 def _target_tile(q_base, k_base, st_base, offs_m, m_ok, offs_n, n_ok, vis, scale,
                  H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, CHAIN: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, CHAIN: tl.constexpr, STAGES: tl.constexpr):
     """sum_h exp(scale q_h . k_t - m_h) / l_h at the visible keys, 0 elsewhere."""
     P = tl.zeros((BM, BN), dtype=tl.float32)
-    for h in range(H):
+    for h in tl.range(0, H, num_stages=STAGES):
         s = _attn_scores(q_base + h * D, k_base + (h // (H // HK)) * D, offs_m, m_ok, offs_n, n_ok, scale,
                          H * D, HK * D, D, BD, BM, BN, CHAIN)
         m_h = tl.load(st_base + offs_m * (2 * H) + 2 * h, mask=m_ok, other=0.0)
@@ -178,10 +186,10 @@ def _target_tile(q_base, k_base, st_base, offs_m, m_ok, offs_n, n_ok, vis, scale
 
 @triton.jit
 def _index_tile(qi_base, w_base, ki_tile, offs_m, m_ok, offs_di, di_ok,
-                HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
     """sum_j w_j relu(qi_j . ki_t) (fp32)."""
     I = tl.zeros((BM, BN), dtype=tl.float32)
-    for j in range(HI):
+    for j in tl.range(0, HI, num_stages=STAGES):
         qj = tl.load(qi_base + offs_m[:, None] * (HI * DI) + j * DI + offs_di[None, :],
                      mask=m_ok[:, None] & di_ok[None, :], other=0.0)
         a = tl.dot(qj, tl.trans(ki_tile), input_precision="ieee")
@@ -227,7 +235,7 @@ def _attn_lse_kernel(q_ptr, k_ptr, st_ptr, S, T, scale,
 def _kl_fwd_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, row_ptr, rs_ptr, S, T, scale,
                    H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr,
                    CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDI: tl.constexpr,
-                   CHAIN: tl.constexpr):
+                   CHAIN: tl.constexpr, STAGES: tl.constexpr, ASTAGES: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest causal rows first
     b = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -256,10 +264,10 @@ def _kl_fwd_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, row_ptr, rs_ptr,
             vis = vis & (offs_n[None, :] <= offs_m[:, None])
         # the target first: its head loop then runs without the index tile live (fewer registers)
         P = _target_tile(q_base, k_base, st_base, offs_m, m_ok, offs_n, n_ok, vis, scale, H, HK, D, BD, BM, BN,
-                         CHAIN)
+                         CHAIN, ASTAGES)
         ki_tile = tl.load(ki_base + offs_n[:, None] * DI + offs_di[None, :], mask=n_ok[:, None] & di_ok[None, :],
                           other=0.0)
-        I = _index_tile(qi_base, w_base, ki_tile, offs_m, m_ok, offs_di, di_ok, HI, DI, BM, BN)
+        I = _index_tile(qi_base, w_base, ki_tile, offs_m, m_ok, offs_di, di_ok, HI, DI, BM, BN, STAGES)
         I = tl.where(vis, I, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(I, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -282,7 +290,7 @@ def _kl_fwd_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, row_ptr, rs_ptr,
 def _kl_dI_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, rs_ptr, g_ptr, dI_ptr, r0, S, T, scale,
                   CHUNK: tl.constexpr, H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HI: tl.constexpr,
                   DI: tl.constexpr, CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                  BDI: tl.constexpr, CHAIN: tl.constexpr):
+                  BDI: tl.constexpr, CHAIN: tl.constexpr, STAGES: tl.constexpr, ASTAGES: tl.constexpr):
     # one (key tile, query tile) per program: the tiles of dI are independent given the row
     # statistics, so the grid covers the chunk's whole [rows, T] strip at once
     pid_n = tl.program_id(0)
@@ -309,9 +317,9 @@ def _kl_dI_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, rs_ptr, g_ptr, dI
         ki_tile = tl.load(ki_ptr + b * T * DI + offs_n[:, None] * DI + offs_di[None, :],
                           mask=n_ok[:, None] & di_ok[None, :], other=0.0)
         I = _index_tile(qi_ptr + b * S * HI * DI, w_ptr + b * S * HI, ki_tile, offs_m, m_ok, offs_di, di_ok, HI, DI,
-                        BM, BN)
+                        BM, BN, STAGES)
         P = _target_tile(q_ptr + b * S * H * D, k_ptr + b * T * HK * D, st_ptr + b * S * H * 2, offs_m, m_ok,
-                         offs_n, n_ok, vis, scale, H, HK, D, BD, BM, BN, CHAIN)
+                         offs_n, n_ok, vis, scale, H, HK, D, BD, BM, BN, CHAIN, ASTAGES)
         dI = tl.where(vis, g * (tl.exp(I - m_i[:, None]) * inv_l[:, None] - P * inv_z[:, None]), 0.0)
         tl.store(dI_ptr + b * CHUNK * T + (offs_m - r0)[:, None] * T + offs_n[None, :], dI,
                  mask=m_ok[:, None] & n_ok[None, :])
@@ -320,7 +328,7 @@ def _kl_dI_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, rs_ptr, g_ptr, dI
 @triton.jit
 def _kl_dq_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dqi_ptr, dw_ptr, r0, r1, S, T,
                   CHUNK: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, CAUSAL: tl.constexpr, G: tl.constexpr,
-                  ZEROED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BDI: tl.constexpr):
+                  ZEROED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BDI: tl.constexpr, STAGES: tl.constexpr):
     # the dots' rows are G heads x BM query rows (row r: head pid_g * G + r // BM, query
     # r % BM): one key tile and one dI tile serve G heads, and the dots are G times taller.
     # ZEROED: the workspace is 0 wherever the dI kernel did not write, so dI loads need only
@@ -345,7 +353,7 @@ def _kl_dq_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dqi_ptr, dw_ptr, r0, r1, S, T,
     n_end = T
     if CAUSAL:
         n_end = tl.minimum(T, r0 + (pid_m + 1) * BM)
-    for n0 in range(0, n_end, BN):
+    for n0 in tl.range(0, n_end, BN, num_stages=STAGES):
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < T
         vis = m_ok[:, None] & n_ok[None, :]
@@ -370,7 +378,7 @@ def _kl_dq_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dqi_ptr, dw_ptr, r0, r1, S, T,
 def _kl_dk_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dki_ptr, r0, r1, S, T, B,
                   CHUNK: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, HSPLIT: tl.constexpr, CAUSAL: tl.constexpr,
                   G: tl.constexpr, ZEROED: tl.constexpr, TRANS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BDI: tl.constexpr):
+                  BDI: tl.constexpr, STAGES: tl.constexpr):
     # heads in HSPLIT groups, each with its own partial sum (dki_ptr [HSPLIT, B, T, Di]),
     # summed in a fixed order afterwards: more programs where a chunk sees few key tiles.
     # The dots' rows are G heads x BM query rows (row r: head offset r // BM, query r % BM),
@@ -414,7 +422,7 @@ def _kl_dk_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dki_ptr, r0, r1, S, T, B,
                 dI = tl.load(dI_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
             else:
                 dI = tl.load(dI_ptrs, mask=vis, other=0.0)
-        for jj in range(HI // HSPLIT // G):
+        for jj in tl.range(0, HI // HSPLIT // G, num_stages=STAGES):
             j = grp * (HI // HSPLIT) + jj * G + offs_r // BM
             qj = tl.load(qi_base + offs_m[:, None] * (HI * DI) + j[:, None] * DI + offs_di[None, :],
                          mask=m_ok[:, None] & di_ok[None, :], other=0.0)
@@ -502,7 +510,9 @@ def indexer_kl_triton_forward(q, k, qi, ki, w, lse: Optional[torch.Tensor], scal
     _launch(_kl_fwd_kernel, (triton.cdiv(S, cfg.block_m), B),
             q, k, qi, ki, w, stats, rows, row_stats, S, T, float(scale), H=H, HK=HK, D=D, HI=HI, DI=DI,
             CAUSAL=bool(causal), BM=cfg.block_m, BN=cfg.block_n, BD=cfg.block_d, BDI=max(16, _next_pow2(DI)),
-            CHAIN=bool(cfg.attn_chain), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            CHAIN=bool(cfg.attn_chain), STAGES=cfg.head_stages or None, ASTAGES=cfg.attn_stages or None,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
     loss = rows.sum() * (loss_coeff / (B * S))
     return loss, stats, row_stats
 
@@ -538,15 +548,16 @@ def indexer_kl_triton_backward(grad, q, k, qi, ki, w, stats, row_stats, scale: f
         _launch(_kl_dI_kernel, (n_tiles, tiles, B),
                 q, k, qi, ki, w, stats, row_stats, g, dI, r0, S, T, float(scale), CHUNK=chunk, H=H, HK=HK, D=D, HI=HI,
                 DI=DI, CAUSAL=bool(causal), BM=cfg.block_m, BN=cfg.block_n, BD=cfg.block_d, BDI=BDI,
-                CHAIN=bool(cfg.attn_chain), **meta)
+                CHAIN=bool(cfg.attn_chain), STAGES=cfg.head_stages or None, ASTAGES=cfg.attn_stages or None, **meta)
         dq_bm = cfg.dq_block_m or cfg.block_m
         _launch(_kl_dq_kernel, (HI // dq_g, triton.cdiv(r1 - r0, dq_bm), B),
                 qi, ki, w, dI, dqi, dw, r0, r1, S, T, CHUNK=chunk, HI=HI, DI=DI, CAUSAL=bool(causal), G=dq_g,
-                ZEROED=bool(cfg.di_zeroed), BM=dq_bm, BN=cfg.dq_block_n or cfg.block_n, BDI=BDI, **meta)
+                ZEROED=bool(cfg.di_zeroed), BM=dq_bm, BN=cfg.dq_block_n or cfg.block_n, BDI=BDI,
+                STAGES=cfg.grad_stages or None, **meta)
         _launch(_kl_dk_kernel, (triton.cdiv(min(T, r1) if causal else T, cfg.dk_block_n), hsplit, B),
                 qi, ki, w, dI, dki, r0, r1, S, T, B, CHUNK=chunk, HI=HI, DI=DI, HSPLIT=hsplit, CAUSAL=bool(causal),
                 G=dk_g, ZEROED=bool(cfg.di_zeroed), TRANS=bool(cfg.dk_trans), BM=cfg.block_m, BN=cfg.dk_block_n,
-                BDI=BDI, **meta)
+                BDI=BDI, STAGES=cfg.grad_stages or None, **meta)
     dk = dki[0]
     for i in range(1, hsplit):  # the groups' partial sums in a fixed order
         dk = dk + dki[i]

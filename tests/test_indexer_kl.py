@@ -125,13 +125,14 @@ def test_backward_in_chunks():
 
 
 # launch configurations beside the interpreter's default: the GPU default's paths (stacked
-# heads in the query gradient, the key-major key gradient, 4 head groups), stacked heads (2
+# heads in the query gradient, the key-major key gradient, 4 head groups, the loops' own
+# pipeline depths, which the interpreter only parses), stacked heads (2
 # and 4, with the fallback to one head where they do not divide: Hi=3) in both gradients,
 # the query gradient's own tiles (a 32-row tile over 16-row chunks straddles each chunk's
 # end), the lse pass's tile, and the previous code paths (chained attention dots, causally
 # masked dI loads)
 CONFIGS = [
-    dict(dq_heads=2, dk_trans=1, dk_head_split=4, lse_block_m=32),
+    dict(dq_heads=2, dk_trans=1, dk_head_split=4, lse_block_m=32, head_stages=4, attn_stages=3, grad_stages=3),
     dict(dq_heads=4, dq_block_m=8, dq_block_n=32, dk_heads=2, dk_block_n=16),
     dict(dq_block_m=32, chunk_rows=16, dk_heads=2, dk_trans=1, lse_block_m=32, lse_num_warps=2),
     dict(attn_chain=1, di_zeroed=0, dq_heads=2, dq_block_m=32, chunk_rows=16, dk_trans=1),
