@@ -304,14 +304,15 @@ def test_compiles():
         assert torch.equal(a, b)
 
 
-def check_kernels_at(device, dtype, S, H, D, Hi, Di, chunk_rows):
-    """The kernels (one backward chunk and several) against float64, bitwise repeatable, and
-    the op's path on ``device`` the same bits as the kernels called directly."""
+def check_kernels_at(device, dtype, S, H, D, Hi, Di, chunk_rows, fields=None):
+    """The kernels (one backward chunk and several, with ``fields`` over the default config)
+    against float64, bitwise repeatable, and the op's path on ``device`` the same bits as the
+    kernels called directly."""
     seed = fresh_seed(f"indexer_kl {device} {dtype} S={S}")
     q, k, qi, ki, w = (t.to(device) for t in make_inputs(seed, B=1, S=S, H=H, Hk=H, D=D, Hi=Hi, Di=Di, dtype=dtype))
     scale = D ** -0.5
     base = tk.default_config(q, qi, S)
-    cfg = tk.IndexerKLConfig(**{**base.__dict__, "chunk_rows": chunk_rows})
+    cfg = tk.IndexerKLConfig(**{**base.__dict__, **(fields or {}), "chunk_rows": chunk_rows})
     outs = [run_path("triton", q, k, qi, ki, w, scale, True, 1.0, cfg=cfg) for _ in range(2)]
     for a, b in zip(*outs):
         assert torch.equal(a, b)
@@ -343,6 +344,23 @@ def test_gpu_moderate_shape(dtype):
     """The compiled kernels at a DSA-like shape (head dim 192 in chunks of 64, Di 128,
     several backward chunks)."""
     check_kernels_at("cuda", dtype, S=640, H=8, D=192, Hi=8, Di=128, chunk_rows=256)
+
+
+# the configuration before the 8-warp default changed, and the alternatives the benchmark compares
+GPU_CONFIGS = [
+    dict(dq_heads=1, dq_block_n=0, dk_heads=1, dk_trans=0, dk_block_n=64, dk_head_split=4, lse_block_m=0,
+         attn_chain=1, di_zeroed=0, head_stages=0, grad_stages=0),
+    dict(attn_stages=3),
+    dict(dq_heads=4, dq_block_m=32, dk_trans=0, dk_heads=2, dk_block_n=64, dk_head_split=4),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fields", range(len(GPU_CONFIGS)))
+def test_gpu_launch_configs(fields):
+    """The compiled kernels under the benchmark's other configurations (bf16, DSA-like head dims)."""
+    check_kernels_at("cuda", torch.bfloat16, S=640, H=8, D=192, Hi=8, Di=128, chunk_rows=256,
+                     fields=GPU_CONFIGS[fields])
 
 
 def test_benchmark_script_runs(tmp_path):
