@@ -3,6 +3,8 @@
     python benchmarks/bench_indexer_kl.py [--seqs 8192,16384,32768] [--quick] [--out DIR]
     python benchmarks/bench_indexer_kl.py --quick        # S = 4096, 8192, fewer repeats
     python benchmarks/bench_indexer_kl.py --inspect      # no GPU: compile for sm_90, ptxas' report
+    python benchmarks/bench_indexer_kl.py --seqs 32768 --config "default;dq_heads=2,dk_heads=2"
+                                                         # launch configurations side by side
 
 Shape (issue 30, the 16-head model): attention H=16 heads of D=192 (q [1,S,16,192], k per
 head), indexer Hi=64 heads of Di=128 (qi [1,S,64,128], ki [1,S,128], w [1,S,64]), bf16,
@@ -26,6 +28,14 @@ memory is the most allocated beyond the inputs during the call. ``bitwise`` says
 two backward calls gave identical gradients. At S <= --dense-max the dense original
 (Megatron-Core's loss, fp32 tables, eager) runs too where it fits in memory: its time and
 the relative difference of the losses.
+
+``--config``: ``IndexerKLConfig`` fields over each shape's ``default_config``, one
+configuration as ``field=value,...`` and several separated by ``;`` ("default": none
+changed). Each runs the kernels directly on the same inputs, rows labelled with the
+configuration, and reports the GPU time of each kernel in one fwd+bwd call (torch.profiler:
+"kernels" column, ms and launches) and the largest difference of the loss and gradients from
+the first configuration's (relative to the first's largest magnitude). With ``--inspect``
+the same configurations are compiled for sm_90.
 """
 from __future__ import annotations
 
@@ -91,9 +101,60 @@ def peak_extra_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def parse_configs(text: str) -> list:
+    """'default;dq_heads=2,dk_block_n=128' -> [{}, {'dq_heads': 2, 'dk_block_n': 128}]."""
+    import dataclasses
+
+    from hyscale_compile.lowerings.triton_indexer_kl import IndexerKLConfig
+
+    names = [f.name for f in dataclasses.fields(IndexerKLConfig)]
+    out = []
+    for one in (c.strip() for c in text.split(";")):
+        fields = {}
+        for kv in filter(None, (x.strip() for x in ("" if one in ("", "default") else one).split(","))):
+            key, _, val = kv.partition("=")
+            if key not in names or not val.isdigit():
+                raise ValueError(f"{kv!r} is not <field>=<int> for a field of IndexerKLConfig ({', '.join(names)})")
+            fields[key] = int(val)
+        out.append(fields)
+    return out
+
+
+def config_name(fields) -> str:
+    return ",".join(f"{k}={v}" for k, v in fields.items()) or "default"
+
+
+def with_fields(cfg, fields: dict):
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, **fields)
+    if "chunk_rows" not in fields:  # a changed block_m keeps the chunk a multiple of it
+        cfg = dataclasses.replace(cfg, chunk_rows=max(cfg.block_m, cfg.chunk_rows // cfg.block_m * cfg.block_m))
+    return cfg
+
+
+def kernel_times(fn) -> str:
+    """'name ms/launches' per CUDA kernel of one call of ``fn``, longest first (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        if us is None:
+            us = getattr(ev, "cuda_time_total", 0.0)
+        if us >= 100:  # kernels under 0.1 ms left out
+            rows.append((us / 1e3, ev.key, ev.count))
+    return "; ".join(f"{name} {ms:.2f}/{n}" for ms, name, n in sorted(rows, reverse=True))
+
+
 def inspect_sm90(a) -> int:
     """Compile every kernel for sm_90 at the benchmark's shape on any machine (no GPU: Triton's
-    ``warmup`` against a stand-in driver) and print ptxas' report, one line per kernel."""
+    ``warmup`` against a stand-in driver) and print ptxas' report, one line per kernel and
+    configuration (``--config``; ``--dtypes``)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("--inspect compiles for the GPU: unset TRITON_INTERPRET")
     import triton
@@ -105,35 +166,94 @@ def inspect_sm90(a) -> int:
     driver.set_active(_Sm90())
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     H, D, Hi, Di, S = a.heads, a.dim, a.index_heads, a.index_dim, 4096
+    configs = parse_configs(a.config) if a.config is not None else [{}]
     failed = 0
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in [getattr(torch, x) for x in a.dtypes.split(",") if x]:
         q = torch.empty(1, S, H, D, dtype=dtype)
         k = torch.empty(1, S, H, D, dtype=dtype)
         qi = torch.empty(1, S, Hi, Di, dtype=dtype)
         ki = torch.empty(1, S, Di, dtype=dtype)
         w = torch.empty(1, S, Hi, dtype=dtype)
-        cfg = tk.default_config(q.to("meta"), qi.to("meta"), S, interpret=False)
-        cfg = tk.IndexerKLConfig(**{**cfg.__dict__, **{f: v for f, v in (("block_m", a.block_m), ("block_n", a.block_n),
-                                                                          ("num_warps", a.num_warps)) if v}})
-        tk._WARMUP = []
-        try:
-            _, stats, rows = tk.indexer_kl_triton_forward(q, k, qi, ki, w, None, D ** -0.5, True, 1.0, cfg=cfg)
-            tk.indexer_kl_triton_backward(torch.ones(()), q, k, qi, ki, w, stats, rows, D ** -0.5, True, 1.0, cfg=cfg)
-            compiled = tk._WARMUP
-        finally:
-            tk._WARMUP = None
-        seen = set()
-        for name, ck in compiled:
-            if name in seen:
+        base = tk.default_config(q.to("meta"), qi.to("meta"), S, interpret=False)
+        base = tk.IndexerKLConfig(**{**base.__dict__, **{f: v for f, v in (("block_m", a.block_m),
+                                                                           ("block_n", a.block_n),
+                                                                           ("num_warps", a.num_warps)) if v}})
+        for fields in configs:
+            cfg = with_fields(base, fields)
+            tk._WARMUP = []
+            try:
+                _, stats, rows = tk.indexer_kl_triton_forward(q, k, qi, ki, w, None, D ** -0.5, True, 1.0, cfg=cfg)
+                tk.indexer_kl_triton_backward(torch.ones(()), q, k, qi, ki, w, stats, rows, D ** -0.5, True, 1.0,
+                                              cfg=cfg)
+                compiled = tk._WARMUP
+            except Exception as e:  # a configuration that does not compile (shared memory, a bad field)
+                print(f"inspect config={config_name(fields)} dtype={str(dtype).split('.')[-1]} failed: "
+                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
+                failed += 1
                 continue
-            seen.add(name)
-            rep = ptxas_report(ck.asm["ptx"], bindir)
-            spill = rep.get("spill_st", 0) + rep.get("spill_ld", 0)
-            failed += spill > 0
-            print(f"inspect kernel={name} dtype={str(dtype).split('.')[-1]} block_m={cfg.block_m} "
-                  f"block_n={cfg.dk_block_n if name == '_kl_dk_kernel' else cfg.block_n} warps={cfg.num_warps} stages={cfg.num_stages} regs={rep.get('regs', 0)} "
-                  f"spill={spill} smem={ck.metadata.shared} wgmma={int('wgmma' in ck.asm['ptx'])}", flush=True)
+            finally:
+                tk._WARMUP = None
+            seen = set()
+            for name, ck in compiled:
+                if name in seen:
+                    continue
+                seen.add(name)
+                rep = ptxas_report(ck.asm["ptx"], bindir)
+                spill = rep.get("spill_st", 0) + rep.get("spill_ld", 0)
+                failed += spill > 0
+                bm, bn = _tile(name, cfg)
+                print(f"inspect config={config_name(fields)} kernel={name} dtype={str(dtype).split('.')[-1]} "
+                      f"block_m={bm} block_n={bn} warps={ck.metadata.num_warps} stages={cfg.num_stages} "
+                      f"regs={rep.get('regs', 0)} spill={spill} smem={ck.metadata.shared} "
+                      f"wgmma={int('wgmma' in ck.asm['ptx'])}", flush=True)
     return 0
+
+
+def _tile(name, cfg):
+    """(rows, keys) of a kernel's tile under ``cfg`` (rows: the dots' rows, heads stacked)."""
+    if name == "_attn_lse_kernel":
+        return cfg.lse_block_m or cfg.block_m, cfg.block_n
+    if name == "_kl_dq_kernel":
+        return f"{cfg.dq_heads}x{cfg.dq_block_m or cfg.block_m}", cfg.dq_block_n or cfg.block_n
+    if name == "_kl_dk_kernel":
+        return f"{cfg.dk_heads}x{cfg.block_m}", cfg.dk_block_n
+    return cfg.block_m, cfg.block_n
+
+
+def _calls(dense_indexer_kl, tk, cfg, q, k, qi, ki, w, leaves, scale, lse):
+    """(fwd, fwd with lse, fwd+bwd -> (loss, grads)): through the public loss (``cfg`` None) or
+    the kernels called directly with ``cfg``."""
+    if cfg is None:
+        def fwd():
+            with torch.no_grad():
+                return dense_indexer_kl(q, k, qi, ki, w, scale=scale)
+
+        def fwd_lse():
+            with torch.no_grad():
+                return dense_indexer_kl(q, k, qi, ki, w, scale=scale, lse=lse)
+
+        def step():
+            for t in leaves:
+                t.grad = None
+            loss = dense_indexer_kl(q, k, *leaves, scale=scale)
+            loss.backward()
+            return loss.detach(), [t.grad.clone() for t in leaves]
+
+        return fwd, fwd_lse, step
+
+    def fwd():
+        return tk.indexer_kl_triton_forward(q, k, qi, ki, w, None, scale, True, 1.0, cfg=cfg)[0]
+
+    def fwd_lse():
+        return tk.indexer_kl_triton_forward(q, k, qi, ki, w, lse, scale, True, 1.0, cfg=cfg)[0]
+
+    def step():
+        loss, st, rs = tk.indexer_kl_triton_forward(q, k, qi, ki, w, None, scale, True, 1.0, cfg=cfg)
+        grads = tk.indexer_kl_triton_backward(torch.ones((), device=q.device), q, k, qi, ki, w, st, rs, scale, True,
+                                              1.0, cfg=cfg)
+        return loss, list(grads)
+
+    return fwd, fwd_lse, step
 
 
 def main(argv=None) -> int:
@@ -149,11 +269,17 @@ def main(argv=None) -> int:
     ap.add_argument("--block-m", type=int, default=0, help="override the launch config (0: default_config)")
     ap.add_argument("--block-n", type=int, default=0)
     ap.add_argument("--num-warps", type=int, default=0)
+    ap.add_argument("--config", default=None, help='IndexerKLConfig fields, "default;f=v,f=v;..." (see above)')
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="--inspect: the operand dtypes compiled")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--inspect", action="store_true", help="no GPU: compile the kernels for sm_90 and report")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script under TRITON_INTERPRET=1 "
                     "(tiny --seqs and heads), no meaningful times")
     a = ap.parse_args(argv)
+    try:
+        configs = parse_configs(a.config) if a.config is not None else None
+    except ValueError as e:
+        ap.error(f"--config: {e}")
     if a.inspect:
         return inspect_sm90(a)
     dev = a.device
@@ -210,37 +336,46 @@ def main(argv=None) -> int:
         run_lse = 1.0
         run_all = (3 * f_att + 6 * f_idx) / (f_att + 3 * f_idx)
         leaves = [t.clone().requires_grad_(True) for t in (qi, ki, w)]
-
-        def fwd():
-            with torch.no_grad():
-                return dense_indexer_kl(q, k, qi, ki, w, scale=scale)
-
         stats = tk.attention_stats_triton(q, k, scale, True)
         lse = stats[..., 0] + torch.log(stats[..., 1])
-
-        def fwd_lse():
-            with torch.no_grad():
-                return dense_indexer_kl(q, k, qi, ki, w, scale=scale, lse=lse)
-
-        def step():
-            for t in leaves:
-                t.grad = None
-            loss = dense_indexer_kl(q, k, *leaves, scale=scale)
-            loss.backward()
-            return loss
-
         rows = []
-        ms = time_ms(fwd, warmup, reps)
-        rows.append(("fwd", ms, floor_fwd, run_fwd, peak_extra_mib(fwd), ""))
-        ms = time_ms(fwd_lse, warmup, reps)
-        rows.append(("fwd, lse given", ms, floor_fwd, run_lse, peak_extra_mib(fwd_lse), ""))
-        ms = time_ms(step, warmup, reps)
-        mem = peak_extra_mib(step)
-        loss = step()
-        grads1 = [t.grad.clone() for t in leaves]
-        step()
-        same = all(torch.equal(x, t.grad) for x, t in zip(grads1, leaves))
-        rows.append(("fwd+bwd", ms, floor_all, run_all, mem, f"bitwise {'yes' if same else 'NO'}"))
+        first = None  # the first configuration's (loss, grads): each later one is compared with it
+        for fields in configs or [None]:
+            cfg = None if fields is None else with_fields(tk.default_config(q, qi, S), fields)
+            label = "" if fields is None else f" [{config_name(fields)}]"
+            fwd, fwd_lse, step = _calls(dense_indexer_kl, tk, cfg, q, k, qi, ki, w, leaves, scale, lse)
+            try:
+                ms = time_ms(fwd, warmup, reps)
+                rows.append(("fwd" + label, ms, floor_fwd, run_fwd, peak_extra_mib(fwd), ""))
+                ms = time_ms(fwd_lse, warmup, reps)
+                rows.append(("fwd, lse given" + label, ms, floor_fwd, run_lse, peak_extra_mib(fwd_lse), ""))
+                ms = time_ms(step, warmup, reps)
+                mem = peak_extra_mib(step)
+                loss, grads1 = step()
+                _, grads2 = step()
+            except Exception as e:  # a configuration that does not compile or launch (shared memory)
+                if fields is None:
+                    raise
+                msg = str(e).splitlines()[0] if str(e) else ""
+                rows.append(("fwd+bwd" + label, float("nan"), floor_all, run_all, float("nan"),
+                             f"failed: {type(e).__name__}: {msg[:120]}"))
+                continue
+            same = all(torch.equal(x, y) for x, y in zip(grads1, grads2))
+            note = f"bitwise {'yes' if same else 'NO'}"
+            if fields is not None:
+                outs = [loss.detach()] + grads1
+                if first is None:
+                    first = outs
+                else:
+                    rel = max(float((x.float() - y.float()).abs().max() / y.float().abs().max().clamp_min(1e-30))
+                              for x, y in zip(outs, first))
+                    note += f"; max diff from the first config {rel:.1e}"
+            if dev == "cuda":
+                note += "; kernels " + kernel_times(step)
+            rows.append(("fwd+bwd" + label, ms, floor_all, run_all, mem, note))
+            if fields is None:
+                last_loss = loss
+        loss = last_loss if configs is None else first[0] if first is not None else torch.tensor(float("nan"))
         if S <= a.dense_max:
             try:
                 dense = megatron_dense_kl(q, k, qi, ki, w, scale)

@@ -124,6 +124,66 @@ def test_backward_in_chunks():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+# launch configurations beside the interpreter's default: the GPU default's paths (stacked
+# heads in the query gradient, the key-major key gradient, 4 head groups, the loops' own
+# pipeline depths, which the interpreter only parses), stacked heads (2
+# and 4, with the fallback to one head where they do not divide: Hi=3) in both gradients,
+# the query gradient's own tiles (a 32-row tile over 16-row chunks straddles each chunk's
+# end), the lse pass's tile, and the previous code paths (chained attention dots, causally
+# masked dI loads)
+CONFIGS = [
+    dict(dq_heads=2, dk_trans=1, dk_head_split=4, lse_block_m=32, head_stages=4, attn_stages=3, grad_stages=3),
+    dict(dq_heads=4, dq_block_m=8, dq_block_n=32, dk_heads=2, dk_block_n=16),
+    dict(dq_block_m=32, chunk_rows=16, dk_heads=2, dk_trans=1, lse_block_m=32, lse_num_warps=2),
+    dict(attn_chain=1, di_zeroed=0, dq_heads=2, dq_block_m=32, chunk_rows=16, dk_trans=1),
+    dict(attn_chain=1, di_zeroed=0),
+]
+
+
+def tied_inputs(seed, **kw):
+    """make_inputs with ties: index head 0 all zeros (a = 0 exactly: relu's kink, [a > 0] = 0),
+    keys 1 and 2 of the indexer equal (tied index scores), attention keys 3 and 4 equal."""
+    q, k, qi, ki, w = make_inputs(seed, **kw)
+    qi[:, :, 0] = 0.0
+    ki[:, 2] = ki[:, 1]
+    k[:, 4] = k[:, 3]
+    return q, k, qi, ki, w
+
+
+@pytest.mark.parametrize("fields", range(len(CONFIGS)))
+def test_launch_configs(fields):
+    """Each configuration against float64 (masked rows: S=21 leaves a partial tile, D=Di=12
+    masked head dims; masked keys: causal, and T > S; ties), bitwise repeatable, and within
+    fp32 rounding of the default's; the first also where Hi=3 takes the one-head fallback."""
+    cases = [(dict(S=21, D=12, Di=12, Hi=4), True), (dict(S=12, T=29, H=2, Hk=1, Hi=4), False)]
+    if fields == 0:
+        cases.append((dict(S=21, H=2, Hi=3), True))
+    for i, (case, causal) in enumerate(cases):
+        seed = fresh_seed(f"indexer_kl config {fields} #{i}")
+        q, k, qi, ki, w = tied_inputs(seed, **case)
+        scale = q.shape[-1] ** -0.5
+        base = tk.default_config(q, qi, k.shape[1])
+        cfg = tk.IndexerKLConfig(**{**base.__dict__, **CONFIGS[fields]})
+        out = run_path("triton", q, k, qi, ki, w, scale, causal, 0.7, cfg=cfg)
+        check_against_float64(out, q, k, qi, ki, w, scale, causal, 0.7)
+        if i == 0:
+            again = run_path("triton", q, k, qi, ki, w, scale, causal, 0.7, cfg=cfg)
+            assert all(torch.equal(x, y) for x, y in zip(out, again))
+            for x, y in zip(out, run_path("triton", q, k, qi, ki, w, scale, causal, 0.7, cfg=base)):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_launch_config():
+    q, k, qi, ki, w = make_inputs(0, B=1, S=8, H=2, Hk=2, Hi=2)
+    base = tk.default_config(q, qi, 8)
+    for change, msg in ((dict(dq_heads=3), "dq_heads must be a power of two, got 3"),
+                        (dict(dq_block_n=24), "dq_block_n must be 0 .* or a power of two, got 24"),
+                        (dict(block_m=16, chunk_rows=40), "chunk_rows 40 is not a multiple of block_m 16")):
+        with pytest.raises(SpecError, match=msg):
+            tk.indexer_kl_triton_forward(q, k, qi, ki, w, None, 0.3, True, 1.0,
+                                         cfg=tk.IndexerKLConfig(**{**base.__dict__, **change}))
+
+
 @pytest.mark.parametrize("path", ["reference", "triton"])
 def test_supplied_lse(path):
     """The attention's own lse, when given, is what the target reads (within fp32 rounding of
@@ -244,14 +304,15 @@ def test_compiles():
         assert torch.equal(a, b)
 
 
-def check_kernels_at(device, dtype, S, H, D, Hi, Di, chunk_rows):
-    """The kernels (one backward chunk and several) against float64, bitwise repeatable, and
-    the op's path on ``device`` the same bits as the kernels called directly."""
+def check_kernels_at(device, dtype, S, H, D, Hi, Di, chunk_rows, fields=None):
+    """The kernels (one backward chunk and several, with ``fields`` over the default config)
+    against float64, bitwise repeatable, and the op's path on ``device`` the same bits as the
+    kernels called directly."""
     seed = fresh_seed(f"indexer_kl {device} {dtype} S={S}")
     q, k, qi, ki, w = (t.to(device) for t in make_inputs(seed, B=1, S=S, H=H, Hk=H, D=D, Hi=Hi, Di=Di, dtype=dtype))
     scale = D ** -0.5
     base = tk.default_config(q, qi, S)
-    cfg = tk.IndexerKLConfig(**{**base.__dict__, "chunk_rows": chunk_rows})
+    cfg = tk.IndexerKLConfig(**{**base.__dict__, **(fields or {}), "chunk_rows": chunk_rows})
     outs = [run_path("triton", q, k, qi, ki, w, scale, True, 1.0, cfg=cfg) for _ in range(2)]
     for a, b in zip(*outs):
         assert torch.equal(a, b)
@@ -285,6 +346,23 @@ def test_gpu_moderate_shape(dtype):
     check_kernels_at("cuda", dtype, S=640, H=8, D=192, Hi=8, Di=128, chunk_rows=256)
 
 
+# the configuration before the 8-warp default changed, and the alternatives the benchmark compares
+GPU_CONFIGS = [
+    dict(dq_heads=1, dq_block_n=0, dk_heads=1, dk_trans=0, dk_block_n=64, dk_head_split=4, lse_block_m=0,
+         attn_chain=1, di_zeroed=0, head_stages=0, grad_stages=0),
+    dict(attn_stages=3),
+    dict(dq_heads=4, dq_block_m=32, dk_trans=0, dk_heads=2, dk_block_n=64, dk_head_split=4),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fields", range(len(GPU_CONFIGS)))
+def test_gpu_launch_configs(fields):
+    """The compiled kernels under the benchmark's other configurations (bf16, DSA-like head dims)."""
+    check_kernels_at("cuda", torch.bfloat16, S=640, H=8, D=192, Hi=8, Di=128, chunk_rows=256,
+                     fields=GPU_CONFIGS[fields])
+
+
 def test_benchmark_script_runs(tmp_path):
     """benchmarks/bench_indexer_kl.py end to end at a toy shape (its CPU smoke mode)."""
     import importlib.util
@@ -295,9 +373,19 @@ def test_benchmark_script_runs(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_indexer_kl", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(["--device", "cpu", "--seqs", "32", "--heads", "2", "--dim", "16", "--index-heads", "2",
-                     "--index-dim", "16", "--reps", "1", "--out", str(tmp_path)]) == 0
+    args = ["--device", "cpu", "--seqs", "32", "--heads", "2", "--dim", "16", "--index-heads", "2",
+            "--index-dim", "16", "--reps", "1", "--out", str(tmp_path)]
+    assert mod.main(args) == 0
     res = json.loads((tmp_path / "bench_indexer_kl.json").read_text())["results"]
     assert [r["call"] for r in res] == ["fwd", "fwd, lse given", "fwd+bwd", "dense original fwd"]
     assert "bitwise yes" in res[2]["note"]
     assert float(res[3]["note"].split()[-1]) < 1e-5
+    # configurations side by side: each labelled, the later ones compared with the first
+    assert mod.main(args + ["--config", "default;dq_heads=2,dk_heads=2", "--dense-max", "0"]) == 0
+    res = json.loads((tmp_path / "bench_indexer_kl.json").read_text())["results"]
+    assert [r["call"] for r in res] == [f"{c} [{n}]" for n in ("default", "dq_heads=2,dk_heads=2")
+                                        for c in ("fwd", "fwd, lse given", "fwd+bwd")]
+    assert "bitwise yes" in res[2]["note"] and "first config" not in res[2]["note"]
+    assert float(res[5]["note"].split("first config ")[1].split(";")[0]) < 1e-5
+    with pytest.raises(SystemExit):
+        mod.main(args + ["--config", "dq_heads=two"])

@@ -243,3 +243,28 @@ def test_mask_kernels_compile_for_sm90(tmp_path):
     assert stages["range_add_finfo"] == stages["range_fill_finfo"] == 3 and min(stages.values()) >= 2, stages
     # DSA's additive -inf mask (skipping waits for the launch's finite flag): the same as the fill
     assert stages["range_add_inf"] == 3 and shared["range_add_inf"] == shared["range_fill_finfo"], (shared, stages)
+
+
+@needs_ptxas
+def test_indexer_kl_kernels_compile_for_sm90(tmp_path):
+    """The dense indexer KL loss's five kernels (benchmarks/bench_indexer_kl.py --inspect, bf16,
+    the DSA shape) under the default launch configuration and the previous one, which the
+    benchmark compares it with: every kernel builds, on the tensor cores, without spills and
+    within one block's 227 KiB of shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    previous = ("dq_heads=1,dq_block_n=0,dk_heads=1,dk_trans=0,dk_block_n=64,dk_head_split=4,lse_block_m=0,"
+                "attn_chain=1,di_zeroed=0,head_stages=0,grad_stages=0")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_indexer_kl.py"), "--inspect",
+                          "--dtypes", "bfloat16", "--config", f"default;{previous}"],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    rows = [dict(kv.split("=", 1) for kv in ln.split()[1:] if "=" in kv) for ln in out.stdout.splitlines()
+            if ln.startswith("inspect ")]
+    kernels = {"_attn_lse_kernel", "_kl_fwd_kernel", "_kl_dI_kernel", "_kl_dq_kernel", "_kl_dk_kernel"}
+    for config in ("default", previous):
+        got = {r["kernel"]: r for r in rows if r.get("config") == config and "kernel" in r}
+        assert set(got) == kernels, (config, out.stdout)
+        for name, r in got.items():
+            assert r["wgmma"] == "1" and r["spill"] == "0", (config, name, r)
+            assert 0 < int(r["regs"]) <= 255 and int(r["smem"]) <= 232448, (config, name, r)
