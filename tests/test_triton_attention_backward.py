@@ -484,6 +484,29 @@ def test_gpu_bf16_folded_latent_gradient_matches_float64(H):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_key_side_passes_keep_the_bits_at_the_latent():
+    # the compiled kernels at the HF V3.2 latent (H = 16, 576 = 512 + 64, v = k[..., :512]):
+    # the key side in one pass, in three of 192 features (the default at 864 rows a chunk),
+    # and in nine of 64, over chunks of 48 rows: the same bits
+    H, Hk, D, Dv = 16, 1, 576, 512
+    B, S, T, K = 1, 160, 512, 256
+    seed = fresh_seed("bwd gpu key passes")
+    q, k, _, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, torch.bfloat16, v_of_k=True)
+    q, k, idx = q.cuda(), k.cuda(), idx.cuda()
+    v = k[..., :Dv]
+    hi = (torch.arange(S, device="cuda") + (T - S) + 1).view(1, S)
+    spec = _spec(D, torch.bfloat16, [MaskTerm(kind="range", hi=0)])
+    out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json())
+    go = torch.randn_like(out)
+    chunk = 48 * (K * (4 * D + 2 * H * 2 + 16) + 4 * H)
+    runs = [attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=True, chunk_bytes=chunk,
+                                      keys_bytes=kb) for kb in (1 << 40, 4 * 48 * K * 192, 1)]
+    for r in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], r))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_grid_order_prefetch_and_run_grid_keep_the_bits():
     # the compiled kernels at the latent's H = 128: program order and index prefetch change
     # no bits; the pipelined kernel-1 configuration (16-slot tiles, 3 stages) is within the rule
