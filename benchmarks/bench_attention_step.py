@@ -166,6 +166,20 @@ def run_row(args) -> dict:
         row["step ms"] = round(statistics.median(times), 1)
         row["peak GiB"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2) if device == "cuda" else ""
         progress(f"step {row['step ms']} ms, peak {row['peak GiB']} GiB, attn op calls {row['attn op calls']}")
+        if args.mem_breakdown and device == "cuda":
+            # one more step with the allocator's history on: what is live at its peak
+            model.zero_grad(set_to_none=True)
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+            compiled(ids)
+            sync()
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            rows_at_peak = peak_breakdown(snap, args.mem_breakdown)
+            progress(f"peak of that step {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated in all; "
+                     f"the {len(rows_at_peak)} largest live at the peak:")
+            for size, at in rows_at_peak:
+                print(f"    {size / 2**30:8.3f} GiB  {at}", flush=True)
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
@@ -191,6 +205,45 @@ def run_row(args) -> dict:
         row["step ms"] = "OOM"
         progress("out of memory")
     return row
+
+
+def peak_breakdown(snapshot: dict, top: int = 25) -> list:
+    """The ``top`` largest allocations live at the peak of a CUDA allocator trace
+    (``torch.cuda.memory._snapshot()`` taken with history recorded), each as (bytes, where):
+    where is the first Python frame of the allocation's stack in hyscale, Inductor's
+    generated code or transformers (else its innermost frame)."""
+    traces = [t for t in snapshot.get("device_traces", []) if t]
+    if not traces:
+        return []
+    trace = max(traces, key=len)
+
+    def replay(stop=None):
+        live, cur, peak, at = {}, 0, 0, -1
+        for i, ev in enumerate(trace):
+            if stop is not None and i > stop:
+                break
+            if ev["action"] == "alloc":
+                live[ev["addr"]] = ev
+                cur += ev["size"]
+            elif ev["action"] in ("free_requested", "free_completed") and ev["addr"] in live:
+                cur -= live.pop(ev["addr"])["size"]
+            if cur > peak:
+                peak, at = cur, i
+        return live, peak, at
+
+    _, peak, at = replay()
+    live, _, _ = replay(at)
+
+    def where(ev):
+        frames = ev.get("frames") or []
+        for f in frames:
+            name = f.get("filename", "")
+            if any(x in name for x in ("hyscale", "torchinductor", "transformers", "bench_")):
+                return f"{os.path.basename(name)}:{f.get('line')} {f.get('name')}"
+        return f"{os.path.basename(frames[0]['filename'])}:{frames[0].get('line')} {frames[0].get('name')}" \
+            if frames else "?"
+
+    return [(ev["size"], where(ev)) for ev in sorted(live.values(), key=lambda e: -e["size"])[:top]]
 
 
 def table(rows) -> str:
@@ -239,6 +292,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default=None, help="default: hyscale on CUDA, hyscale_debug on the CPU")
     ap.add_argument("--tiny", action="store_true", help="a CPU-sized model (hidden 64, k 8)")
     ap.add_argument("--cpu", action="store_true", help="with --tiny: run on the CPU even where CUDA is present")
+    ap.add_argument("--mem-breakdown", type=int, default=0, metavar="N",
+                    help="CUDA: after the timed calls, one more step with the allocator's history recorded; "
+                         "print the N largest allocations live at its peak, with the code that made each")
     ap.add_argument("--append", default=None, help="append the row (JSON) to this file and print its table")
     ap.add_argument("--quiet-table", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--sweep", action="store_true", help="run every (--seqs, --modes, on/off) row, one process each")

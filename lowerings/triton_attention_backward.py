@@ -30,7 +30,11 @@ generated kernels and the key-major segment sum, per chunk of query rows:
    dK / dV with fp32 ``tl.atomic_add``: the opt-in variant, not bitwise reproducible).
    Where v is a view of k (the latent) and the caller folds (``fold_v``), one launch gives
    C_k + C_v (the values' part added onto the keys' in the same fp32 accumulator at the
-   first Dv features): one [Hk, n, K, D] buffer, not D + Dv wide. The programs of one
+   first Dv features): one [Hk, n, K, D] buffer, not D + Dv wide. Where a chunk's
+   contributions would pass ``DEFAULT_KEYS_BYTES`` (3.8 GiB at the HF V3.2 latent, H = 16:
+   864 rows x 2048 slots x 576 fp32), kernel 2 and the segment sum run in passes over
+   feature slices of whole feature blocks (``keys_feature_width``), through one buffer of
+   the slice's width: the same tiles, the same bits. The programs of one
    (row, slot block) run next to each other (``f_first``), so the weight tile the feature
    blocks share is read from memory once.
 3. ``attention_backward``'s segment sum: each key's contributions added in (row, slot) order
@@ -267,14 +271,46 @@ def backward_chunk_rows(device: torch.device, K: int, H: int, Hk: int, D: int, D
     return step - step % 16 if 16 <= step < rows else step
 
 
+# Bytes of the key side's fp32 per-slot contributions buffer, [Hk, rows per chunk, K, width]:
+# where a chunk's whole feature width would take more, the key-side reduction runs in
+# passes over feature slices (``keys_feature_width``). Kernel 1's chunk of rows is
+# ``backward_chunk_rows``'s either way.
+DEFAULT_KEYS_BYTES = {"cuda": 1 << 30}
+if "HYSCALE_ATTN_KEYS_BYTES" in os.environ:
+    DEFAULT_KEYS_BYTES = {"cuda": int(os.environ["HYSCALE_ATTN_KEYS_BYTES"]),
+                          "cpu": int(os.environ["HYSCALE_ATTN_KEYS_BYTES"])}
+
+
+def keys_feature_width(device: torch.device, step: int, K: int, Hk: int, F: int, block_f: int,
+                       keys_bytes: int = None) -> int:
+    """Features per pass of the key-side reduction (kernel 2 and the segment sum) of an
+    F-wide gradient: all F where its fp32 contributions [Hk, step, K, F] fit ``keys_bytes``
+    (default ``DEFAULT_KEYS_BYTES``, on the CPU unbounded), else the fewest passes that fit,
+    each a whole number of kernel 2's ``block_f`` feature blocks: every pass then computes
+    the same tiles as one pass would, and each feature's sum is its own (row, slot) ordered
+    sum, so the bits do not depend on the passes. At the latent's H = 16 (F = 576, 864 rows
+    of K = 2048): 3.8 GiB in one pass, 1.27 GiB in three of 192.
+    A function of the shapes and the device type only."""
+    if keys_bytes is None:
+        keys_bytes = DEFAULT_KEYS_BYTES.get(device.type)
+    full = 4 * Hk * step * max(1, K) * F
+    if keys_bytes is None or full <= keys_bytes or F <= block_f:
+        return F
+    tiles = -(-F // block_f)
+    passes = min(tiles, -(-full // max(1, keys_bytes)))
+    return -(-tiles // passes) * block_f
+
+
 def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tensor], out, lse, spec: AttentionSpec,
                               needs=(True, True, True), atomic: bool = False, chunk_bytes: int = None,
-                              config: Optional[BackwardConfig] = None, fold_v: bool = False, _launcher=None):
+                              config: Optional[BackwardConfig] = None, fold_v: bool = False, keys_bytes: int = None,
+                              _launcher=None):
     """(gq, gk, gv) in the operands' dtypes, as ``attention_backward.attention_backward``
     (an input that needs no gradient gets an empty tensor; ``fold_v`` as there: where v is a
     view of k's first columns, one [Hk, n, K, D] contribution per slot, C_k + C_v added in
     kernel 2, and one segment sum). CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
-    ``atomic``: dK / dV by fp32 atomics (not reproducible).
+    ``atomic``: dK / dV by fp32 atomics (not reproducible). ``keys_bytes``: the key side's
+    contributions buffer (``keys_feature_width``; the same bits whatever it is).
     ``_launcher(kernel, args, launch)`` replaces the launches of the first chunk and the
     call returns their results (an offline sm_90 build: ``bench_attention_backward --inspect``)."""
     from .attention_backward import check_backward_operands, key_order, run_starts, v_is_view_of_k
@@ -306,30 +342,44 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
                                    v_from_k=v_from_k)
     fold = fold_v and needs[1] and needs[2] and v_is_view_of_k(k, v)
     gq = torch.zeros(q.shape, dtype=q.dtype, device=device) if needs[0] else q.new_empty(0)
-    gk = torch.zeros((B, T, Hk, D), dtype=f32, device=device) if needs[1] else None
-    gv = torch.zeros((B, T, Hk, Dv), dtype=f32, device=device) if needs[2] and not fold else None
+    rows = B * S
+    step = backward_chunk_rows(device, K, H, Hk, D, Dv, esize, rows, chunk_bytes, fold=fold)
+    # the fp32 key-side sums of each gradient, one per pass over a feature slice (first
+    # feature, [B * T, Hk, width]; ``keys_feature_width``): one pass sums into the whole [B, T,
+    # Hk, F] gradient; the atomic variant adds straight into it, in one pass
+    sums = {}
+    for part, F, wanted in (("k", D, needs[1]), ("v", Dv, needs[2] and not fold)):
+        if wanted:
+            w = F if atomic else keys_feature_width(device, step, K, Hk, F, cfg.keys_block_f, keys_bytes)
+            sums[part] = [(f0, torch.zeros((B * T, Hk, min(w, F - f0)), dtype=f32, device=device))
+                          for f0 in range(0, F, w)]
+
+    def assembled(part, like):
+        if len(sums[part]) == 1:
+            return sums[part][0][1].view(like.shape).to(like.dtype)
+        full = torch.empty(like.shape, dtype=like.dtype, device=device)
+        for f0, a in sums[part]:
+            full[..., f0:f0 + a.shape[-1]].copy_(a.view(*like.shape[:3], a.shape[-1]))
+        return full
 
     def result():
         gv_out = torch.zeros(v.shape, dtype=v.dtype, device=device) if fold else (
-            gv.to(v.dtype) if needs[2] else v.new_empty(0))
-        return gq, gk.to(k.dtype) if needs[1] else k.new_empty(0), gv_out
+            assembled("v", v) if needs[2] else v.new_empty(0))
+        return gq, assembled("k", k) if needs[1] else k.new_empty(0), gv_out
 
     if K == 0 or B * S * H == 0 or not any(needs):
         return result()
     rows_fn, keys_fn, dq_fn = load_backward_kernels(spec, len(masks))
     fused_dq = cfg.fused_dq and needs[0]
     mask_args = _mask_launch_args(spec, masks, B, S, T, device)
-    rows = B * S
-    step = backward_chunk_rows(device, K, H, Hk, D, Dv, esize, rows, chunk_bytes, fold=fold)
     pbuf = torch.empty((step, H, K), dtype=cd, device=device)
     gbuf = torch.empty((step, H, K), dtype=cd, device=device)
     lbuf = torch.empty((step, H), dtype=f32, device=device)
-    cbuf = {}
     if not atomic:
-        if needs[1]:
-            cbuf["k"] = torch.empty((Hk, step, K, D), dtype=f32, device=device)
-        if needs[2] and not fold:
-            cbuf["v"] = torch.empty((Hk, step, K, Dv), dtype=f32, device=device)
+        # one contributions buffer for every pass of both parts: a pass's segment sum has read
+        # it before the next pass's kernel 2 writes it (stream order)
+        width = max((a.shape[-1] for ps in sums.values() for _, a in ps), default=0)
+        cbuf = torch.empty(Hk * step * K * width, dtype=f32, device=device)
         idx_flat = idx.reshape(rows, K)
     dq_arg = gq if needs[0] else q  # (not written without NEED_DQ)
     nblk = -(-G // cfg.block_h)
@@ -359,35 +409,39 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
                      F_FIRST=cfg.f_first, num_warps=4, num_stages=2))
         order = None
         if fold:  # the values' part rides in the keys' launch: one contribution per slot
-            parts = (("k", gbuf, q, D, gk, pbuf, grad_out, Dv),)
+            parts = (("k", gbuf, q, pbuf, grad_out, Dv),)
         else:
-            parts = (("k", gbuf, q, D, gk, gbuf, q, 0), ("v", pbuf, grad_out, Dv, gv, pbuf, grad_out, 0))
-        for part, src, x, F, acc, src2, x2, F2 in parts:
-            if acc is None:
-                continue
-            grid = (n * Hk, -(-K // cfg.keys_block_n), -(-F // cfg.keys_block_f))
-            if cfg.f_first:
-                grid = (grid[0] * grid[1] * grid[2],)
-            if atomic:
-                dst, dst_strides = acc, acc.stride()
-            else:
-                buf = cbuf[part]
-                # [Hk, n, K, F] read as (row, slot, head, feature) strides
-                dst, dst_strides = buf, (buf.stride(1), buf.stride(2), buf.stride(0), buf.stride(3))
-            launch(keys_fn, grid, [src, lbuf, x, src2, x2, idx, dst, *x.stride(), *x2.stride(), *idx.stride(),
-                                   *dst_strides, r0, S, G, Hk, K, F, F2],
-                   dict(BLOCK_G=cfg.keys_block_g, BLOCK_N=cfg.keys_block_n, BLOCK_F=cfg.keys_block_f,
-                        ATOMIC=atomic, FOLD=fold, F_FIRST=cfg.f_first, num_warps=cfg.keys_num_warps,
-                        num_stages=cfg.keys_num_stages))
-            if not atomic and _launcher is None:
-                if order is None:
-                    # keys of the flattened (b, t): a key belongs to one batch, so (row, slot)
-                    # order is each key's order; one key-major inversion for both parts
-                    bt = (torch.arange(r0, r0 + n, device=device) // S * T).view(n, 1)
-                    order = key_order((idx_flat[r0:r0 + n].long() + bt).reshape(-1), bound=B * T)
-                    runs = run_starts(order[0], B * T) if cfg.runs_grid else None
-                src = cbuf[part][:, :n].reshape(Hk, n * K, F)  # a view unless Hk > 1 in the last chunk
-                segment_sum_sorted_(acc.view(B * T, Hk, F), order, src, runs)
+            parts = (("k", gbuf, q, gbuf, q, 0), ("v", pbuf, grad_out, pbuf, grad_out, 0))
+        for part, src, x, src2, x2, F2 in parts:
+            for f0, acc in sums.get(part, ()):
+                # features [f0, f0 + F) of this part: x and x2 read from f0 on, the values'
+                # part (fold) on the features below F2 of the whole
+                F, F2p = acc.shape[-1], max(0, min(acc.shape[-1], F2 - f0))
+                xs, x2s = x[..., f0:], (x2[..., f0:] if F2p else x2)
+                grid = (n * Hk, -(-K // cfg.keys_block_n), -(-F // cfg.keys_block_f))
+                if cfg.f_first:
+                    grid = (grid[0] * grid[1] * grid[2],)
+                if atomic:
+                    dst = acc.view(B, T, Hk, F)
+                    dst_strides = dst.stride()
+                else:
+                    dst = cbuf[:Hk * step * K * F].view(Hk, step, K, F)
+                    # [Hk, n, K, F] read as (row, slot, head, feature) strides
+                    dst_strides = (dst.stride(1), dst.stride(2), dst.stride(0), dst.stride(3))
+                launch(keys_fn, grid, [src, lbuf, xs, src2, x2s, idx, dst, *xs.stride(), *x2s.stride(),
+                                       *idx.stride(), *dst_strides, r0, S, G, Hk, K, F, F2p],
+                       dict(BLOCK_G=cfg.keys_block_g, BLOCK_N=cfg.keys_block_n, BLOCK_F=cfg.keys_block_f,
+                            ATOMIC=atomic, FOLD=fold, F_FIRST=cfg.f_first, num_warps=cfg.keys_num_warps,
+                            num_stages=cfg.keys_num_stages))
+                if not atomic and _launcher is None:
+                    if order is None:
+                        # keys of the flattened (b, t): a key belongs to one batch, so (row, slot)
+                        # order is each key's order; one key-major inversion for every pass
+                        bt = (torch.arange(r0, r0 + n, device=device) // S * T).view(n, 1)
+                        order = key_order((idx_flat[r0:r0 + n].long() + bt).reshape(-1), bound=B * T)
+                        runs = run_starts(order[0], B * T) if cfg.runs_grid else None
+                    srcs = dst[:, :n].reshape(Hk, n * K, F)  # a view unless Hk > 1 in the last chunk
+                    segment_sum_sorted_(acc, order, srcs, runs)
         if _launcher is not None:
             return built
     return result()

@@ -70,6 +70,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .canonicalize import Unsupported, shape_of, val
+from .partition import tag_recompute
 
 aten = torch.ops.aten
 
@@ -507,12 +508,26 @@ def absorb(em, q: fx.Node, k: fx.Node, v: fx.Node) -> Absorbed:
     wv = _head_weight(em, lt, lt.o_v, lt.Dv, [1, 0, 2])  # [H, R, Dv]
     qp, wk = _common_dtype(em, qp, wk)
     qh = _per_head(em, qp, H, B, S)
-    qa = _from_heads(em, em.call(aten.bmm.default, [qh, wk]), H, B, S)
+    bmm = em.call(aten.bmm.default, [qh, wk])
+    qa = _from_heads(em, bmm, H, B, S)
     qa, qr = _common_dtype(em, qa, qr)
     qa, kl = _common_dtype(em, qa, kl)
     if val(kl).dtype != val(vl).dtype:
         vl = em.call(aten.slice.Tensor, [kl, 3, 0, R])
     qc = em.call(aten.cat.default, [[qa, qr], -1])
+    # The absorbed query [B, S, H, R + Dr] is the op's widest operand (576 per head against
+    # q's 192 at DeepSeek's shape): the backward recomputes it (one bmm and a copy, the same
+    # bits) from q_pass per head, which dW_kb's gradient saves anyway, and q_rot, rather
+    # than keeping it from the forward.
+    chain, stack = set(), [qc]
+    while stack:
+        n = stack.pop()
+        if n not in chain and n in em.created:
+            chain.add(n)
+            if n is not bmm:
+                stack.extend(a for a in n.all_input_nodes if a is not qr)
+    for n in chain:
+        tag_recompute(n)
     return Absorbed(q=qc, k=kl, v=vl, latent=lt, B=B, S=S, why=why, q_canon=q, q_heads=qh, w_k=wk, w_v=wv,
                     lat=lat, rot=rot, rot_src=rot_src)
 

@@ -54,6 +54,25 @@ def tag_attention(call: fx.Node) -> None:
     tag_saved(call)
 
 
+def tag_recompute(node: fx.Node) -> None:
+    """MUST_RECOMPUTE on a node a pass inserted whose output is cheap to rebuild in the
+    backward and wide to keep (the MLA form's absorbed query). Under a memory budget below
+    1 the knapsack chooses what to recompute itself and the tag is dropped
+    (``HyScalePartitioner``): there, a graph whose only matmul is so tagged leaves the
+    knapsack no candidate, and its shortcut then saves the attention op's output tuple
+    (which AOTAutograd rejects)."""
+    node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    node.meta["hyscale_recompute"] = True
+
+
+def _drop_recompute_tags(gm: fx.GraphModule) -> None:
+    for m in gm.modules():
+        if isinstance(m, fx.GraphModule):
+            for n in m.graph.nodes:
+                if n.meta.pop("hyscale_recompute", False) and n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
+                    del n.meta["recompute"]
+
+
 def has_selection(gm: fx.GraphModule) -> bool:
     """A selection op in ``gm`` or in any subgraph it calls (invoke_subgraph regions)."""
     ops = selection_ops()
@@ -97,6 +116,10 @@ class HyScalePartitioner(CustomPartitionerFn):
             if isinstance(n.meta.get("memory_budget"), float):
                 budget = n.meta["memory_budget"]
                 break
+        region = getattr(torch._functorch.partitioners, "_get_memory_budget_annotation", None)
+        regions = [b for b in map(region, gm.graph.nodes) if b is not None] if region is not None else []
+        if min([budget, *regions]) < 1:
+            _drop_recompute_tags(gm)
         if budget == 0 and has_selection(gm):
             for n in gm.graph.nodes:
                 if n.meta.get("memory_budget") == 0:

@@ -528,3 +528,28 @@ def test_training_absorbed_through_scaled_keys(dtype):
     """The same in training: the absorbed backward, every gradient within the rule."""
     cap, recs = check_training(fresh_seed(f"mla_training_scaled_keys[{dtype}]"), dtype, scale=SQRT_SCALE)
     assert_absorbed_training(cap, recs)
+
+
+
+def test_training_saves_no_absorbed_query():
+    """The absorbed query [B, S, H, R + Dr] is the op's widest operand (576 per head against
+    q's 192 at DeepSeek's shape; 2.25 GiB a layer at S = 128K with 16 heads): the forward
+    saves q (the bmm's input, which dW_kb reads anyway), and the backward recomputes the
+    absorbed query (one bmm and a cat) for the backward op."""
+    args = make_inputs(fresh_seed("mla_saved_query"))
+    g = torch.randn(2, 16, 4, 16, generator=torch.Generator().manual_seed(1))
+    fn, cap = compiled(mla_model)
+    out, grads = grads_of(fn, args, g)
+    orig, ograds = grads_of(mla_model, args, g)
+    for x, o in zip([out, *grads], [orig, *ograds]):
+        torch.testing.assert_close(x, o, rtol=1e-5, atol=1e-5)
+    (fw,) = [gm for k, gm in cap if k == "forward"]
+    (op,) = [n for n in fw.graph.nodes if n.target is OP]
+    saved = [a for a in fw.graph.output_node().args[0] if isinstance(a, torch.fx.Node)]
+    assert op.args[0] not in saved
+    shapes = [tuple(a.meta["val"].shape) for a in saved if isinstance(a.meta.get("val"), torch.Tensor)]
+    assert (2, 16, 4, 32 + 8) not in shapes, shapes
+    (bw,) = [gm for k, gm in cap if k == "backward"]
+    (bop,) = [n for n in bw.graph.nodes if n.target is torch.ops.hyscale.sparse_attention_backward.default]
+    assert bop.args[1].target is aten.cat.default, bop.args[1].format_node()
+    assert aten.bmm.default in {n.target for n in bw.graph.nodes if n.op == "call_function"}

@@ -488,6 +488,29 @@ def test_gpu_bf16_folded_latent_gradient_matches_float64(H):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_key_side_passes_keep_the_bits_at_the_latent():
+    # the compiled kernels at the HF V3.2 latent (H = 16, 576 = 512 + 64, v = k[..., :512]):
+    # the key side in one pass, in three of 192 features (the default at 864 rows a chunk),
+    # and in nine of 64, over chunks of 48 rows: the same bits
+    H, Hk, D, Dv = 16, 1, 576, 512
+    B, S, T, K = 1, 160, 512, 256
+    seed = fresh_seed("bwd gpu key passes")
+    q, k, _, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, torch.bfloat16, v_of_k=True)
+    q, k, idx = q.cuda(), k.cuda(), idx.cuda()
+    v = k[..., :Dv]
+    hi = (torch.arange(S, device="cuda") + (T - S) + 1).view(1, S)
+    spec = _spec(D, torch.bfloat16, [MaskTerm(kind="range", hi=0)])
+    out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json())
+    go = torch.randn_like(out)
+    chunk = 48 * (K * (4 * D + 2 * H * 2 + 16) + 4 * H)
+    runs = [attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=True, chunk_bytes=chunk,
+                                      keys_bytes=kb) for kb in (1 << 40, 4 * 48 * K * 192, 1)]
+    for r in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], r))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_grid_order_prefetch_and_run_grid_keep_the_bits():
     # the compiled kernels at the latent's H = 128: program order and index prefetch change
     # no bits; the pipelined kernel-1 configuration (16-slot tiles, 3 stages) is within the rule
@@ -530,3 +553,47 @@ def test_atomic_variant_is_not_bitwise_stable_there():
     # from run to run (4096 adds onto each of 64 keys, in the order the programs land)
     d = _digests("atomic", 6)  # six repeats of the MQA shape, then six of the per-head one
     assert len(set(d[:6])) > 1 or len(set(d[6:])) > 1, d
+
+
+def test_key_side_passes_keep_the_bits_and_bound_the_buffer():
+    # the key side (kernel 2 and the segment sum) in passes over feature slices, each a whole
+    # number of kernel 2's feature blocks (16 under the interpreter): the same tiles and the
+    # same (row, slot) ordered sum per feature, so the same bits, from a contributions buffer
+    # of the pass's width (D = 24: passes of 16 and 8; D = 40, Dv = 24 per head: 16, 16, 8)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hyscale_compile.lowerings.triton_attention_backward import backward_chunk_rows, keys_feature_width
+
+    class Empties(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.empty.memory_format and out.dtype == torch.float32 and out.dim() == 1:
+                self.flat.append(out.numel())
+            return out
+
+    for form, fold, D, Dv in (("mqa", True, 24, 16), ("mqa", False, 24, 16), ("per_head", False, 40, 24)):
+        H, Hk = FORMS[form][:2]
+        B, S, T, K = 2, 4, 24, 12
+        seed = fresh_seed(f"bwd key passes {form} {fold}")
+        q, k, v, idx, g = _inputs(seed, B, S, T, H, Hk, D, Dv, K, v_of_k=fold)
+        hi = _causal(B, S, T)
+        spec = _spec(D, torch.float32, [MaskTerm(kind="range", hi=0)])
+        out, lse, _ = R.attention_forward(q, k, v, idx, [hi], spec)
+        go = torch.randn(out.shape, generator=g)
+        one = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=fold)
+        for keys_bytes, width in ((1, 16), (4 * Hk * B * S * K * 32, 32)):
+            assert keys_feature_width(q.device, B * S, K, Hk, D, 16, keys_bytes) == min(width, D)
+            mode = Empties()
+            mode.flat = []
+            with mode:
+                got = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=fold,
+                                                keys_bytes=keys_bytes)
+            assert all(torch.equal(a, b) for a, b in zip(one, got)), (form, fold, keys_bytes)
+            assert mode.flat == [Hk * B * S * K * min(width, D)], mode.flat
+    # the HF V3.2 latent (H = 16, 576 = 512 + 64, K = 2048): 864 rows a chunk, whose
+    # contributions would take 3.8 GiB in one pass: three passes of 192 features, 1.27 GiB
+    cuda = torch.device("cuda")
+    assert backward_chunk_rows(cuda, 2048, 16, 1, 576, 512, 2, 131072, fold=True) == 864
+    assert keys_feature_width(cuda, 864, 2048, 1, 576, 64) == 192
+    assert keys_feature_width(cuda, 864, 2048, 1, 576, 64, keys_bytes=4 << 30) == 576
+    assert keys_feature_width(torch.device("cpu"), 864, 2048, 1, 576, 64) == 576
