@@ -42,8 +42,9 @@ keys), each must be an exact top-k of the float64 index scores within fp32 round
 warmed-up model and batches, a run of its own; when it covers the whole stage the final
 accuracies are compared (within 3 points), and how far its per-step losses drift from the first
 run's is printed, not checked: the fused op and ``torch.topk`` compute the index scores in
-different kernels, near-tied scores (a trained indexer has many) round differently, one flipped
-slot changes the next update, and two training runs drift apart whatever the rewrite does. The
+different kernels, near-tied scores (a trained indexer has many) round differently, exact ties go
+to different keys, one flipped slot changes the next update, and two training runs drift apart
+whatever the rewrite does. The
 reference is default ``torch.compile`` (Inductor) for ``--backend hyscale``; for
 ``hyscale_debug`` it is ``off``, the same backend with ``options={"hyscale.enable": False}``: the
 same AOT graphs and decompositions without the rewrite (``aot_eager`` decomposes differently, so
@@ -92,8 +93,8 @@ sparse steps (and 50 reference and 50 control steps). For a GPU::
 k = S/32 (256 at 8K, 1024 at 32K), batch 32768 // S. A dense model at init spreads each query over
 S keys and finds the lookup late or never at long S (``dense_phases``), so beyond S = 512 the dense
 stage trains at S = 128 and then 512 (300 + 60 steps, 16 queries a sequence), and the warm-up,
-sparse and control stages run at the full S, 200 steps each, with S/32 queries a sequence (1,024
-a step); the reference runs all the sparse steps up to S = 8192 and the first 50 beyond. Progress
+sparse and control stages run at the full S (300 warm-up steps, 200 sparse and 200 control), with
+S/32 queries a sequence (1,024 a step); the reference runs all the sparse steps up to S = 8192 and the first 50 beyond. Progress
 lines print the stage's and the total elapsed time.
 """
 from __future__ import annotations
@@ -417,8 +418,9 @@ class SameWeightsCheck:
 
     Two independent training runs cannot be compared step for step beyond a few steps: the fused
     op and ``torch.topk`` compute the index scores in different kernels, so near-tied scores (a
-    trained indexer has many) round differently, one slot flips, the next update differs, and the
-    runs drift apart whatever the rewrite does (measured at S = 8192 on an H200: the losses within
+    trained indexer has many) round differently, exactly tied ones (ReLU's zeros) go to different
+    keys (docs/contract.md, "Ties"), one slot flips, the next update differs, and the runs drift
+    apart whatever the rewrite does (measured at S = 8192 on an H200: the losses within
     3e-4 at step 10, 6.7% apart at step 30). At the same weights there is no drift: the losses
     must agree within ``LOSS_RTOL``, and wherever the two selections differ as sets, each must
     still be an exact top-k of the float64 index scores within fp32 rounding
@@ -614,11 +616,11 @@ def parse_args(argv=None):
                    help="steps of dense training before the recipe (default 300; beyond S = 512, 360: 300 at "
                         "S = 128, then 60 at 512)")
     p.add_argument("--warmup-steps", type=int, default=None,
-                   help="steps of the indexer's dense warm-up, model frozen (default 40; beyond S = 512, 200)")
+                   help="steps of the indexer's dense warm-up, model frozen (default 40; beyond S = 512, 300)")
     p.add_argument("--steps", type=int, default=None, help="steps of sparse training (default 50; beyond S = 512, 200)")
     p.add_argument("--compare-steps", type=int, default=None,
-                   help="sparse steps also run under --reference and compared (default: all up to S = 8192, "
-                        "else 50; 0 skips)")
+                   help="sparse steps also run under --reference, a run of its own (default: all up to S = 8192, "
+                        "else 50; 0 skips); the first 50 of them are also compared at the same weights")
     p.add_argument("--near-queries", action=argparse.BooleanOptionalAction, default=False,
                    help="dense stage only: also 16 queries right after the pairs, a curriculum for long --seq "
                         "(default off)")
@@ -656,9 +658,10 @@ def parse_args(argv=None):
     # beyond S = 512 the warm-up's KL averages over S rows per sequence, of which S/32 are query
     # rows (num_queries), and a step holds 1,024 queries at any S: the same work per step, but the
     # indexer finds one key among S and the sparse model starts from a coarser selection, so both
-    # stages take more steps (S = 1,024, batch 2, 32 queries a sequence on the CPU: recall@k 0.58
-    # after 20 warm-up steps, 0.92 after 100)
-    a.warmup_steps = (200 if long else 40) if a.warmup_steps is None else a.warmup_steps
+    # stages take more steps (on the CPU, 1 query row in 32: recall@k 0.58 after 20 warm-up steps and
+    # 0.92 after 100 at S = 1,024, 0.78 after 60 and rising at 2,048); a warm-up step is the
+    # cheapest of the run (0.15 s at S = 8192 on an H200)
+    a.warmup_steps = (300 if long else 40) if a.warmup_steps is None else a.warmup_steps
     a.steps = (200 if long else 50) if a.steps is None else a.steps
     for name in ("dense_steps", "warmup_steps", "steps"):
         if getattr(a, name) < 0 or (name == "steps" and a.steps < 1):

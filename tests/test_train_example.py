@@ -150,7 +150,7 @@ def test_gpu_sized_defaults_keep_the_task_honest():
         assert s.queries == seq // 32 and s.batch * s.queries == 1024
         assert seq - s.queries - 2 * s.pairs + 1 >= seq // 2
         assert (a.backend, a.reference) == ("hyscale_debug", "off")
-        assert (a.dense_steps, a.warmup_steps, a.steps, a.compare_steps) == (360, 200, 200, compare)
+        assert (a.dense_steps, a.warmup_steps, a.steps, a.compare_steps) == (360, 300, 200, compare)
         assert [(p.seq, p.batch, p.queries, n) for p, n in t.dense_phases(s, a.dense_steps)] == [
             (128, 16, 16, 300), (512, 4, 16, 60)]
     for seq in (94, 128, 512):
