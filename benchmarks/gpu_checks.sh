@@ -24,7 +24,7 @@ for step in "$@"; do
              > "$OUT/sparse.md" 2> "$OUT/sparse.log"; echo "sparse rc=$?"; cat "$OUT/sparse.md" ;;
     variants) timeout 300 python3 benchmarks/bench_variants.py --seqs ${VARIANT_SEQS:-8192,32768} \
              > "$OUT/variants.md" 2> "$OUT/variants.log"; echo "variants rc=$?"; cat "$OUT/variants.md" ;;
-    train)  # the example's own defaults beyond S = 512: k = S/32, 360 dense (S = 128, 512) + 100 warm-up + 100 sparse + 100 control steps, reference 100 (50 beyond 8K)
+    train)  # the example's own defaults beyond S = 512: k = S/32, S/32 queries a sequence, 360 dense (S = 128, 512) + 300 warm-up + 200 sparse + 200 control steps, reference 200 (50 beyond 8K), 50 of them also at the same weights
       timeout ${TRAIN_TIMEOUT:-570} python3 examples/train_dsa.py --device cuda --seq ${TRAIN_SEQ:-8192} ${TRAIN_STEPS:+--steps $TRAIN_STEPS} \
         --out "$OUT/train_dsa_loss.png" > "$OUT/train.log" 2>&1; echo "train rc=$?"
       grep -E "step [0-9]+/[0-9]+:" "$OUT/train.log" | tail -4; grep -vE "^  .* step [0-9]+/[0-9]+:" "$OUT/train.log" | tail -32 ;;

@@ -34,20 +34,26 @@ Before training it prints ``hyscale_compile.explain(...)`` of the sparse stage's
 forward: which top-k sites the backend rewrote into ``torch.ops.hyscale.hytopk``. All stages run
 through one compiled model (the reference and the control load their weights into it), so each of
 the dense, warm-up and sparse graphs compiles once (``TORCH_LOGS=recompiles`` shows three graphs and
-the reference's). The sparse stage runs twice from the same warmed-up model and batches, under
-``--backend`` and under ``--reference``, and the answer losses are compared step for step (within
-``LOSS_RTOL`` = 2%) over the first 50 steps; when the comparison covers the whole stage the final
-accuracies are compared too (within 3 points). The reference is default ``torch.compile``
-(Inductor) for ``--backend hyscale``; for ``hyscale_debug`` it is ``off``, the same backend with
-``options={"hyscale.enable": False}``: the same AOT graphs and decompositions without the rewrite
-(``aot_eager`` decomposes differently, so its fp32 rounding differs from the first step and two
-training runs drift apart, whatever the rewrite does). The backends need not agree exactly:
-``torch.topk`` and the hyscale op may order tied index scores differently (docs/contract.md,
-"Ties"), a trained indexer has near-ties, and one flipped slot changes the next update.
+the reference's). The step-for-step check: at each of the first 50 sparse steps, before the
+update, ``--reference`` computes the same losses at the same weights and batch; the answer losses
+must agree within ``LOSS_RTOL`` = 2%, and wherever the two selections differ (as sets of visible
+keys), each must be an exact top-k of the float64 index scores within fp32 rounding
+(``SameWeightsCheck``). Then the sparse stage runs again under ``--reference`` from the same
+warmed-up model and batches, a run of its own; when it covers the whole stage the final
+accuracies are compared (within 3 points), and how far its per-step losses drift from the first
+run's is printed, not checked: the fused op and ``torch.topk`` compute the index scores in
+different kernels, near-tied scores (a trained indexer has many) round differently, exact ties go
+to different keys, one flipped slot changes the next update, and two training runs drift apart
+whatever the rewrite does. The
+reference is default ``torch.compile`` (Inductor) for ``--backend hyscale``; for
+``hyscale_debug`` it is ``off``, the same backend with ``options={"hyscale.enable": False}``: the
+same AOT graphs and decompositions without the rewrite (``aot_eager`` decomposes differently, so
+its fp32 rounding differs from the first step).
 
 The task. Each sequence starts with ``P = 16`` key->value pairs ``K_1 v_1 K_2 v_2 ... K_P v_P`` (the
 keys in a fixed order, the values a random permutation of the ``V = P`` value tokens), then filler
-drawn from the same value tokens, then ``Q = 16`` query keys at the end; the answer loss is the
+drawn from the same value tokens, then ``Q`` query keys at the end (16, or S/32 beyond S = 512:
+``num_queries``); the answer loss is the
 cross-entropy of the value predicted at each query key; guessing gives 1/V. (With the keys in a
 random order the lookup needs a two-layer "induction" circuit that this small model does not find
 within a CPU-sized budget; in a fixed order it is one attention hop, and the indexer still has to
@@ -86,10 +92,10 @@ sparse steps (and 50 reference and 50 control steps). For a GPU::
 
 k = S/32 (256 at 8K, 1024 at 32K), batch 32768 // S. A dense model at init spreads each query over
 S keys and finds the lookup late or never at long S (``dense_phases``), so beyond S = 512 the dense
-stage trains at S = 128 and then 512 (300 + 60 steps), and the warm-up, sparse and control stages
-run at the full S, 100 steps each (a batch holds fewer queries there); the reference runs all the
-sparse steps up to S = 8192 and the first 50 beyond. Progress lines print the stage's and the
-total elapsed time.
+stage trains at S = 128 and then 512 (300 + 60 steps, 16 queries a sequence), and the warm-up,
+sparse and control stages run at the full S (300 warm-up steps, 200 sparse and 200 control), with
+S/32 queries a sequence (1,024 a step); the reference runs all the sparse steps up to S = 8192 and the first 50 beyond. Progress
+lines print the stage's and the total elapsed time.
 """
 from __future__ import annotations
 
@@ -159,7 +165,17 @@ def make_setup(seq: int, device: str, dtype: Optional[torch.dtype], batch: Optio
     cfg = DSAConfig(vocab=128, dim=64, layers=2, heads=4, index_heads=16, index_head_dim=16, index_topk=k,
                     max_seq=seq, q_lora_rank=32, mlp_hidden=128)
     return Setup(cfg=cfg, seq=seq, batch=batch or (16 if seq <= 512 else max(1, 32768 // seq)), pairs=16,
-                 queries=16, device=device, dtype=dtype or torch.float32)
+                 queries=num_queries(seq), device=device, dtype=dtype or torch.float32)
+
+
+def num_queries(seq: int) -> int:
+    """Query keys per sequence: 16 up to S = 512, S/32 beyond. The indexer learns the lookup from
+    the query rows alone (the warm-up's KL averages over all S rows, the filler's included), so
+    with a fixed 16 their share of the KL fell as 16/S: at S = 8192 (1 row in 512) the warm-up's
+    layer-1 recall@k stalled near 0.58 and the sparse stage ended at accuracy 0.68. At S/32 the
+    share is 1/32 and, with batch 32768 // S, every step holds 1,024 queries at any S >= 1024.
+    The answers stay at distance >= S/2 (S - S/32 - 31 >= S/2 for S >= 94)."""
+    return max(16, seq // 32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -391,24 +407,106 @@ def dense_phases(s: Setup, steps: int) -> List[Tuple[Setup, int]]:
     if s.seq <= 512 or steps == 0:
         return [(s, steps)]
     long_steps = max(1, steps // 6)
-    return [(dataclasses.replace(s, seq=n, batch=16 * 128 // n), k)
+    return [(dataclasses.replace(s, seq=n, batch=16 * 128 // n, queries=num_queries(n)), k)
             for n, k in ((128, steps - long_steps), (512, long_steps)) if k]
 
 
+class SameWeightsCheck:
+    """The step-for-step comparison at the same weights: at each of the first ``steps`` sparse
+    steps, before the run's update, ``ref_fn`` (the reference backend's compiled model) computes
+    the answer loss and the KL on the same weights and batch, and both selections are compared.
+
+    Two independent training runs cannot be compared step for step beyond a few steps: the fused
+    op and ``torch.topk`` compute the index scores in different kernels, so near-tied scores (a
+    trained indexer has many) round differently, exactly tied ones (ReLU's zeros) go to different
+    keys (docs/contract.md, "Ties"), one slot flips, the next update differs, and the runs drift
+    apart whatever the rewrite does (measured at S = 8192 on an H200: the losses within
+    3e-4 at step 10, 6.7% apart at step 30). At the same weights there is no drift: the losses
+    must agree within ``LOSS_RTOL``, and wherever the two selections differ as sets, each must
+    still be an exact top-k of the float64 index scores within fp32 rounding
+    (``hyscale_compile.testing.assert_selection_equal``), i.e. the two differ only at near-ties;
+    a wrong selection fails the check."""
+
+    MAX_ROWS = 64  # differing rows validated per layer and step (float64 scores over all T keys)
+
+    def __init__(self, ref_fn, steps: int) -> None:
+        self.ref_fn, self.steps = ref_fn, steps
+        self.lm: List[float] = []
+        self.kl: List[float] = []
+        self.rows = self.differ = self.validated = 0
+        self.bad: List[str] = []
+        self.seconds = 0.0
+        self._aux = None
+
+    def reference(self, model: nn.Module, ids, pos, tgt, mask, kl_on: bool) -> None:
+        """The reference's losses at the current weights (its grad-mode graph, the one its own
+        training run uses; nothing is updated)."""
+        t0 = time.perf_counter()
+        logits, auxes = self.ref_fn(ids, return_aux=True)
+        with torch.no_grad():
+            self.lm.append(answer_loss(logits, pos, tgt)[0].item())
+            self.kl.append(float(indexer_losses(model, auxes, mask, sparse=True)) if kl_on else 0.0)
+        self._aux = [(a[2].detach(), a[3].detach(), a[4]) for a in auxes]
+        self.seconds += time.perf_counter() - t0
+
+    @torch.no_grad()
+    def compare(self, model: nn.Module, auxes, mask, step: int) -> None:
+        """Compare the run's selections with the reference's at this step."""
+        from hyscale_compile.testing import assert_selection_equal
+
+        t0 = time.perf_counter()
+        for layer, (block, mine, ref) in enumerate(zip(model.blocks, auxes, self._aux)):
+            ind = getattr(block, "block", block).attn.indexer
+            a, b = mine[4], ref[2]
+            # as sets of visible keys: a row with fewer than k visible keys also selects hidden ones,
+            # all tied at the mask's value (torch.topk takes any of them, the op the smallest
+            # indices), and the attention masks them either way
+            row = torch.arange(a.shape[1], device=a.device)[:, None]
+            differ = (a.masked_fill(a > row, -1).sort(-1).values
+                      != b.masked_fill(b > row, -1).sort(-1).values).any(-1)  # [B, S]
+            self.rows += differ.numel()
+            self.differ += int(differ.sum())
+            where = differ.nonzero()[: self.MAX_ROWS]
+            self.validated += where.shape[0]
+            for bi in where[:, 0].unique().tolist():
+                r = where[where[:, 0] == bi, 1]
+                for name, idx, (x, q_resid) in (("hyscale", a, (mine[2], mine[3])), ("reference", b, ref[:2])):
+                    iq, ik, iw = (t.double() for t in ind.projections(x[bi:bi + 1], q_resid[bi:bi + 1]))
+                    iq, iw = iq[:, r], iw[:, r]
+                    terms = torch.einsum("bshd,btd->bsht", iq, ik) * ind.softmax_scale
+                    scores = torch.einsum("bsh,bsht->bst", iw, F.relu(terms)) + mask[r].double()
+                    # fp32 rounding of the model's own score arithmetic: 64 ulps of the row's bound
+                    # sum_h |w_h| |q_h| max_t |k_t| scale (Cauchy-Schwarz)
+                    bound = (iw.abs() * iq.norm(dim=-1)).sum(-1) * ik.norm(dim=-1).max() * ind.softmax_scale
+                    atol = 1e-5 + 64 * torch.finfo(torch.float32).eps * bound
+                    try:
+                        assert_selection_equal(idx[bi:bi + 1, r], scores, atol=atol, sorted=False)
+                    except AssertionError as e:
+                        self.bad.append(f"step {step + 1}, layer {layer + 1}, {name}: {str(e).splitlines()[0]}")
+        self._aux = None
+        self.seconds += time.perf_counter() - t0
+
+
 def run_stage(stage: str, fn, model: nn.Module, s: Setup, steps: int, seed: int, opts, kl_on: bool = True,
-              every: int = 0, near: bool = False) -> Log:
+              every: int = 0, near: bool = False, same: Optional[SameWeightsCheck] = None) -> Log:
     """``stage``: "dense" (answer loss, dense attention), "warmup" (indexer KL only, dense attention,
     model frozen) or "sparse" (answer loss + the indexer's sparse KL unless ``kl_on`` is False).
     ``near``: the dense stage's batches also have near queries (``make_batch``); its accuracy is
     the far queries'.
-    ``opts``: the optimizers to step. Batches come from a generator seeded with ``seed``."""
+    ``opts``: the optimizers to step. Batches come from a generator seeded with ``seed``.
+    ``same``: a sparse stage's step-for-step comparison at the same weights (its time is not
+    counted in the stage's)."""
     gen = torch.Generator().manual_seed(seed)
     mask = causal_mask(s.seq, torch.device(s.device))
     log, every = Log(), every or max(1, steps // 10)
     t_start = time.perf_counter()
+
+    def elapsed(since: float) -> float:  # the stage's own time, without the same-weights check's
+        return time.perf_counter() - since - (same.seconds if same is not None else 0.0)
+
     for i in range(steps):
         ids, pos, tgt, vpos = make_batch(s, gen, near=near and stage == "dense")
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() - (same.seconds if same is not None else 0.0)
         if stage == "dense":
             logits = fn(ids, dense=True)
             lm = answer_loss(logits, pos, tgt)[0]
@@ -421,7 +519,11 @@ def run_stage(stage: str, fn, model: nn.Module, s: Setup, steps: int, seed: int,
             kl = loss = indexer_losses(model, auxes, mask, sparse=False)
             rec = answer_recall(model, auxes, mask, pos, vpos)
         else:
+            if same is not None and i < same.steps:
+                same.reference(model, ids, pos, tgt, mask, kl_on)
             logits, auxes = fn(ids, return_aux=True)
+            if same is not None and i < same.steps:
+                same.compare(model, auxes, mask, i)
             lm, acc = answer_loss(logits, pos, tgt)
             kl = indexer_losses(model, auxes, mask, sparse=True) if kl_on else torch.zeros((), device=s.device)
             loss = lm + kl if kl_on else lm
@@ -433,7 +535,7 @@ def run_stage(stage: str, fn, model: nn.Module, s: Setup, steps: int, seed: int,
             o.step()
         sync(s.device)
         if i == 0:
-            log.first_step_s = time.perf_counter() - t0
+            log.first_step_s = elapsed(t0)
         log.lm.append(lm.item())
         log.kl.append(float(kl.detach()))
         log.acc.append(acc.item())
@@ -444,8 +546,8 @@ def run_stage(stage: str, fn, model: nn.Module, s: Setup, steps: int, seed: int,
         if (i + 1) % every == 0 or i + 1 == steps:
             say(f"  {stage} step {i + 1}/{steps}: answer loss {log.lm[-1]:.4f}  KL {log.kl[-1]:.4f}  "
                 f"acc {log.acc[-1]:.3f}" + (f"  recall@k {fmt_recall(rec)}" if rec else "")
-                + f"  [{time.perf_counter() - t_start:.1f} s; total {time.perf_counter() - T_START:.0f} s]")
-    log.seconds = time.perf_counter() - t_start
+                + f"  [{elapsed(t_start):.1f} s; total {time.perf_counter() - T_START:.0f} s]")
+    log.seconds = elapsed(t_start)
     return log
 
 
@@ -514,11 +616,11 @@ def parse_args(argv=None):
                    help="steps of dense training before the recipe (default 300; beyond S = 512, 360: 300 at "
                         "S = 128, then 60 at 512)")
     p.add_argument("--warmup-steps", type=int, default=None,
-                   help="steps of the indexer's dense warm-up, model frozen (default 40; beyond S = 512, 100)")
-    p.add_argument("--steps", type=int, default=None, help="steps of sparse training (default 50; beyond S = 512, 100)")
+                   help="steps of the indexer's dense warm-up, model frozen (default 40; beyond S = 512, 300)")
+    p.add_argument("--steps", type=int, default=None, help="steps of sparse training (default 50; beyond S = 512, 200)")
     p.add_argument("--compare-steps", type=int, default=None,
-                   help="sparse steps also run under --reference and compared (default: all up to S = 8192, "
-                        "else 50; 0 skips)")
+                   help="sparse steps also run under --reference, a run of its own (default: all up to S = 8192, "
+                        "else 50; 0 skips); the first 50 of them are also compared at the same weights")
     p.add_argument("--near-queries", action=argparse.BooleanOptionalAction, default=False,
                    help="dense stage only: also 16 queries right after the pairs, a curriculum for long --seq "
                         "(default off)")
@@ -549,15 +651,18 @@ def parse_args(argv=None):
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda was asked for, but torch.cuda.is_available() is False on this machine")
-    if a.seq - 16 - 2 * 16 + 1 < a.seq / 2:
+    if a.seq - num_queries(a.seq) - 2 * 16 + 1 < a.seq / 2:
         p.error(f"--seq must be at least 94 (16 pairs, then 16 queries at distance >= S/2 from them), got {a.seq}")
     long = a.seq > 512
     a.dense_steps = (360 if long else 300) if a.dense_steps is None else a.dense_steps
-    # beyond S = 512 a batch holds fewer queries (16 per sequence, 32768 // S sequences) and the
-    # warm-up's KL averages over S rows per sequence, so the indexer needs more steps (S = 1,024,
-    # batch 2 on the CPU: recall@k 0.70 after 40 warm-up steps, 0.84 after 100)
-    a.warmup_steps = (100 if long else 40) if a.warmup_steps is None else a.warmup_steps
-    a.steps = (100 if long else 50) if a.steps is None else a.steps
+    # beyond S = 512 the warm-up's KL averages over S rows per sequence, of which S/32 are query
+    # rows (num_queries), and a step holds 1,024 queries at any S: the same work per step, but the
+    # indexer finds one key among S and the sparse model starts from a coarser selection, so both
+    # stages take more steps (on the CPU, 1 query row in 32: recall@k 0.58 after 20 warm-up steps and
+    # 0.92 after 100 at S = 1,024, 0.78 after 60 and rising at 2,048); a warm-up step is the
+    # cheapest of the run (0.15 s at S = 8192 on an H200)
+    a.warmup_steps = (300 if long else 40) if a.warmup_steps is None else a.warmup_steps
+    a.steps = (200 if long else 50) if a.steps is None else a.steps
     for name in ("dense_steps", "warmup_steps", "steps"):
         if getattr(a, name) < 0 or (name == "steps" and a.steps < 1):
             p.error(f"--{name.replace('_', '-')} must be {'at least 1' if name == 'steps' else '>= 0'}, "
@@ -663,36 +768,53 @@ def main(argv=None) -> int:
     # -- stage 2: sparse training, under both backends ----------------------------------------------
     say(f"\n[4/5] sparse training: {args.steps} step(s), answer loss (model, lr {args.lr:g}) + sparse_indexer_kl "
         f"(indexer, lr {args.indexer_lr:g})")
+    ok = True
+    ref_name = (f"{args.backend} with hyscale.enable=False" if args.reference == "off"
+                else f"backend={args.reference!r}")
+    ref_fn = same = None
+    if args.compare_steps:
+        # the same module under the reference backend: Dynamo keeps one graph per backend
+        ref_fn = (torch.compile(model, backend=args.backend, dynamic=False, options={"hyscale.enable": False})
+                  if args.reference == "off" else torch.compile(model, backend=args.reference, dynamic=False))
+        same = SameWeightsCheck(ref_fn, min(50, args.compare_steps))
+        say(f"  the first {same.steps} step(s) also under {ref_name} at the same weights and batches "
+            f"(step-for-step check)")
     rw0 = counters["hyscale"]["rewritten"]
     sl = logs["sparse"] = run_stage("sparse", fn, model, s, args.steps, args.seed + 3,
-                                    [adamw(main_p, args.lr), adamw(idx_p, args.indexer_lr)])
+                                    [adamw(main_p, args.lr), adamw(idx_p, args.indexer_lr)], same=same)
     timings[f"sparse ({args.backend}; first step {sl.first_step_s:.1f} s)"] = sl.seconds
     n_rw = counters["hyscale"]["rewritten"] - rw0
     if n_rw < c.layers:
         say(f"WARNING: the sparse training graph rewrote {n_rw} selection(s), expected {c.layers}: "
             f"a hyscale_compile bug, please report it")
-    ok = True
-    ref_name = (f"{args.backend} with hyscale.enable=False" if args.reference == "off"
-                else f"backend={args.reference!r}")
-    if args.compare_steps:
-        say(f"  the same {args.compare_steps} step(s) under {ref_name} (same warmed-up model, batches)")
+    if same is not None:
+        timings[f"step-for-step check ({same.steps} {ref_name} forwards at the same weights)"] = same.seconds
+        rel = [abs(a - b) / abs(b) for a, b in zip(sl.lm, same.lm)]
+        worst = max(rel)
+        cmp_ok = worst <= LOSS_RTOL and not same.bad
+        say(f"step-for-step check: {'PASSED' if cmp_ok else 'FAILED'}: answer loss {args.backend} vs {ref_name} "
+            f"at the same weights within {LOSS_RTOL:.0%} at all of the first {len(rel)} step(s) (max relative diff "
+            f"{worst:.2e}; KL max |diff| {max(abs(a - b) for a, b in zip(sl.kl, same.kl)):.2e}); selections: "
+            + ("the same visible keys in every row" if not same.differ else
+               f"{same.differ} of {same.rows} rows differ as sets of visible keys, {same.validated} of them checked "
+               f"against float64 index scores: " + ("each side an exact top-k within fp32 rounding (near-ties)"
+                                                    if not same.bad else f"{len(same.bad)} NOT an exact top-k")))
+        for line in same.bad[:5]:
+            say(f"      {line}")
+        ok &= cmp_ok
+        say(f"  the same {args.compare_steps} step(s) under {ref_name}, a run of its own (same warmed-up model, "
+            f"batches)")
         model.load_state_dict(warm_state)
-        ref_fn = (torch.compile(model, backend=args.backend, dynamic=False, options={"hyscale.enable": False})
-                  if args.reference == "off" else torch.compile(model, backend=args.reference, dynamic=False))
         rl = logs["reference"] = run_stage("sparse", ref_fn, model, s, args.compare_steps, args.seed + 3,
                                            [adamw(main_p, args.lr), adamw(idx_p, args.indexer_lr)])
         timings[f"sparse ({ref_name}; first step {rl.first_step_s:.1f} s)"] = rl.seconds
         rel = [abs(a - b) / abs(b) for a, b in zip(sl.lm, rl.lm)]
         n50 = min(50, len(rel))
-        worst = max(rel[:n50])
-        cmp_ok = worst <= LOSS_RTOL
-        say(f"step-for-step check: {'PASSED' if cmp_ok else 'FAILED'}: answer loss {args.backend} vs {ref_name} "
-            f"within {LOSS_RTOL:.0%} at all of the first {n50} step(s) (max relative diff {worst:.2e}; over all "
-            f"{len(rel)}: {max(rel):.2e}; KL max |diff| {max(abs(a - b) for a, b in zip(sl.kl, rl.kl)):.2e})")
-        if not cmp_ok:
-            say("      (the two runs may order near-tied index scores differently; once one slot flips the runs "
-                "diverge, and a small answer loss made of a few misses moves by far more than 2%)")
-        ok &= cmp_ok
+        first = next((i + 1 for i, r in enumerate(rel) if r > LOSS_RTOL), None)
+        say(f"independent runs (not a check): answer loss max relative diff {max(rel[:n50]):.2e} over the first "
+            f"{n50} step(s), {max(rel):.2e} over all {len(rel)}; "
+            + ("within 2% at every step" if first is None else
+               f"first over 2% at step {first} (each run's own near-ties flip slots; the runs then drift apart)"))
         if args.compare_steps == args.steps:
             da = abs(sl.tail(sl.acc) - rl.tail(rl.acc))
             acc_ok = da <= ACC_ATOL
