@@ -99,6 +99,13 @@ class AttentionConfig:
     exp2: bool = False
 
 
+def reads_v_from_k(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """v's tile is the first block of k's (``V_FROM_K``): v = k[..., :Dv] with Dv the first
+    block of ``split_head_dim(Dqk)`` (the latent's 512 of 576), so one gather serves both."""
+    return (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.dtype == k.dtype
+            and max(16, _next_pow2(v.shape[-1])) == split_head_dim(k.shape[-1])[0])
+
+
 def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
                    elem_bytes: int = 2, v_from_k: bool = True) -> AttentionConfig:
     """The fixed configuration of a shape and operand width (``elem_bytes``: 4 for fp32
@@ -270,8 +277,7 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
     form_of(H, Hk)  # raises for H % Hk != 0
     da, db = split_head_dim(Dqk)
     block_dv = max(16, _next_pow2(Dv))
-    v_from_k = (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.dtype == k.dtype
-                and block_dv == da)
+    v_from_k = reads_v_from_k(k, v)
     cfg = config or default_config(H, Hk, Dqk, Dv, interpret=interp, elem_bytes=max(k.element_size(), v.element_size()),
                                    v_from_k=v_from_k)
     if config is None and return_probs and cfg.probs_block_n:

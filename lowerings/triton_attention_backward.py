@@ -63,8 +63,8 @@ from .attention_spec import AttentionSpec
 from .mask_kinds import kind_of
 from .spec import SpecError
 from .triton_attention import (_indent, _mask_args_def, _mask_launch_args, _mask_params, _next_pow2,
-                               _render_row_bounds, check_attention_operands, form_of, render_kernel_source,
-                               split_head_dim)
+                               _render_row_bounds, check_attention_operands, form_of, reads_v_from_k,
+                               render_kernel_source, split_head_dim)
 from .triton_codegen import _interpreting, _lit, _mod_bodies, _round_expr, check_interpreter_mode, import_source
 
 BWD_TEMPLATE_VERSION = 1
@@ -336,8 +336,7 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     esize = torch.tensor([], dtype=cd).element_size()
     da, db = split_head_dim(D)
     block_dv = max(16, _next_pow2(Dv))
-    v_from_k = (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.dtype == k.dtype
-                and block_dv == da)
+    v_from_k = reads_v_from_k(k, v)
     cfg = config or default_config(H, Hk, D, Dv, interpret=interp, elem_bytes=max(k.element_size(), v.element_size()),
                                    v_from_k=v_from_k)
     fold = fold_v and needs[1] and needs[2] and v_is_view_of_k(k, v)

@@ -486,6 +486,18 @@ def test_gpu_bf16_folded_latent_gradient_matches_float64(H):
             assert_consumer_close(x, o, want.to(x.device), torch.bfloat16, what=f"{name} ({mode}, folded)")
 
 
+def _latent_case_cuda(label, H, S, K, T=512, D=576, Dv=512):
+    """The latent's bf16 case on the GPU (v = k[..., :Dv], a causal range over the last S of
+    T keys) and the op's forward: (q, k, v, idx, hi, spec, out, lse, a random dOut)."""
+    q, k, _, idx, _ = _inputs(fresh_seed(label), 1, S, T, H, 1, D, Dv, K, torch.bfloat16, v_of_k=True)
+    q, k, idx = q.cuda(), k.cuda(), idx.cuda()
+    v = k[..., :Dv]  # (a view on the device too)
+    hi = (torch.arange(S, device="cuda") + (T - S) + 1).view(1, S)
+    spec = _spec(D, torch.bfloat16, [MaskTerm(kind="range", hi=0)])
+    out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json())
+    return q, k, v, idx, hi, spec, out, lse, torch.randn_like(out)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_key_side_passes_keep_the_bits_at_the_latent():
@@ -493,15 +505,8 @@ def test_gpu_key_side_passes_keep_the_bits_at_the_latent():
     # the key side in one pass, in three of 192 features (the default at 864 rows a chunk),
     # and in nine of 64, over chunks of 48 rows: the same bits
     H, Hk, D, Dv = 16, 1, 576, 512
-    B, S, T, K = 1, 160, 512, 256
-    seed = fresh_seed("bwd gpu key passes")
-    q, k, _, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, torch.bfloat16, v_of_k=True)
-    q, k, idx = q.cuda(), k.cuda(), idx.cuda()
-    v = k[..., :Dv]
-    hi = (torch.arange(S, device="cuda") + (T - S) + 1).view(1, S)
-    spec = _spec(D, torch.bfloat16, [MaskTerm(kind="range", hi=0)])
-    out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json())
-    go = torch.randn_like(out)
+    S, K = 160, 256
+    q, k, v, idx, hi, spec, out, lse, go = _latent_case_cuda("bwd gpu key passes", H, S, K)
     chunk = 48 * (K * (4 * D + 2 * H * 2 + 16) + 4 * H)
     runs = [attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=True, chunk_bytes=chunk,
                                       keys_bytes=kb) for kb in (1 << 40, 4 * 48 * K * 192, 1)]
@@ -515,15 +520,7 @@ def test_gpu_grid_order_prefetch_and_run_grid_keep_the_bits():
     # the compiled kernels at the latent's H = 128: program order and index prefetch change
     # no bits; the pipelined kernel-1 configuration (16-slot tiles, 3 stages) is within the rule
     H, Hk, D, Dv = 128, 1, 576, 512
-    B, S, T, K = 1, 96, 512, 256
-    seed = fresh_seed("bwd gpu configs")
-    q, k, _, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, torch.bfloat16, v_of_k=True)
-    q, k, idx = q.cuda(), k.cuda(), idx.cuda()
-    v = k[..., :Dv]
-    hi = (torch.arange(S, device="cuda") + (T - S) + 1).view(1, S)
-    spec = _spec(D, torch.bfloat16, [MaskTerm(kind="range", hi=0)])
-    out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json())
-    go = torch.randn_like(out)
+    q, k, v, idx, hi, spec, out, lse, go = _latent_case_cuda("bwd gpu configs", H, 96, 256)
     base = default_config(H, Hk, D, Dv)
     for fold in (True, False):
         want = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=fold, config=base)
