@@ -21,6 +21,7 @@ if "HYSCALE_KERNEL_CACHE" not in os.environ:
     os.environ["HYSCALE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="hyscale-test-kernels-")
     atexit.register(shutil.rmtree, os.environ["HYSCALE_KERNEL_CACHE"], ignore_errors=True)
 
+
 def _patch_the_interpreter_once_per_launch() -> None:
     """The Triton interpreter patches triton.language's builtins for a kernel launch and
     again, in full, at every call of a @triton.jit helper inside it (``inspect.getmembers``
@@ -45,7 +46,7 @@ def _patch_the_interpreter_once_per_launch() -> None:
             if langs is None:
                 langs = seen[fn] = frozenset(id(v) for v in fn.__globals__.values()
                                              if inspect.ismodule(v) and v in (ti.tl, ti.tl.core))
-            if langs <= launch["langs"]:
+            if langs and langs <= launch["langs"]:  # (none: the interpreter's own assertion)
                 return ti._LangPatchScope()
             launch["langs"] |= langs
         return real_patch(fn)
