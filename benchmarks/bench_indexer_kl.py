@@ -380,7 +380,7 @@ def main(argv=None) -> int:
             try:
                 dense = megatron_dense_kl(q, k, qi, ki, w, scale)
                 dms = time_ms(lambda: megatron_dense_kl(q, k, qi, ki, w, scale), 1, max(1, reps // 2))
-                rel = abs(float(loss) - float(dense)) / abs(float(dense))
+                rel = abs(float(loss.detach()) - float(dense.detach())) / abs(float(dense.detach()))
                 rows.append(("dense original fwd", dms, floor_fwd, float("nan"),
                              peak_extra_mib(lambda: megatron_dense_kl(q, k, qi, ki, w, scale)),
                              f"loss rel diff {rel:.2e}"))

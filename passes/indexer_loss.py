@@ -312,7 +312,9 @@ def _target_region(facts: GraphFacts, kl: _KL, apps, em: Emitter):
             raise _Reject("the target does not sum the attention probabilities over exactly the heads")
         # a value contraction for the attention analysis to read (removed again): P @ key
         qk = chain[0][0]
-        pv_in = em.call(aten.reshape.default, [p, list(shape_of(qk))])
+        sizes = [int(s) if isinstance(s, int) or s.node.is_constant() else em.call(aten.sym_size.int, [qk, d])
+                 for d, s in enumerate(shape_of(qk))]
+        pv_in = em.call(aten.reshape.default, [p, sizes])
         kv = em.call(aten.permute.default, [qk.args[1], [0, 2, 1]])
         pv = em.call(aten.bmm.default, [pv_in, kv])
         return Region(kl.target, masked, app, i, chain, sm, [pv_in], pv)

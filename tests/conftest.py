@@ -21,6 +21,53 @@ if "HYSCALE_KERNEL_CACHE" not in os.environ:
     os.environ["HYSCALE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="hyscale-test-kernels-")
     atexit.register(shutil.rmtree, os.environ["HYSCALE_KERNEL_CACHE"], ignore_errors=True)
 
+
+def _patch_the_interpreter_once_per_launch() -> None:
+    """The Triton interpreter patches triton.language's builtins for a kernel launch and
+    again, in full, at every call of a @triton.jit helper inside it (``inspect.getmembers``
+    over the language modules: half the time of an interpreted HyTopK test). Inside a launch
+    a helper that sees only modules the launch already patched finds nothing left to patch
+    (its builtins are the launch's wrappers, the rest is reset to equal functions), so the
+    repeated patch is skipped there; a helper that sees another language module is patched as
+    before. Only where the interpreter has the shape this relies on."""
+    try:
+        from triton.runtime import interpreter as ti
+    except Exception:
+        return
+    if not all(hasattr(ti, n) for n in ("_patch_lang", "_LangPatchScope", "GridExecutor", "InterpretedFunction")):
+        return
+    real_patch, real_call = ti._patch_lang, ti.GridExecutor.__call__
+    launch: dict = {"depth": 0, "langs": set()}
+    seen: dict = {}  # function -> the language modules its globals hold
+
+    def patch_lang(fn):
+        if launch["depth"]:
+            langs = seen.get(fn)
+            if langs is None:
+                langs = seen[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                             if inspect.ismodule(v) and v in (ti.tl, ti.tl.core))
+            if langs and langs <= launch["langs"]:  # (none: the interpreter's own assertion)
+                return ti._LangPatchScope()
+            launch["langs"] |= langs
+        return real_patch(fn)
+
+    def grid_call(self, *args, **kwargs):
+        outer = launch["depth"], launch["langs"]
+        launch["depth"], launch["langs"] = outer[0] + 1, set()
+        try:
+            return real_call(self, *args, **kwargs)
+        finally:
+            launch["depth"], launch["langs"] = outer
+
+    ti._patch_lang = patch_lang
+    ti.GridExecutor.__call__ = grid_call
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import inspect
+
+    _patch_the_interpreter_once_per_launch()
+
 # Inductor's caches too, one per test process (each pytest-xdist worker): a compile that hits
 # a graph another run or worker cached skips the passes, so a test that reads the pass's
 # records would find none

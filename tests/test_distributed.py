@@ -281,7 +281,9 @@ def _cp_rank(rank, world, layout, ref):
         assert torch.equal(g, w[:, pos]), f"rank {rank} layer {layer}: selections differ"
 
 
-@pytest.mark.parametrize("layout,world", [("contiguous", 2), ("zigzag", 2), ("zigzag", 4)])
+# zigzag on 2 ranks runs the same chunk order and key gather as on 4 (and
+# test_context_parallel_hf_deepseek_v32 takes it on 2): one spawn of 2 processes fewer
+@pytest.mark.parametrize("layout,world", [("contiguous", 2), ("zigzag", 4)])
 def test_context_parallel_equals_one_process(layout, world):
     _spawn(_cp_rank, world, layout, _cp_reference())
 
