@@ -62,7 +62,7 @@ def dense_grads(go, q, k, v, idx, masks, spec, fold_v=False):
     vl = kl[..., :Dv] if fold_v else v.detach().clone().requires_grad_()
     kk, vv = kl.repeat_interleave(H // Hk, dim=2), vl.repeat_interleave(H // Hk, dim=2)
     x = torch.einsum("bshd,bthd->bhst", ql, kk).float()
-    keys, kinds = torch.arange(T).expand(1, S, T), mask_kinds(spec.masks)
+    keys, kinds = torch.arange(T, device=q.device).expand(1, S, T), mask_kinds(spec.masks)
     ys = []
     for b in range(B):  # [H, S, T]: the masks broadcast over the heads
         y = x[b]
@@ -70,7 +70,7 @@ def dense_grads(go, q, k, v, idx, masks, spec, fold_v=False):
             y = (kinds[st[1]].reference(y, masks, b, b + 1, 0, S, 0, T, B, S, T, keys=keys) if st[0] == "mask"
                  else _apply_elementwise(y, st))
         ys.append(y)
-    index_mask = torch.full((B, S, T), -math.inf).scatter_(-1, idx.long(), 0.0)
+    index_mask = torch.full((B, S, T), -math.inf, device=q.device).scatter_(-1, idx.long(), 0.0)
     y = torch.stack(ys) + index_mask.unsqueeze(1)
     live = (y > -math.inf).any(-1, keepdim=True)
     p = torch.where(live, torch.softmax(torch.where(live, y, 0.0), -1), 0.0)
@@ -107,13 +107,17 @@ def folded(gk, gv):
     return out
 
 
-def check(q, k, v, idx, masks, spec, seed, atomic=False, config=None, fold_v=False):
+def check(q, k, v, idx, masks, spec, seed, atomic=False, config=None, fold_v=False, op_forward=False):
     """The kernel's gradients against float64 under the rule; returns them. ``fold_v``
-    (v a view of k): gk against k's whole gradient, gv zeros."""
+    (v a view of k): gk against k's whole gradient, gv zeros. ``op_forward``: out and lse
+    from the op (on CUDA the Triton forward), not the PyTorch reference."""
     dtype = q.dtype
-    out, lse, _ = R.attention_forward(q, k, v, idx, masks, spec)
+    if op_forward:
+        out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, masks, spec.to_json())
+    else:
+        out, lse, _ = R.attention_forward(q, k, v, idx, masks, spec)
     g = torch.Generator().manual_seed(seed + 7)
-    go = torch.randn(out.shape, generator=g).to(out.dtype)
+    go = torch.randn(out.shape, generator=g).to(out.dtype).to(out.device)
     got = attention_backward_triton(go, q, k, v, idx, masks, out, lse, spec, atomic=atomic, config=config,
                                     fold_v=fold_v)
     orig = dense_grads(go, q, k, v, idx, masks, spec, fold_v=fold_v)
@@ -193,6 +197,23 @@ def test_seeds_ci_drew(case):
         _check_mask_kind(*case[1:])
     else:
         _check_causal(case[1], torch.float32, case[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("form", list(FORMS))
+def test_fp32_gradients_on_gpu(form):
+    # out and lse from the CUDA forward (the Triton forward kernel, whose P differs from the
+    # backward's P' in the low bits), fp32 operands with IEEE dots: the rule as on the CPU
+    H, Hk, D, Dv, v_of_k = FORMS[form]
+    B, S, T, K = 2, 3, 24, 12
+    for i in range(SEEDS):
+        seed = fresh_seed(f"bwd gpu fp32 {form} #{i}")
+        q, k, v, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, v_of_k=v_of_k)
+        q, k, idx = q.cuda(), k.cuda(), idx.cuda()
+        v = k[..., :Dv] if v_of_k else v.cuda()
+        spec = _spec(D, torch.float32, [MaskTerm(kind="range", hi=0)])
+        check(q, k, v, idx, [_causal(B, S, T).cuda()], spec, seed, op_forward=True)
 
 
 def test_two_terms_and_linear_steps():
