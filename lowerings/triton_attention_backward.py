@@ -9,7 +9,7 @@ generated kernels and the key-major segment sum, per chunk of query rows:
    per head / GQA: the kv head's G heads, padded to 16), the forward's tiling (dQ' here, or
    at the latent's widths by ``attn_bwd_dq`` from the stored dS', a GEMM over the slots
    with the keys gathered again: ``default_config``):
-       delta = sum_d dO * O (fp32, from the saved output)
+       delta = sum_d dO * O (fp32, from the saved output); fp32 operands: sum_j P' dP / sum_j P'
        for each block of BLOCK_N slots:
            y  = post(q . k[t]^T)        the forward's generated ``_post`` (masks identical)
            P' = exp(y - lse)            0 for a head with lse = -inf (no visible slot)
@@ -22,7 +22,14 @@ generated kernels and the key-major segment sum, per chunk of query rows:
    after the loop (to dQ) and in kernel 2 (to P', dS'). delta from O rather than from the
    P . dP sum: that would need every slot's dP before the first dS, a second pass over the
    keys (the FlashAttention kernels use sum dO * O for the same reason); O is the op's output
-   in ``out_dtype``, so delta carries its rounding (within the numerics rule: tested).
+   in ``out_dtype``, so delta carries its rounding. With fp32 operands and IEEE dots
+   (``EXACT_DELTA``) the kernel makes that pass (``_bwd_delta``: the keys' and values'
+   gathers and two of the loop's three dots again, no stores): O comes from the forward's P,
+   whose low bits differ from P' (another dot order, exp(y - lse) against the forward's
+   shift), and dS = P' (dP - delta) with such a delta errs by P' * sum_j (P_j - P'_j) dP_j,
+   over fp32's numerics rule on some inputs (gk 4.94e-7 where 4.87e-7 is allowed); with
+   16-bit operands (P and dS rounded to them) or TF32 dots that term is far below their eps,
+   and those builds are the one-pass kernel unchanged.
 2. ``attn_bwd_keys``, one program per (row, kv head, BLOCK_N slots, BLOCK_F features): the
    per-slot key-side contributions as a GEMM over the kv head's G query heads,
        C_k[slot] = sum_h dS[h, slot] q[h]     C_v[slot] = sum_h P[h, slot] dO[h]
@@ -383,6 +390,9 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     dq_arg = gq if needs[0] else q  # (not written without NEED_DQ)
     nblk = -(-G // cfg.block_h)
     prec_consts = dict(UPCAST=upcast)
+    # fp32 operands with IEEE dots: delta from the slots' own P' and dP, a first pass over the
+    # keys (see the module docstring); 16-bit operands and TF32 dots: from O, one pass
+    exact_delta = {q.dtype, k.dtype, v.dtype} == {f32} and spec.fp32_precision != "tf32"
     built = []
 
     def launch(fn, grid, args, kw):
@@ -398,7 +408,8 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
             *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *out.stride(), *grad_out.stride(),
             *lse.stride(), *dq_arg.stride(), r0, S, G, Hk, K, D, Dv],
             dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DA=da, DB=db, DBQ=max(db, 16), BLOCK_DV=block_dv,
-                 V_FROM_K=v_from_k, NEED_DQ=bool(fused_dq), PREFETCH_IDX=cfg.prefetch_idx, num_warps=cfg.num_warps,
+                 V_FROM_K=v_from_k, NEED_DQ=bool(fused_dq), PREFETCH_IDX=cfg.prefetch_idx,
+                 EXACT_DELTA=exact_delta, num_warps=cfg.num_warps,
                  num_stages=cfg.num_stages, **prec_consts))
         if needs[0] and not fused_dq:
             nf = -(-D // cfg.dq_block_f)
@@ -502,6 +513,37 @@ def _bwd_scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MA
 
 
 @triton.jit
+def _bwd_delta(qa, qb, do_c, kbase, vbase, ibase, live, lse_use, b, s, DQK, DV, TOPK, stride_kt, stride_kd,
+               stride_vt, stride_vd, stride_ij, {{MASK_PARAMS}}BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+               DA: tl.constexpr, DB: tl.constexpr, BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr,
+               UPCAST: tl.constexpr):
+    # delta = sum_j P'_j dP_j / sum_j P'_j [BLOCK_H]: a pass over the slots with the main
+    # loop's own P' and dP (the same tiles and ops, so the same bits)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    num = tl.zeros([BLOCK_H], dtype=tl.float32)
+    den = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for n0 in range(0, TOPK, BLOCK_N):
+        slots = n0 + offs_n
+        slot_ok = slots < TOPK
+        t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
+        y, ka, kb = _bwd_scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
+                                BLOCK_N, DA, DB, UPCAST)
+        p = tl.where(live[:, None], tl.exp(y - lse_use[:, None]), 0.0)
+        if V_FROM_K:
+            vt = ka
+        else:
+            vt = tl.load(vbase + t[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
+                         mask=slot_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+            if UPCAST:
+                vt = vt.to(tl.float32)
+        dp = tl.dot(do_c, tl.trans(vt), input_precision="{{PRECISION}}", out_dtype=tl.float32)
+        num += tl.sum(tl.where(p > 0.0, p * dp, 0.0), axis=1)
+        den += tl.sum(p, axis=1)
+    return tl.where(live, tl.div_rn(num, tl.where(live, den, 1.0)), 0.0)
+
+
+@triton.jit
 def attn_bwd_rows(
     Q, K, V, IDX, OUT, DO, LSE, DQ, PB, GB, LB,
 {{MASK_ARGS_DEF}}    stride_qb, stride_qs, stride_qh, stride_qd,
@@ -515,7 +557,7 @@ def attn_bwd_rows(
     R0, S, G, HK, TOPK, DQK, DV,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, DBQ: tl.constexpr,
     BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr, NEED_DQ: tl.constexpr,
-    PREFETCH_IDX: tl.constexpr,
+    PREFETCH_IDX: tl.constexpr, EXACT_DELTA: tl.constexpr,
 ):
     # program: row R0 + lrow of the flattened (b, s), kv head hk, heads g0 .. g0 + BLOCK_H of
     # its G; writes dQ of those heads, P' and dS' [BLOCK_H, TOPK] to PB / GB (the chunk's
@@ -546,11 +588,16 @@ def attn_bwd_rows(
     live = lse > float("-inf")
     lse_use = tl.where(live, lse, 0.0)
     do = tl.where(live[:, None], do, 0.0)
-    delta = tl.sum(do * tl.where(live[:, None], o, 0.0), axis=1)
+    if not EXACT_DELTA:
+        delta = tl.sum(do * tl.where(live[:, None], o, 0.0), axis=1)
     do_c = do.to(qa.dtype)
     kbase = K + b * stride_kb + hk * stride_kh
     vbase = V + b * stride_vb + hk * stride_vh
     ibase = IDX + b * stride_ib + s * stride_is
+    if EXACT_DELTA:  # (the module docstring: fp32 operands)
+        delta = _bwd_delta(qa, qb, do_c, kbase, vbase, ibase, live, lse_use, b, s, DQK, DV, TOPK, stride_kt,
+                           stride_kd, stride_vt, stride_vd, stride_ij, {{MASK_PARAMS}}BLOCK_H, BLOCK_N, DA, DB,
+                           BLOCK_DV, V_FROM_K, UPCAST)
     pg = (lrow * (HK * G) + hk * G + g0 + offs_h) * TOPK
     dqa = tl.zeros([BLOCK_H, DA], dtype=tl.float32)
     dqb = tl.zeros([BLOCK_H, DBQ], dtype=tl.float32)

@@ -1,8 +1,8 @@
 """The sparse attention's Triton backward (lowerings/triton_attention_backward.py) against a
 float64 autograd oracle at the op's own indices, under the numerics rule (docs/contract.md:
-err(kernel) <= 2 err(orig) + 2 eps(dtype), orig = the chunked PyTorch backward in the same
-dtype). On the CPU the kernels run under TRITON_INTERPRET=1 (conftest): tiny fp32 / fp16
-shapes. GPU tests are marked ``gpu``."""
+err(kernel) <= 2 err(orig) + 2 eps(dtype), orig = autograd of the dense attention in the same
+dtype, ``dense_grads``). On the CPU the kernels run under TRITON_INTERPRET=1 (conftest): tiny
+fp32 / fp16 shapes. GPU tests are marked ``gpu``."""
 from __future__ import annotations
 
 import dataclasses
@@ -47,6 +47,38 @@ def grads64(go, q, k, v, idx, masks, spec):
     return torch.autograd.grad(loss, (q64, k64, v64))
 
 
+def dense_grads(go, q, k, v, idx, masks, spec, fold_v=False):
+    """orig: (gq, gk, gv) by autograd through the dense attention in q's dtype, as the
+    original graph computes it (``tests/test_attention_op.dense_attention``): every key
+    scored, the spec's steps, a -inf index mask at the selected keys, an fp32 softmax (0 in
+    a row with no visible key), the matmul with v. ``fold_v``: v is k's first Dv columns,
+    gk k's whole gradient and gv zeros."""
+    from hyscale_compile.lowerings.mask_kinds import mask_kinds
+    from hyscale_compile.lowerings.reference import _apply_elementwise
+
+    B, S, H, _ = q.shape
+    T, Hk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    ql, kl = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+    vl = kl[..., :Dv] if fold_v else v.detach().clone().requires_grad_()
+    kk, vv = kl.repeat_interleave(H // Hk, dim=2), vl.repeat_interleave(H // Hk, dim=2)
+    x = torch.einsum("bshd,bthd->bhst", ql, kk).float()
+    keys, kinds = torch.arange(T, device=q.device).expand(1, S, T), mask_kinds(spec.masks)
+    ys = []
+    for b in range(B):  # [H, S, T]: the masks broadcast over the heads
+        y = x[b]
+        for st in spec.post:
+            y = (kinds[st[1]].reference(y, masks, b, b + 1, 0, S, 0, T, B, S, T, keys=keys) if st[0] == "mask"
+                 else _apply_elementwise(y, st))
+        ys.append(y)
+    index_mask = torch.full((B, S, T), -math.inf, device=q.device).scatter_(-1, idx.long(), 0.0)
+    y = torch.stack(ys) + index_mask.unsqueeze(1)
+    live = (y > -math.inf).any(-1, keepdim=True)
+    p = torch.where(live, torch.softmax(torch.where(live, y, 0.0), -1), 0.0)
+    out = torch.einsum("bhst,bthd->bshd", p.to(q.dtype), vv)
+    grads = torch.autograd.grad((out * go).sum(), (ql, kl) if fold_v else (ql, kl, vl))
+    return grads if not fold_v else (*grads, torch.zeros_like(v))
+
+
 def _inputs(seed, B, S, T, H, Hk, D, Dv, K, dtype=torch.float32, v_of_k=False, idx_dtype=torch.int64):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, S, H, D, generator=g).to(dtype)
@@ -75,19 +107,23 @@ def folded(gk, gv):
     return out
 
 
-def check(q, k, v, idx, masks, spec, seed, atomic=False, config=None, fold_v=False):
+def check(q, k, v, idx, masks, spec, seed, atomic=False, config=None, fold_v=False, op_forward=False):
     """The kernel's gradients against float64 under the rule; returns them. ``fold_v``
-    (v a view of k): gk against k's whole gradient, gv zeros."""
+    (v a view of k): gk against k's whole gradient, gv zeros. ``op_forward``: out and lse
+    from the op (on CUDA the Triton forward), not the PyTorch reference."""
     dtype = q.dtype
-    out, lse, _ = R.attention_forward(q, k, v, idx, masks, spec)
+    if op_forward:
+        out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, masks, spec.to_json())
+    else:
+        out, lse, _ = R.attention_forward(q, k, v, idx, masks, spec)
     g = torch.Generator().manual_seed(seed + 7)
-    go = torch.randn(out.shape, generator=g).to(out.dtype)
+    go = torch.randn(out.shape, generator=g).to(out.dtype).to(out.device)
     got = attention_backward_triton(go, q, k, v, idx, masks, out, lse, spec, atomic=atomic, config=config,
                                     fold_v=fold_v)
-    orig = bwd.attention_backward(go, q, k, v, idx, masks, out, lse, spec, fold_v=fold_v)
+    orig = dense_grads(go, q, k, v, idx, masks, spec, fold_v=fold_v)
     ref = grads64(go, q, k, v, idx, masks, spec)
     if fold_v:
-        assert torch.equal(got[2], torch.zeros_like(v)) and torch.equal(orig[2], torch.zeros_like(v))
+        assert torch.equal(got[2], torch.zeros_like(v))
         ref = (ref[0], folded(ref[1], ref[2]))
     for name, x, o, r, like in zip(("gq", "gk", "gv"), got, orig, ref, (q, k, v)):
         assert x.dtype == like.dtype and x.shape == like.shape, name
@@ -99,16 +135,19 @@ def check(q, k, v, idx, masks, spec, seed, atomic=False, config=None, fold_v=Fal
 @pytest.mark.parametrize("form", list(FORMS))
 def test_gradients_match_float64(form, dtype):
     # causal picks: most rows keep fewer visible keys than k, one row none
+    for i in range(SEEDS):
+        _check_causal(form, dtype, fresh_seed(f"bwd {form} {dtype} #{i}"), i)
+
+
+def _check_causal(form, dtype, seed, i=0):
     H, Hk, D, Dv, v_of_k = FORMS[form]
     B, S, T, K = 2, 3, 24, 12
-    for i in range(SEEDS):
-        seed = fresh_seed(f"bwd {form} {dtype} #{i}")
-        q, k, v, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, dtype, v_of_k=v_of_k,
-                                  idx_dtype=torch.int32 if i % 2 else torch.int64)
-        hi = _causal(B, S, T)
-        spec = _spec(D, dtype, [MaskTerm(kind="range", hi=0)])
-        (gq, gk, gv), _ = check(q, k, v, idx, [hi], spec, seed)
-        assert torch.equal(gq[0, 0], torch.zeros_like(gq[0, 0]))  # the row with no visible key
+    q, k, v, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, dtype, v_of_k=v_of_k,
+                              idx_dtype=torch.int32 if i % 2 else torch.int64)
+    hi = _causal(B, S, T)
+    spec = _spec(D, dtype, [MaskTerm(kind="range", hi=0)])
+    (gq, gk, gv), _ = check(q, k, v, idx, [hi], spec, seed)
+    assert torch.equal(gq[0, 0], torch.zeros_like(gq[0, 0]))  # the row with no visible key
 
 
 def _mask_case(kind, B, S, T, g):
@@ -137,13 +176,45 @@ def _mask_case(kind, B, S, T, g):
 @pytest.mark.parametrize("kind", ["add_neg_inf", "add_finfo_min", "add_finite", "fill", "fill_false",
                                   "fill_finfo_min", "range_add", "range_lo_hi"])
 def test_mask_kinds(kind, form):
+    _check_mask_kind(kind, form, fresh_seed(f"bwd mask {kind} {form} #0"))
+
+
+def _check_mask_kind(kind, form, seed):
     H, Hk, D, Dv, v_of_k = FORMS[form]
     B, S, T, K = 2, 4, 24, 12
-    for i in range(1):
-        seed = fresh_seed(f"bwd mask {kind} {form} #{i}")
-        q, k, v, idx, g = _inputs(seed, B, S, T, H, Hk, D, Dv, K, v_of_k=v_of_k)
-        term, operands = _mask_case(kind, B, S, T, g)
-        check(q, k, v, idx, operands, _spec(D, torch.float32, [term]), seed)
+    q, k, v, idx, g = _inputs(seed, B, S, T, H, Hk, D, Dv, K, v_of_k=v_of_k)
+    term, operands = _mask_case(kind, B, S, T, g)
+    check(q, k, v, idx, operands, _spec(D, torch.float32, [term]), seed)
+
+
+# Seeds whose fp32 gk the one-pass kernel (delta from O) gave over the rule's bound: CI drew
+# 514825481 (5.86e-7; 5.03e-7 from the chunked PyTorch backward, 5.88e-7 from the dense
+# original) and 1009747187 (4.22e-7; 4.21e-7); a sweep found 801148508 (4.94e-7; 4.87e-7
+# from the dense original)
+@pytest.mark.parametrize("case", [("mask", "range_add", "gqa", 514825481), ("causal", "per_head", 1009747187),
+                                  ("causal", "per_head", 801148508)], ids=lambda c: "-".join(map(str, c)))
+def test_fp32_seeds_that_broke_the_rule(case):
+    if case[0] == "mask":
+        _check_mask_kind(*case[1:])
+    else:
+        _check_causal(case[1], torch.float32, case[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("form", list(FORMS))
+def test_fp32_gradients_on_gpu(form):
+    # out and lse from the CUDA forward (the Triton forward kernel, whose P differs from the
+    # backward's P' in the low bits), fp32 operands with IEEE dots: the rule as on the CPU
+    H, Hk, D, Dv, v_of_k = FORMS[form]
+    B, S, T, K = 2, 3, 24, 12
+    for i in range(SEEDS):
+        seed = fresh_seed(f"bwd gpu fp32 {form} #{i}")
+        q, k, v, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, v_of_k=v_of_k)
+        q, k, idx = q.cuda(), k.cuda(), idx.cuda()
+        v = k[..., :Dv] if v_of_k else v.cuda()
+        spec = _spec(D, torch.float32, [MaskTerm(kind="range", hi=0)])
+        check(q, k, v, idx, [_causal(B, S, T).cuda()], spec, seed, op_forward=True)
 
 
 def test_two_terms_and_linear_steps():
