@@ -44,6 +44,8 @@ from hyscale_compile.lowerings.spec import (MaskTerm, ScoreSpec, SpecError, add_
 from hyscale_compile.lowerings import triton_hytopk
 from hyscale_compile.lowerings.triton_hytopk import HyTopKConfig, hytopk_triton
 from hyscale_compile.lowerings.score_bound import score_bound_flag
+from hyscale_compile.testing import assert_selection_equal
+from tests.contract import fresh_seed
 
 DSA = ScoreSpec(
     name="dsa",
@@ -1548,6 +1550,35 @@ def _dsa_case(cuda, seed, S, H=64, D=128):
     w = torch.randn(1, S, H, device=cuda) * H**-0.5
     spec = ScoreSpec(epilogue=(("relu",), ("mul", D**-0.5)), post=DSA.post, masks=DSA.masks)
     return q, k, w, spec, [causal_hi(1, S, S, cuda)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sorted_", [True, False], ids=["sorted", "unsorted"])
+def test_gpu_fp32_example_shape_selects_distinct_keys(cuda, sorted_):
+    # examples/train_dsa.py at --seq 8192 on the H200 (fp32, 16 index heads x 16, k = 256,
+    # batch 4, an additive causal mask): its same-weights check found, in 2 of 3.3M rows
+    # over 50 steps, a hyscale selection holding one key twice (not reproduced on the CPU
+    # interpreter). Random fp32 inputs at that shape, several seeds: every row's keys are
+    # distinct and in range, and the rows are the stable top-k of the float64 scores
+    B, S, T, H, D, topk = 4, 8192, 8192, 16, 16, 256
+    spec = ScoreSpec(name="dsa", epilogue=(("mul", 0.25), ("relu",)), reduce="weighted_sum", post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0),))
+    hi = causal_hi(B, S, T, cuda)
+    for i in range(3):
+        g = torch.Generator(device=cuda).manual_seed(fresh_seed(f"gpu fp32 example shape #{i}"))
+        q = torch.randn(B, S, H, D, device=cuda, generator=g)
+        k = torch.nn.functional.layer_norm(torch.randn(B, T, 1, D, device=cuda, generator=g), (D,))
+        w = torch.randn(B, S, H, device=cuda, generator=g) * H ** -0.5
+        idx = hytopk_triton(q, k, w, [hi], topk, spec, sorted=sorted_)
+        srt = idx.long().sort(-1).values
+        dup = (srt[..., 1:] == srt[..., :-1]).any(-1)
+        assert not dup.any() and bool((srt >= 0).all()) and bool((srt < T).all()), \
+            f"rows with a key twice: {dup.nonzero()[:8].tolist()}"
+        for b in range(B):
+            s64 = ref.dense_scores(q[b:b + 1].double(), k[b:b + 1].double(), w[b:b + 1].double(), [hi[b:b + 1]],
+                                   spec, dtype=torch.float64)
+            assert_selection_equal(idx[b:b + 1].cpu(), s64.cpu(), atol=1e-5, sorted=sorted_)
+            del s64
 
 
 @pytest.mark.gpu
