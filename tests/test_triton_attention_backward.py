@@ -17,7 +17,7 @@ import torch
 from hyscale_compile.lowerings import attention_backward as bwd
 from hyscale_compile.lowerings import attention_reference as R
 from hyscale_compile.lowerings.attention_spec import AttentionSpec
-from hyscale_compile.lowerings.spec import MaskTerm, SpecError
+from hyscale_compile.lowerings.spec import MaskTerm, SpecError, dtype_of
 from hyscale_compile.lowerings.triton_attention_backward import (SMEM_BYTES, attention_backward_triton,
                                                                  default_config, smem_estimate, unsupported)
 from hyscale_compile.testing import assert_consumer_close
@@ -110,8 +110,11 @@ def folded(gk, gv):
 def check(q, k, v, idx, masks, spec, seed, atomic=False, config=None, fold_v=False, op_forward=False):
     """The kernel's gradients against float64 under the rule; returns them. ``fold_v``
     (v a view of k): gk against k's whole gradient, gv zeros. ``op_forward``: out and lse
-    from the op (on CUDA the Triton forward), not the PyTorch reference."""
-    dtype = q.dtype
+    from the op (on CUDA the Triton forward), not the PyTorch reference. eps is that of the
+    coarsest dtype the computation rounds to: the operands', or a ``round`` step's (one
+    rounding there may flip either way in any fp32 implementation, the original's too)."""
+    dtype = max([q.dtype] + [dtype_of(st[1]) if isinstance(st[1], str) else st[1]
+                             for st in spec.post if st[0] == "round"], key=lambda d: torch.finfo(d).eps)
     if op_forward:
         out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, masks, spec.to_json())
     else:
