@@ -52,6 +52,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from hyscale_compile.lowerings.config_text import config_name, parse_config_list  # noqa: E402
+
 
 def megatron_dense_kl(q, k, qi, ki, w, scale):
     """Megatron-Core's indexer scores + ``compute_dsa_indexer_loss`` (dense, causal, fp32 tables)."""
@@ -103,25 +105,9 @@ def peak_extra_mib(fn) -> float:
 
 def parse_configs(text: str) -> list:
     """'default;dq_heads=2,dk_block_n=128' -> [{}, {'dq_heads': 2, 'dk_block_n': 128}]."""
-    import dataclasses
-
     from hyscale_compile.lowerings.triton_indexer_kl import IndexerKLConfig
 
-    names = [f.name for f in dataclasses.fields(IndexerKLConfig)]
-    out = []
-    for one in (c.strip() for c in text.split(";")):
-        fields = {}
-        for kv in filter(None, (x.strip() for x in ("" if one in ("", "default") else one).split(","))):
-            key, _, val = kv.partition("=")
-            if key not in names or not val.isdigit():
-                raise ValueError(f"{kv!r} is not <field>=<int> for a field of IndexerKLConfig ({', '.join(names)})")
-            fields[key] = int(val)
-        out.append(fields)
-    return out
-
-
-def config_name(fields) -> str:
-    return ",".join(f"{k}={v}" for k, v in fields.items()) or "default"
+    return parse_config_list(text, IndexerKLConfig)
 
 
 def with_fields(cfg, fields: dict):

@@ -43,6 +43,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from hyscale_compile.lowerings.config_text import config_name, parse_config_list  # noqa: E402
+
 SHAPES = {  # name: (H, Hk, d_qk, d_v, v is a view of k)
     "mla128": (128, 1, 576, 512, True),
     "mla16": (16, 1, 576, 512, True),
@@ -50,29 +52,13 @@ SHAPES = {  # name: (H, Hk, d_qk, d_v, v is a view of k)
 }
 TOPK = 2048
 SINKS, WINDOW = 64, 512
-CONFIG_INTS = ("block_h", "block_n", "num_warps", "num_stages")
-CONFIG_BOOLS = ("prefetch_idx", "exp2")
 
 
 def parse_configs(text: str) -> list:
     """'default;block_n=32,prefetch_idx=1' -> [{}, {'block_n': 32, 'prefetch_idx': True}]."""
-    out = []
-    for one in (c.strip() for c in text.split(";")):
-        fields = {}
-        for kv in filter(None, (x.strip() for x in ("" if one in ("", "default") else one).split(","))):
-            key, _, val = kv.partition("=")
-            if key in CONFIG_INTS and val.isdigit():
-                fields[key] = int(val)
-            elif key in CONFIG_BOOLS and val in ("0", "1"):
-                fields[key] = val == "1"
-            else:
-                raise ValueError(f"{kv!r} is not {'|'.join(CONFIG_INTS)}=<int> or {'|'.join(CONFIG_BOOLS)}=0|1")
-        out.append(fields)
-    return out
+    from hyscale_compile.lowerings.triton_attention import AttentionConfig
 
-
-def config_name(fields: dict) -> str:
-    return ",".join(f"{k}={int(v)}" for k, v in fields.items()) or "default"
+    return parse_config_list(text, AttentionConfig)
 
 
 def flops(S: int, H: int, dqk: int, dv: int, k: int = TOPK) -> float:

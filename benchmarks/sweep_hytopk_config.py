@@ -24,6 +24,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bench_hytopk as bh  # noqa: E402
+from hyscale_compile.lowerings import config_text  # noqa: E402
+from hyscale_compile.lowerings.triton_hytopk import HyTopKConfig  # noqa: E402
 
 CONFIGS = {
     # name: HyTopKConfig kwargs (block_m None: 256 // heads-per-kv-head = 4 rows at H=64)
@@ -50,18 +52,9 @@ def default_fields(seq: int) -> dict:
 
 
 def parse_fields(text: str) -> dict:
-    """'num_stages=2,low_water=4,sort=after' -> {'num_stages': 2, 'low_water': 4, 'sort': 'after'} (ints, then floats, where they parse)."""
-    out = {}
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        key, _, val = item.partition("=")
-        if val.lstrip("-").isdigit():
-            out[key] = int(val)
-        else:
-            try:
-                out[key] = float(val)
-            except ValueError:
-                out[key] = {"True": True, "False": False}.get(val, val)
-    return out
+    """'num_stages=2,low_water=4,sort=after' -> {'num_stages': 2, 'low_water': 4, 'sort': 'after'}
+    (``HyTopKConfig`` fields, typed by their annotations)."""
+    return config_text.parse_fields(text, HyTopKConfig)
 
 
 def main(argv=None) -> int:

@@ -67,6 +67,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from .attention_spec import AttentionSpec
+from .config_text import parse_fields
 from .mask_kinds import kind_of
 from .spec import SpecError
 from .triton_attention import (_indent, _mask_args_def, _mask_launch_args, _mask_params, _next_pow2,
@@ -171,18 +172,10 @@ def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
 
 
 def _config_override(cfg: BackwardConfig) -> BackwardConfig:
-    text = os.environ.get("HYSCALE_ATTN_BWD_CONFIG", "")
-    if not text:
-        return cfg
-    fields = {f.name: f.type for f in dataclasses.fields(BackwardConfig)}
-    kw = {}
-    for item in text.split(","):
-        name, _, val = item.partition("=")
-        name = name.strip()
-        if name not in fields or not val:
-            raise SpecError(f"HYSCALE_ATTN_BWD_CONFIG: {item!r} is not field=value for a field of {sorted(fields)}")
-        kw[name] = val.strip() in ("1", "true", "True") if fields[name] in (bool, "bool") else int(val)
-    return dataclasses.replace(cfg, **kw)
+    try:
+        return dataclasses.replace(cfg, **parse_fields(os.environ.get("HYSCALE_ATTN_BWD_CONFIG", ""), BackwardConfig))
+    except ValueError as e:
+        raise SpecError(f"HYSCALE_ATTN_BWD_CONFIG: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------

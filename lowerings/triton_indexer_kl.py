@@ -98,14 +98,12 @@ class IndexerKLConfig:
     dk_trans: int = 0  # 1: the key gradient key-major (``_kl_dk_kernel``'s TRANS)
     lse_block_m: int = 0  # the attention lse pass's query tile (0: block_m)
     lse_num_warps: int = 0  # its warps (0: num_warps)
-    attn_chain: int = 0  # 1: the attention score's head-dim chunks in one dot chain (``_attn_scores``)
     # pipeline stages of single loops (0: the kernel's num_stages): 2 stages prefetch one
     # iteration ahead, issued at the end of the previous one, so a head's L2 latency is
     # mostly exposed
     head_stages: int = 0  # the forward and dI kernels' index head loop (one qi_j tile a stage)
     attn_stages: int = 0  # their attention head loop (the head's q and k chunks a stage)
     grad_stages: int = 0  # the dq kernel's key loop and the dk kernel's head loop
-    di_zeroed: int = 1  # the dI workspace starts zeroed: the gradient kernels read it with bounds masks only
 
 
 def default_config(q: torch.Tensor, qi: torch.Tensor, T: int, interpret: Optional[bool] = None) -> IndexerKLConfig:
@@ -146,12 +144,11 @@ def default_config(q: torch.Tensor, qi: torch.Tensor, T: int, interpret: Optiona
 @triton.jit
 def _attn_scores(q_base, k_base, offs_m, m_ok, offs_n, n_ok, scale,
                  Q_STRIDE: tl.constexpr, K_STRIDE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, CHAIN: tl.constexpr):
-    # CHAIN: the head dim's chunks accumulate in one dot chain. Triton lays out a dot whose
-    # result feeds another dot over all warps' rows ([num_warps, 1]), which at 8 warps and
-    # 64 rows computes the tile twice (once per warp group) and converts layouts before the
-    # last chunk. Otherwise each chunk's dot is scaled, then added (a different fp32 order):
-    # Triton folds ``acc + dot`` back into a chain, not ``acc + dot * scale``
+                 BM: tl.constexpr, BN: tl.constexpr):
+    # each head-dim chunk's dot is scaled, then added: not one dot chain, which Triton lays
+    # out over all warps' rows ([num_warps, 1]) because its result feeds another dot; at 8
+    # warps and 64 rows that computes the tile twice, once per warp group (Triton folds
+    # ``acc + dot`` back into a chain, not ``acc + dot * scale``)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for d0 in tl.static_range(0, D, BD):
         offs_d = d0 + tl.arange(0, BD)
@@ -160,24 +157,19 @@ def _attn_scores(q_base, k_base, offs_m, m_ok, offs_n, n_ok, scale,
                     other=0.0)
         b = tl.load(k_base + offs_n[:, None] * K_STRIDE + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
                     other=0.0)
-        if CHAIN:
-            acc = tl.dot(a, tl.trans(b), acc=acc, input_precision="ieee")
-        else:
-            acc += tl.dot(a, tl.trans(b), input_precision="ieee") * scale
-    if CHAIN:
-        acc = acc * scale
+        acc += tl.dot(a, tl.trans(b), input_precision="ieee") * scale
     return acc
 
 
 @triton.jit
 def _target_tile(q_base, k_base, st_base, offs_m, m_ok, offs_n, n_ok, vis, scale,
                  H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, CHAIN: tl.constexpr, STAGES: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
     """sum_h exp(scale q_h . k_t - m_h) / l_h at the visible keys, 0 elsewhere."""
     P = tl.zeros((BM, BN), dtype=tl.float32)
     for h in tl.range(0, H, num_stages=STAGES):
         s = _attn_scores(q_base + h * D, k_base + (h // (H // HK)) * D, offs_m, m_ok, offs_n, n_ok, scale,
-                         H * D, HK * D, D, BD, BM, BN, CHAIN)
+                         H * D, HK * D, D, BD, BM, BN)
         m_h = tl.load(st_base + offs_m * (2 * H) + 2 * h, mask=m_ok, other=0.0)
         inv_l = 1.0 / tl.load(st_base + offs_m * (2 * H) + 2 * h + 1, mask=m_ok, other=1.0)
         P += tl.where(vis, tl.exp(s - m_h[:, None]) * inv_l[:, None], 0.0)
@@ -201,7 +193,7 @@ def _index_tile(qi_base, w_base, ki_tile, offs_m, m_ok, offs_di, di_ok,
 @triton.jit
 def _attn_lse_kernel(q_ptr, k_ptr, st_ptr, S, T, scale,
                      H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, CHAIN: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest causal rows first
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -221,7 +213,7 @@ def _attn_lse_kernel(q_ptr, k_ptr, st_ptr, S, T, scale,
         vis = m_ok[:, None] & n_ok[None, :]
         if CAUSAL:
             vis = vis & (offs_n[None, :] <= offs_m[:, None])
-        s = _attn_scores(q_base, k_base, offs_m, m_ok, offs_n, n_ok, scale, H * D, HK * D, D, BD, BM, BN, CHAIN)
+        s = _attn_scores(q_base, k_base, offs_m, m_ok, offs_n, n_ok, scale, H * D, HK * D, D, BD, BM, BN)
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -235,7 +227,7 @@ def _attn_lse_kernel(q_ptr, k_ptr, st_ptr, S, T, scale,
 def _kl_fwd_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, row_ptr, rs_ptr, S, T, scale,
                    H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr,
                    CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDI: tl.constexpr,
-                   CHAIN: tl.constexpr, STAGES: tl.constexpr, ASTAGES: tl.constexpr):
+                   STAGES: tl.constexpr, ASTAGES: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest causal rows first
     b = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -264,7 +256,7 @@ def _kl_fwd_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, row_ptr, rs_ptr,
             vis = vis & (offs_n[None, :] <= offs_m[:, None])
         # the target first: its head loop then runs without the index tile live (fewer registers)
         P = _target_tile(q_base, k_base, st_base, offs_m, m_ok, offs_n, n_ok, vis, scale, H, HK, D, BD, BM, BN,
-                         CHAIN, ASTAGES)
+                         ASTAGES)
         ki_tile = tl.load(ki_base + offs_n[:, None] * DI + offs_di[None, :], mask=n_ok[:, None] & di_ok[None, :],
                           other=0.0)
         I = _index_tile(qi_base, w_base, ki_tile, offs_m, m_ok, offs_di, di_ok, HI, DI, BM, BN, STAGES)
@@ -290,7 +282,7 @@ def _kl_fwd_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, row_ptr, rs_ptr,
 def _kl_dI_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, rs_ptr, g_ptr, dI_ptr, r0, S, T, scale,
                   CHUNK: tl.constexpr, H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HI: tl.constexpr,
                   DI: tl.constexpr, CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                  BDI: tl.constexpr, CHAIN: tl.constexpr, STAGES: tl.constexpr, ASTAGES: tl.constexpr):
+                  BDI: tl.constexpr, STAGES: tl.constexpr, ASTAGES: tl.constexpr):
     # one (key tile, query tile) per program: the tiles of dI are independent given the row
     # statistics, so the grid covers the chunk's whole [rows, T] strip at once
     pid_n = tl.program_id(0)
@@ -319,7 +311,7 @@ def _kl_dI_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, rs_ptr, g_ptr, dI
         I = _index_tile(qi_ptr + b * S * HI * DI, w_ptr + b * S * HI, ki_tile, offs_m, m_ok, offs_di, di_ok, HI, DI,
                         BM, BN, STAGES)
         P = _target_tile(q_ptr + b * S * H * D, k_ptr + b * T * HK * D, st_ptr + b * S * H * 2, offs_m, m_ok,
-                         offs_n, n_ok, vis, scale, H, HK, D, BD, BM, BN, CHAIN, ASTAGES)
+                         offs_n, n_ok, vis, scale, H, HK, D, BD, BM, BN, ASTAGES)
         dI = tl.where(vis, g * (tl.exp(I - m_i[:, None]) * inv_l[:, None] - P * inv_z[:, None]), 0.0)
         tl.store(dI_ptr + b * CHUNK * T + (offs_m - r0)[:, None] * T + offs_n[None, :], dI,
                  mask=m_ok[:, None] & n_ok[None, :])
@@ -328,11 +320,11 @@ def _kl_dI_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, rs_ptr, g_ptr, dI
 @triton.jit
 def _kl_dq_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dqi_ptr, dw_ptr, r0, r1, S, T,
                   CHUNK: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, CAUSAL: tl.constexpr, G: tl.constexpr,
-                  ZEROED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BDI: tl.constexpr, STAGES: tl.constexpr):
+                  BM: tl.constexpr, BN: tl.constexpr, BDI: tl.constexpr, STAGES: tl.constexpr):
     # the dots' rows are G heads x BM query rows (row r: head pid_g * G + r // BM, query
     # r % BM): one key tile and one dI tile serve G heads, and the dots are G times taller.
-    # ZEROED: the workspace is 0 wherever the dI kernel did not write, so dI loads need only
-    # the bounds (vector loads; the causal mask per element splits them into 4-byte copies)
+    # the workspace is 0 wherever the dI kernel did not write, so dI loads need only the
+    # bounds (vector loads; the causal mask per element splits them into 4-byte copies)
     pid_g = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -356,15 +348,9 @@ def _kl_dq_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dqi_ptr, dw_ptr, r0, r1, S, T,
     for n0 in tl.range(0, n_end, BN, num_stages=STAGES):
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < T
-        vis = m_ok[:, None] & n_ok[None, :]
-        if CAUSAL:
-            vis = vis & (offs_n[None, :] <= offs_m[:, None])
         ki_tile = tl.load(ki_base + offs_n[:, None] * DI + offs_di[None, :], mask=n_ok[:, None] & di_ok[None, :],
                           other=0.0)
-        if ZEROED:
-            dI = tl.load(dI_base + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
-        else:
-            dI = tl.load(dI_base + offs_n[None, :], mask=vis, other=0.0)
+        dI = tl.load(dI_base + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
         a = tl.dot(qj, tl.trans(ki_tile), input_precision="ieee")
         dw += tl.sum(dI * tl.maximum(a, 0.0), 1)
         da = tl.where(a > 0.0, dI * wj[:, None], 0.0)
@@ -377,7 +363,7 @@ def _kl_dq_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dqi_ptr, dw_ptr, r0, r1, S, T,
 @triton.jit
 def _kl_dk_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dki_ptr, r0, r1, S, T, B,
                   CHUNK: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, HSPLIT: tl.constexpr, CAUSAL: tl.constexpr,
-                  G: tl.constexpr, ZEROED: tl.constexpr, TRANS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  G: tl.constexpr, TRANS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BDI: tl.constexpr, STAGES: tl.constexpr):
     # heads in HSPLIT groups, each with its own partial sum (dki_ptr [HSPLIT, B, T, Di]),
     # summed in a fixed order afterwards: more programs where a chunk sees few key tiles.
@@ -407,21 +393,13 @@ def _kl_dk_kernel(qi_ptr, ki_ptr, w_ptr, dI_ptr, dki_ptr, r0, r1, S, T, B,
     for m0 in range(m_start, r1, BM):
         offs_m = m0 + offs_r % BM
         m_ok = offs_m < r1
-        vis = m_ok[:, None] & n_ok[None, :]
-        if CAUSAL:
-            vis = vis & (offs_n[None, :] <= offs_m[:, None])
+        # (bounds masks only: the workspace is 0 past the diagonal, as in _kl_dq_kernel)
         if TRANS:
             dI_ptrs = dI_ptr + b * CHUNK * T + (offs_m - r0)[None, :] * T + offs_n[:, None]
-            if ZEROED:
-                dI = tl.load(dI_ptrs, mask=n_ok[:, None] & m_ok[None, :], other=0.0)
-            else:
-                dI = tl.load(dI_ptrs, mask=tl.trans(vis), other=0.0)
+            dI = tl.load(dI_ptrs, mask=n_ok[:, None] & m_ok[None, :], other=0.0)
         else:
             dI_ptrs = dI_ptr + b * CHUNK * T + (offs_m - r0)[:, None] * T + offs_n[None, :]
-            if ZEROED:  # (as in _kl_dq_kernel)
-                dI = tl.load(dI_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
-            else:
-                dI = tl.load(dI_ptrs, mask=vis, other=0.0)
+            dI = tl.load(dI_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
         for jj in tl.range(0, HI // HSPLIT // G, num_stages=STAGES):
             j = grp * (HI // HSPLIT) + jj * G + offs_r // BM
             qj = tl.load(qi_base + offs_m[:, None] * (HI * DI) + j[:, None] * DI + offs_di[None, :],
@@ -488,7 +466,7 @@ def attention_stats_triton(q, k, scale: float, causal: bool, cfg: Optional[Index
     bm = cfg.lse_block_m or cfg.block_m
     _launch(_attn_lse_kernel, (triton.cdiv(S, bm), B * H),
             q.contiguous(), k.contiguous(), stats, S, T, float(scale), H=H, HK=HK, D=D, CAUSAL=bool(causal),
-            BM=bm, BN=cfg.block_n, BD=cfg.block_d, CHAIN=bool(cfg.attn_chain),
+            BM=bm, BN=cfg.block_n, BD=cfg.block_d,
             num_warps=cfg.lse_num_warps or cfg.num_warps,
             num_stages=cfg.num_stages)
     return stats
@@ -510,7 +488,7 @@ def indexer_kl_triton_forward(q, k, qi, ki, w, lse: Optional[torch.Tensor], scal
     _launch(_kl_fwd_kernel, (triton.cdiv(S, cfg.block_m), B),
             q, k, qi, ki, w, stats, rows, row_stats, S, T, float(scale), H=H, HK=HK, D=D, HI=HI, DI=DI,
             CAUSAL=bool(causal), BM=cfg.block_m, BN=cfg.block_n, BD=cfg.block_d, BDI=max(16, _next_pow2(DI)),
-            CHAIN=bool(cfg.attn_chain), STAGES=cfg.head_stages or None, ASTAGES=cfg.attn_stages or None,
+            STAGES=cfg.head_stages or None, ASTAGES=cfg.attn_stages or None,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
     loss = rows.sum() * (loss_coeff / (B * S))
@@ -532,7 +510,7 @@ def indexer_kl_triton_backward(grad, q, k, qi, ki, w, stats, row_stats, scale: f
     chunk = min(cfg.chunk_rows, triton.cdiv(S, cfg.block_m) * cfg.block_m)
     # zeroed: what the dI kernel leaves unwritten (key tiles past a query tile's diagonal) it
     # leaves unwritten in every later chunk too (their diagonals lie further right), so it stays 0
-    dI = (torch.zeros if cfg.di_zeroed else torch.empty)((B, chunk, T), dtype=torch.float32, device=q.device)
+    dI = torch.zeros((B, chunk, T), dtype=torch.float32, device=q.device)
     dqi = torch.empty_like(qi)
     dw = torch.empty_like(w)
     hsplit = cfg.dk_head_split if HI % cfg.dk_head_split == 0 else 1
@@ -548,15 +526,15 @@ def indexer_kl_triton_backward(grad, q, k, qi, ki, w, stats, row_stats, scale: f
         _launch(_kl_dI_kernel, (n_tiles, tiles, B),
                 q, k, qi, ki, w, stats, row_stats, g, dI, r0, S, T, float(scale), CHUNK=chunk, H=H, HK=HK, D=D, HI=HI,
                 DI=DI, CAUSAL=bool(causal), BM=cfg.block_m, BN=cfg.block_n, BD=cfg.block_d, BDI=BDI,
-                CHAIN=bool(cfg.attn_chain), STAGES=cfg.head_stages or None, ASTAGES=cfg.attn_stages or None, **meta)
+                STAGES=cfg.head_stages or None, ASTAGES=cfg.attn_stages or None, **meta)
         dq_bm = cfg.dq_block_m or cfg.block_m
         _launch(_kl_dq_kernel, (HI // dq_g, triton.cdiv(r1 - r0, dq_bm), B),
                 qi, ki, w, dI, dqi, dw, r0, r1, S, T, CHUNK=chunk, HI=HI, DI=DI, CAUSAL=bool(causal), G=dq_g,
-                ZEROED=bool(cfg.di_zeroed), BM=dq_bm, BN=cfg.dq_block_n or cfg.block_n, BDI=BDI,
+                BM=dq_bm, BN=cfg.dq_block_n or cfg.block_n, BDI=BDI,
                 STAGES=cfg.grad_stages or None, **meta)
         _launch(_kl_dk_kernel, (triton.cdiv(min(T, r1) if causal else T, cfg.dk_block_n), hsplit, B),
                 qi, ki, w, dI, dki, r0, r1, S, T, B, CHUNK=chunk, HI=HI, DI=DI, HSPLIT=hsplit, CAUSAL=bool(causal),
-                G=dk_g, ZEROED=bool(cfg.di_zeroed), TRANS=bool(cfg.dk_trans), BM=cfg.block_m, BN=cfg.dk_block_n,
+                G=dk_g, TRANS=bool(cfg.dk_trans), BM=cfg.block_m, BN=cfg.dk_block_n,
                 BDI=BDI, STAGES=cfg.grad_stages or None, **meta)
     dk = dki[0]
     for i in range(1, hsplit):  # the groups' partial sums in a fixed order

@@ -254,7 +254,7 @@ def test_indexer_kl_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     previous = ("dq_heads=1,dq_block_n=0,dk_heads=1,dk_trans=0,dk_block_n=64,dk_head_split=4,lse_block_m=0,"
-                "attn_chain=1,di_zeroed=0,head_stages=0,grad_stages=0")
+                "head_stages=0,grad_stages=0")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_indexer_kl.py"), "--inspect",
                           "--dtypes", "bfloat16", "--config", f"default;{previous}"],
                          capture_output=True, text=True, env=env, timeout=900)
