@@ -16,11 +16,14 @@ the graph: a top-k's indices are distinct within a row) it follows the indices f
    must be a constant that hides the key (``-inf`` added, ``False`` kept, a fill of
    ``-inf``). An op that would expose an unselected key stops the walk. Indices that
    reach a scatter only through something else (V4's remapping ``where``s, a view of
-   another shape) are not followed, and the scatter is reported dense with the reason.
+   another shape) are not followed, and the scatter is reported dense with the reason. A
+   reducing scatter of a constant, whole or in row chunks (Megatron's), is first folded into
+   the one scatter it equals (``passes/index_mask.py``).
 2. **The application.** The op where that tensor meets the scores (an ``add``, a
    ``masked_fill``/``where`` of the scores) must lie on the chain from a score contraction
    (``bmm``/``mm``: einsum and matmul decompose to it) to a softmax (decomposed:
-   ``amax``, ``sub``, ``exp``, ``sum``, ``div``), whose output reaches, through views and
+   ``amax``, ``sub``, ``exp``, ``sum``, ``div``; or Megatron's ``masked_softmax`` over
+   ``isfinite`` of the index mask, ``passes/masked_softmax.py``), whose output reaches, through views and
    casts only, the contraction with the values. The chain is analysed by the selection's
    own canonicalizer (``canonicalize.SiteAnalysis``: logical axes through views, scale
    steps, mask terms; position masks become ranges) with the index mask replaced by its

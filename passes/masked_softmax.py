@@ -16,7 +16,8 @@ fills that hide with -inf, so M is 0 or -inf) and the scores are finite, ``valid
 ``x != -inf``: the masked_fill with finfo.min changes no kept entry, the row max over ``f`` is
 the max over the kept entries (each finite, so >= finfo.min), the kept entry at the max gives
 exp(0) = 1, so the sum is >= 1 and the clamp to eps <= 1 changes nothing, and the zero fills
-hit only entries whose exp is already 0. That is the softmax over the entries not at -inf. A
+hit only the entries at -inf, to which the op gives P = 0 too. That is the softmax over the
+entries not at -inf, and no gradient reaches an entry the fills zero, as in the op. A
 row with no kept entry gets m = 0, every e zeroed, sum 0 clamped to eps: 0 everywhere, which
 is ``empty_row="zero"``. The recognizer only reads the graph's shape; the conditions on M are
 the caller's (``valid_mask_of``, the mask-term check in ``passes/attention.py``).

@@ -2,8 +2,8 @@
 models' own attention code: HF DeepSeek-V3.2 (eager and sdpa), GLM-5 with IndexCache (one
 selection feeds two layers), Megatron-Core's ``unfused_dsa_fn`` (the per-head form
 ``DSAttention`` runs in megatron-core 0.16.1, which has no absorbed variant), newer Megatron-Core's
-``_unfused_absorbed_dsa_fn`` (a stand-in of its source; left dense, with a reason) and DeepSeek-V4
-CSA (left dense, with a reason). Debug backend, tiny configs (tests/models/hf_models.py,
+``_unfused_absorbed_dsa_fn`` (a stand-in of its source: MQA over the latent, its row-chunked
+index mask and masked_softmax) and DeepSeek-V4 CSA (left dense, with a reason). Debug backend, tiny configs (tests/models/hf_models.py,
 tests/models/megatron_dsa.py), no_grad and training.
 
 For each form: the op appears in the compiled graphs where expected (counted), and the outputs
@@ -25,8 +25,7 @@ softmax, values, in float64 at the recorded indices). Each reference check also 
 err(orig) (a reference that computed something else, e.g. another MoE routing, would make the
 rule vacuous).
 
-Where the pass does not rewrite a form yet the count test is ``xfail(strict=True)`` with the
-reason; the numerics tests run either way (they hold for the dense original too).
+The numerics tests hold for a dense original too; the count tests say which forms are rewritten.
 """
 import contextlib
 import copy
