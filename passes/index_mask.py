@@ -88,11 +88,14 @@ def _rows_slice(n: Any, nd: int) -> Optional[Tuple[fx.Node, Any, Any]]:
         return None
     if _arg(n, 1, "dim", 0) % nd != 1 or _arg(n, 4, "step", 1) != 1:
         return None
-    return n.args[0], _arg(n, 2, "start", 0), _arg(n, 3, "end", None)
+    num = lambda x: x.meta.get("val") if isinstance(x, fx.Node) else x  # noqa: E731  (a SymInt under dynamic)
+    rows = shape_of(n.args[0])[1]
+    end = num(_arg(n, 3, "end", None))
+    return n.args[0], num(_arg(n, 2, "start", 0)), rows if end is None else end
 
 
 def _same(a, b) -> bool:
-    return statically_known_true(a == b)
+    return a is b or statically_known_true(a == b)
 
 
 def _clamp_floor(facts: GraphFacts, n: fx.Node) -> Optional[Tuple[fx.Node, Any]]:
@@ -154,11 +157,9 @@ def _chunk(facts: GraphFacts, sr: fx.Node, whole: set) -> Optional[_Chunk]:
     if sl is not None:
         ix, lo, hi = _strip_alias(sl[0]), sl[1], sl[2]
     else:
-        ix, lo, hi = piece, 0, None
+        ix, lo, hi = piece, 0, shape_of(piece)[1] if isinstance(piece, fx.Node) else None
     if ix not in whole:
         return None
-    rows = shape_of(ix)[1]
-    hi = rows if hi is None else hi
     # the src: a constant, or where(indices >= c <= 0, a, b), which is a at every slot of a selection
     value = facts.constant(src)
     text = repr(value)
@@ -166,9 +167,9 @@ def _chunk(facts: GraphFacts, sr: fx.Node, whole: set) -> Optional[_Chunk]:
         cond, a, b = src.args
         cmp_in = _strip_alias(cond.args[0]) if isinstance(cond, fx.Node) and cond.args else None
         c = facts.constant(cond.args[1]) if isinstance(cond, fx.Node) and len(cond.args) > 1 else None
-        same_rows = cmp_in is piece or (_rows_slice(cmp_in, 3) is not None and sl is not None
-                                        and _strip_alias(_rows_slice(cmp_in, 3)[0]) is ix
-                                        and _rows_slice(cmp_in, 3)[1:] == (lo, sl[2]))
+        csl = _rows_slice(cmp_in, 3)
+        same_rows = cmp_in is piece or (csl is not None and sl is not None and _strip_alias(csl[0]) is ix
+                                        and _same(csl[1], lo) and _same(csl[2], hi))
         always = c is not None and ((cond.target is aten.ge.Scalar and c <= 0) or
                                     (cond.target is aten.gt.Scalar and c < 0))
         if same_rows and always and facts.constant(a) is not None:
@@ -184,18 +185,19 @@ def _chunk(facts: GraphFacts, sr: fx.Node, whole: set) -> Optional[_Chunk]:
     users = [u for u in sr.users if not is_backward_node(u)]
     if bsl is not None:
         cur = bsl[0]
-        if bsl[1] != lo or not _same(bsl[2] if bsl[2] is not None else shape_of(cur)[1], hi):
+        if not _same(bsl[1], lo) or not _same(bsl[2], hi):
             return None
         readers = users + [w for a in users if a.target is aten.alias.default for w in a.users]
         ends = [w for w in readers if w.target is aten.slice_scatter.default and w.args[0] is cur
                 and _strip_alias(w.args[1]) is sr]
-        if len(ends) != 1 or _arg(ends[0], 2, "dim", 0) % 3 != 1 or ends[0].args[3] != lo or \
-                not _same(_arg(ends[0], 4, "end", None) or shape_of(cur)[1], hi):
+        num = lambda x: x.meta.get("val") if isinstance(x, fx.Node) else x  # noqa: E731
+        if len(ends) != 1 or _arg(ends[0], 2, "dim", 0) % 3 != 1 or not _same(num(_arg(ends[0], 3, "start", 0)), lo) \
+                or not _same(num(_arg(ends[0], 4, "end", None)) or shape_of(cur)[1], hi):
             return None
         nxt = ends[0]
     else:
         cur, nxt = base, sr
-        if lo != 0 or not _same(hi, shape_of(base)[1]):
+        if not _same(lo, 0) or not _same(hi, shape_of(base)[1]):
             return None
     if dtype_of_node(sr) not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         return None

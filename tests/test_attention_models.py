@@ -709,3 +709,29 @@ def test_clamp_min_of_the_indices_is_a_remapping_only_above_zero(lo):
             recs[0].line(), recs[0].line()
     else:
         assert "remapped by clamp_min = clamp_min(idx, 1)" in recs[0].reason, recs[0].line()
+
+
+@pytest.mark.parametrize("mask, chunk", [("additive", 256), ("varlen", 8)])
+def test_megatron_absorbed_dynamic_training_step_has_no_square_tensor(mask, chunk):
+    """Under dynamic=True the absorbed form is rewritten (the source's chunk loop, a Python
+    ``range`` over the rows, specializes S; heads and head dims stay symbolic) and its training
+    step's forward and backward graphs hold no tensor with two sequence-length dims."""
+    from tests.models import megatron_dsa as M
+
+    # the chunk a literal, as in the source (an int from a closure or an argument becomes a symbol too)
+    fn = {256: lambda *a: M.megatron_absorbed_site(*a, mask=mask, seq_chunk_size=256),
+          8: lambda *a: M.megatron_absorbed_site(*a, mask=mask, seq_chunk_size=8)}[chunk]
+
+    args = M.absorbed_site_inputs(fresh_seed(f"megatron absorbed dynamic {mask}") % 10_000, S=DYN_SEQ)
+    cap = []
+    diagnostics.clear()
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="hyscale_debug", dynamic=True, options={"hyscale.capture": cap})(*args)
+    out.sum().backward()
+    (x,) = selection_consumers(diagnostics.attention_records())
+    assert x.rewritten and x.form == "mqa" and x.backward == "sparse", x.line()
+    assert not isinstance(x.sizes["H"], int), x.line()  # the heads are symbolic
+    graphs = [(k, g) for k, g in cap if k in ("forward", "backward")]
+    assert len(graphs) == 2, [k for k, _ in cap]
+    found = square_tensors(graphs, [DYN_SEQ])
+    assert found == [], "\n".join(found)
