@@ -3,8 +3,8 @@ models' own attention code: HF DeepSeek-V3.2 (eager and sdpa), GLM-5 with IndexC
 selection feeds two layers), Megatron-Core's ``unfused_dsa_fn`` (the per-head form
 ``DSAttention`` runs in megatron-core 0.16.1, which has no absorbed variant), newer Megatron-Core's
 ``_unfused_absorbed_dsa_fn`` (a stand-in of its source: MQA over the latent, its row-chunked
-index mask and masked_softmax) and DeepSeek-V4 CSA (left dense, with a reason). Debug backend, tiny configs (tests/models/hf_models.py,
-tests/models/megatron_dsa.py), no_grad and training.
+index mask and masked_softmax) and DeepSeek-V4 CSA (left dense, with a reason). Debug backend,
+tiny configs (tests/models/hf_models.py, tests/models/megatron_dsa.py), no_grad and training.
 
 For each form: the op appears in the compiled graphs where expected (counted), and the outputs
 and gradients satisfy the numerics rule ``err(op) <= 2 err(orig) + 2 eps(dtype)``
