@@ -16,11 +16,14 @@ the graph: a top-k's indices are distinct within a row) it follows the indices f
    must be a constant that hides the key (``-inf`` added, ``False`` kept, a fill of
    ``-inf``). An op that would expose an unselected key stops the walk. Indices that
    reach a scatter only through something else (V4's remapping ``where``s, a view of
-   another shape) are not followed, and the scatter is reported dense with the reason.
+   another shape) are not followed, and the scatter is reported dense with the reason. A
+   reducing scatter of a constant, whole or in row chunks (Megatron's), is first folded into
+   the one scatter it equals (``passes/index_mask.py``).
 2. **The application.** The op where that tensor meets the scores (an ``add``, a
    ``masked_fill``/``where`` of the scores) must lie on the chain from a score contraction
    (``bmm``/``mm``: einsum and matmul decompose to it) to a softmax (decomposed:
-   ``amax``, ``sub``, ``exp``, ``sum``, ``div``), whose output reaches, through views and
+   ``amax``, ``sub``, ``exp``, ``sum``, ``div``; or Megatron's ``masked_softmax`` over
+   ``isfinite`` of the index mask, ``passes/masked_softmax.py``), whose output reaches, through views and
    casts only, the contraction with the values. The chain is analysed by the selection's
    own canonicalizer (``canonicalize.SiteAnalysis``: logical axes through views, scale
    steps, mask terms; position masks become ranges) with the index mask replaced by its
@@ -60,8 +63,9 @@ from ..lowerings import attention_ops  # noqa: F401  (registers torch.ops.hyscal
 from ..lowerings.attention_reference import check_attention_operands
 from ..lowerings.attention_spec import AttentionSpec, form_of
 from ..lowerings.spec import SpecError, dtype_name
+from . import index_mask
 from . import layout as L
-from . import mla, sdpa, visible_rows
+from . import masked_softmax, mla, sdpa, visible_rows
 from .diagnostics import AttentionRecord
 from .canonicalize import (CONTRACTIONS, _AND, _CASTS, _NOT, _OR, _VIEWS, GraphFacts, OperandPlan, SiteAnalysis,
                            Unsupported, analyse_operand, dtype_of_node, is_backward_node, place_mask_operands,
@@ -477,6 +481,36 @@ def _softmax_of(x: fx.Node) -> Optional[Tuple[int, fx.Node, List[fx.Node]]]:
     return d, dv[0], [am, sub[0], ex, sm[0], dv[0]]
 
 
+_MASK_VIEWS = (aten.unsqueeze.default, aten.expand.default, aten.view.default, aten.reshape.default,
+               aten.alias.default, aten.clone.default)
+
+
+def _view_chain(n: Any) -> Tuple[Any, List[tuple]]:
+    """(the tensor under ``n``'s views, the views but expands as (op, args))."""
+    ops = []
+    while isinstance(n, fx.Node) and n.target in _MASK_VIEWS:
+        if n.target is not aten.expand.default:
+            ops.append((n.target, tuple(n.args[1:])))
+        n = n.args[0]
+    return n, ops
+
+
+def _check_masked_softmax(facts: GraphFacts, valid: fx.Node, x: fx.Node, app: fx.Node, app_arg: int,
+                          masked: Masked) -> None:
+    """A masked_softmax over ``x`` is the op's softmax (``empty_row="zero"``) where its ``valid`` is
+    ``isfinite(M)`` of the index mask M the scores were given, laid out as that M, and M hides with
+    -inf (``passes/masked_softmax.py``; the caller checks M's terms after the analysis)."""
+    vroot, vops = _view_chain(valid)
+    mroot, mops = _view_chain(app.args[app_arg])
+    src = masked_softmax.isfinite_input(vroot)
+    if src is None or _view_chain(src)[0] is not mroot or vops != mops or shape_of(valid) != shape_of(x):
+        raise _Reject(f"a masked_softmax whose valid mask ({valid.name}) is not isfinite of the index mask its "
+                      "logits were given: the pass cannot tell which keys it keeps")
+    if masked.uns != -math.inf:
+        raise _Reject(f"a masked_softmax over isfinite(index mask) where the index mask hides with {masked.uns}, "
+                      "not -inf")
+
+
 def _chain_back(facts: GraphFacts, x: fx.Node, app: fx.Node, app_arg: int) -> List[Tuple[fx.Node, Optional[int]]]:
     """[(contraction, None), (op, index of the chain's arg), ..., (x, i)]: the single path from
     a score contraction to ``x`` (at ``app`` the chain is the argument other than the mask)."""
@@ -515,14 +549,21 @@ class Region:
     post: List[fx.Node]  # softmax output -> the value contraction's operand (views, casts)
     pv: fx.Node  # the value contraction
     empty_row: str = "nan"  # what the softmax gives a row with every key hidden (AttentionSpec.empty_row)
+    valid: Optional[fx.Node] = None  # a masked_softmax's valid mask (isfinite of the index mask)
 
 
 def find_region(facts: GraphFacts, sel_idx: fx.Node, app: fx.Node, app_arg: int, masked: Masked) -> Region:
     # from the application forward to the softmax: single-use pointwise ops of the scores
     cur = app
+    valid = None
     for _ in range(32):
         sm = _softmax_of(cur)
         if sm is not None:
+            break
+        msm = masked_softmax.recognise(cur, facts.constant, _forward_users)
+        if msm is not None:  # Megatron's masked_softmax: the op with empty_row="zero" where valid is isfinite(M)
+            sm, valid = msm[:3], msm[3]
+            _check_masked_softmax(facts, valid, cur, app, app_arg, masked)
             break
         if any(u.target in (aten._softmax.default, aten._safe_softmax.default) for u in cur.users):
             raise _Reject("an undecomposed softmax (the pass expects the decomposed form)")
@@ -537,10 +578,17 @@ def find_region(facts: GraphFacts, sel_idx: fx.Node, app: fx.Node, app_arg: int,
     else:
         raise _Reject("no softmax after the index mask is applied")
     dim, p, _ = sm
-    empty_row = "zero" if p.target is aten.where.self else "nan"  # (a safe softmax ends in its where)
+    # (a safe softmax ends in its where, a masked_softmax in its zero fill)
+    empty_row = "zero" if p.target in (aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor) else "nan"
     chain = _chain_back(facts, cur, app, app_arg)
     if app not in [n for n, _ in chain]:
         raise _Reject("the index mask is not applied on the chain from the score contraction to the softmax")
+    if valid is not None:
+        for n, _ in chain[1:]:  # valid reads M only: no other mask may hide a key it keeps
+            tensors = [a for a in n.all_input_nodes if not (isinstance(val(a), torch.Tensor) and val(a).dim() == 0)]
+            if n is not app and n.target not in _VIEWS and n.target not in _CASTS and len(tensors) != 1:
+                raise _Reject(f"masked_softmax over isfinite(index mask) with another tensor ({n.name}) combined "
+                              "into its logits: a key that tensor hides would still count as valid")
     for n, _ in chain[1:]:
         readers = _forward_users(n)
         if n is not cur and len(readers) != 1:
@@ -559,7 +607,7 @@ def find_region(facts: GraphFacts, sel_idx: fx.Node, app: fx.Node, app_arg: int,
         if u.target in CONTRACTIONS:
             if u.args[0] is not cur2:
                 raise _Reject("the attention weights are the right operand of the value contraction")
-            return Region(sel_idx, masked, app, app_arg, chain, sm, post, u, empty_row)
+            return Region(sel_idx, masked, app, app_arg, chain, sm, post, u, empty_row, valid)
         if u.target in _VIEWS or u.target in _CASTS:
             if u.target in _CASTS and not dtype_of_node(u).is_floating_point:
                 raise _Reject(f"the attention weights are cast to {dtype_of_node(u)}")
@@ -840,6 +888,8 @@ def _applications(walk: MaskWalk, sc: fx.Node) -> List[Tuple[fx.Node, int, Maske
             seen.add(u)
             if is_backward_node(u) or u.target in _SHAPE_QUERIES or sdpa.is_lowered(u) or sdpa.feeds_only_lowered(u):
                 continue  # (a lowered fused sdpa: its math, written beside it, reads the index mask)
+            if masked_softmax.reads_for_isfinite(u, n):
+                continue  # (a masked_softmax's valid mask: find_region checks it where the mask meets the scores)
             i = next((j for j, a in enumerate(u.args) if a is n), -1)
             if i < 0:  # read as a keyword argument (a fused sdpa's attn_mask): an application the walk stops at
                 out.append((u, i, walk.values[n]))
@@ -880,23 +930,30 @@ def rewrite_attention(graph: fx.Graph, facts_sources, graph_kind: str, replay: b
 def _rewrite_all(graph, facts_sources, graph_kind, replay, enabled, off_reason, records) -> None:
     facts = GraphFacts(graph, sources=facts_sources)
     for sel in selection_indices(graph):
+        # a reducing scatter built in row chunks (Megatron's), read as the one scatter it is
+        folded = {f.scatter: f for f in index_mask.fold(graph, facts, sel, Emitter)}
         walk = MaskWalk(facts, Emitter(graph, sel))
         scs = walk.scatters(sel)
-        for sc, why in walk.unfollowed(sel, scs):
+        for sc, why in walk.unfollowed(sel, scs + [c for f in folded.values() for c in f.chunks]):
             records.append(AttentionRecord(sel.name, sc.name, False, why))
         for sc in scs:
+            built = folded[sc].describe() if sc in folded else ""
             try:
                 walk.start(sc)
                 apps = _applications(walk, sc)
             except _Reject as e:
-                records.append(AttentionRecord(sel.name, sc.name, False, str(e)))
+                records.append(AttentionRecord(sel.name, sc.name, False, str(e), index_mask=built))
                 continue
             if not apps:
-                records.append(AttentionRecord(sel.name, sc.name, False, "the index mask reaches no attention"))
+                records.append(AttentionRecord(sel.name, sc.name, False, "the index mask reaches no attention",
+                                               index_mask=built))
             for app, i, masked in apps:
-                records.append(_rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
-                                            off_reason))
+                rec = _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled, off_reason)
+                rec.index_mask = built
+                records.append(rec)
         walk.em.rollback()  # the walk's nodes that no rewrite reads
+        for f in folded.values():  # a consumer left dense reads the graph's own build again
+            f.undo(graph)
 
 
 def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled, off_reason) -> AttentionRecord:
@@ -919,6 +976,9 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
         r = find_region(facts, sel, app, i, masked)
         rec.consumer = r.pv.name
         m = analyse(facts, em, r)
+        if r.valid is not None:
+            _masked_softmax_terms(m)
+            rec.sizes = {"softmax": "masked_softmax over isfinite(index mask)"}
         if finite:  # rewritten only where no row is left without a visible selected key
             try:
                 rec.rows = visible_rows.prove(sel, masked.uns, r.chain, app, m.spec.masks, m.mask_operands,
@@ -931,7 +991,7 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
                 raise _Reject(f"the index mask hides the unselected keys with a finite value ({masked.uns}): a row "
                               "with no visible selected key would average every key in the original, and no such "
                               f"row is proven not to occur ({e})") from None
-        rec.form, rec.spec, rec.sizes = m.form, m.spec.describe(), dict(m.sizes)
+        rec.form, rec.spec, rec.sizes = m.form, m.spec.describe(), {**m.sizes, **rec.sizes}
         if not enabled:
             em.rollback()
             rec.reason = f"{off_reason}; enabled, the pass would rewrite it (form {m.form})"
@@ -950,7 +1010,7 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
                     em2 = Emitter(graph, r.pv)
                     m.form, m.sizes = "per_head", {**sizes0, "latent": f"training graph: {e}"}
                     applied = apply(em2, m, replay=replay, absorb=False)
-            rec.form, rec.sizes = m.form, dict(m.sizes)
+            rec.form, rec.sizes = m.form, {**m.sizes, **{k: v for k, v in rec.sizes.items() if k == "softmax"}}
             if graph_kind == "joint" and applied.absorbed is None:
                 backward = rewrite_attention_backward(graph, m, applied)
         except BaseException:
@@ -970,6 +1030,19 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
         em.rollback()
         rec.reason = str(e)
         return rec
+
+
+def _masked_softmax_terms(m: AttentionMatch) -> None:
+    """Under a masked_softmax over isfinite(M), M at the selected keys must be 0 or -inf (so that
+    isfinite(M) keeps exactly the keys the op keeps): its terms are ranges and fills that hide
+    with -inf. An additive tensor may hold +inf, NaN or a finite offset isfinite reads
+    differently."""
+    for t in m.spec.masks:
+        if t.kind not in ("range", "fill") or t.value != -math.inf:
+            what = "an additive tensor" if t.kind == "add" else f"a {t.kind} term hiding with {t.value}"
+            raise _Reject(f"a masked_softmax over isfinite(index mask) whose index mask holds {what} at the "
+                          "selected keys: isfinite may keep or drop keys the op does not (only ranges and fills "
+                          "hiding with -inf are proven)")
 
 
 def _erase_new_nodes(graph: fx.Graph, before: set) -> None:
@@ -1093,6 +1166,9 @@ def _gap_nodes(graph: fx.Graph, rset: set, seqs: Dict[int, List[fx.Node]]) -> Li
         if n.op != "call_function" or n in rset:
             return False
         sn = n.meta.get("seq_nr")
+        if n.target is aten.add.Tensor and is_backward_node(n) and \
+                all(a in rset or a in down for a in n.all_input_nodes):
+            return True  # the engine's sum of two gradients of one forward tensor (it carries another's number)
         # (an orphan number inside the site's range: autograd numbers nodes in creation order)
         return sn is None or (is_backward_node(n) and sn not in fwd and lo < sn < hi)
 

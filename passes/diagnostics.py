@@ -105,6 +105,8 @@ class AttentionRecord:
     order: str = "any deterministic order (the selection may stay unsorted)"
     # an index mask that hides with a finite value: what passes/visible_rows.py proved
     rows: str = ""
+    # how the index mask was built, where passes/index_mask.py folded its build into one scatter
+    index_mask: str = ""
 
     def line(self) -> str:
         if self.rewritten:
@@ -113,8 +115,10 @@ class AttentionRecord:
             if bw and self.backward_impl:
                 bw += f" ({self.backward_impl})"
             return (f"[attention: sparse] {self.consumer} (indices of {self.selection}): form {self.form} {sz} | "
-                    f"{self.spec}{bw}; index order: {self.order}" + (f"; {self.rows}" if self.rows else ""))
-        return f"[attention: dense] {self.consumer} (indices of {self.selection}): {self.reason}"
+                    f"{self.spec}{bw}; index order: {self.order}" + (f"; {self.rows}" if self.rows else "")
+                    + (f"; {self.index_mask}" if self.index_mask else ""))
+        return (f"[attention: dense] {self.consumer} (indices of {self.selection}): {self.reason}"
+                + (f"; {self.index_mask}" if self.index_mask else ""))
 
 
 _attention: List[AttentionRecord] = []

@@ -2,9 +2,9 @@
 models' own attention code: HF DeepSeek-V3.2 (eager and sdpa), GLM-5 with IndexCache (one
 selection feeds two layers), Megatron-Core's ``unfused_dsa_fn`` (the per-head form
 ``DSAttention`` runs in megatron-core 0.16.1, which has no absorbed variant), newer Megatron-Core's
-``_unfused_absorbed_dsa_fn`` (a stand-in of its source; left dense, with a reason) and DeepSeek-V4
-CSA (left dense, with a reason). Debug backend, tiny configs (tests/models/hf_models.py,
-tests/models/megatron_dsa.py), no_grad and training.
+``_unfused_absorbed_dsa_fn`` (a stand-in of its source: MQA over the latent, its row-chunked
+index mask and masked_softmax) and DeepSeek-V4 CSA (left dense, with a reason). Debug backend,
+tiny configs (tests/models/hf_models.py, tests/models/megatron_dsa.py), no_grad and training.
 
 For each form: the op appears in the compiled graphs where expected (counted), and the outputs
 and gradients satisfy the numerics rule ``err(op) <= 2 err(orig) + 2 eps(dtype)``
@@ -25,8 +25,7 @@ softmax, values, in float64 at the recorded indices). Each reference check also 
 err(orig) (a reference that computed something else, e.g. another MoE routing, would make the
 rule vacuous).
 
-Where the pass does not rewrite a form yet the count test is ``xfail(strict=True)`` with the
-reason; the numerics tests run either way (they hold for the dense original too).
+The numerics tests hold for a dense original too; the count tests say which forms are rewritten.
 """
 import contextlib
 import copy
@@ -558,33 +557,82 @@ def run_megatron_absorbed(mask, chunk, grad):
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("mask, chunk", ABSORBED_CASES, ids=ABSORBED_IDS)
-def test_megatron_absorbed_dense_reason(mask, chunk, grad):
-    """Megatron's absorbed form stays dense, with the reason in explain: its index mask is a
-    ``scatter_reduce`` ('amax') of ``where(idx >= 0, 0, -inf)`` (``clamp_min(idx, 0)`` is the
-    top-k's indices themselves), which the pass does not follow as a scatter of a constant;
-    scattered in row chunks, each chunk's scatter is reported, naming its rows. The output is
-    the eager original's."""
+def test_megatron_absorbed_explain(mask, chunk, grad):
+    """One explain record per consumer: the absorbed attention ran as MQA over the latent, its
+    masked_softmax read as the op's softmax with empty_row="zero", and the index mask's build
+    (a scatter_reduce ('amax') of where(idx >= 0, 0, -inf) at clamp_min(idx, 0), one per row
+    chunk) named with its chunks and folded into one scatter (passes/index_mask.py)."""
     r = run_megatron_absorbed(mask, chunk, grad)
-    M, (qi, ki, q, lat, w) = r["M"], r["args"]
     chunks = -(-16 // chunk)
-    recs = r["records"]
-    assert len(recs) == chunks, [x.line() for x in recs]
-    for j, x in enumerate(sorted(recs, key=lambda x: x.line())):
-        assert not x.rewritten, x.line()
-        assert "scatter_reduce" in x.reason and "'amax'" in x.reason, x.line()
-        assert "where(ge(idx, 0), 0.0, -inf)" in x.reason and "a scatter of a constant" in x.reason, x.line()
-        assert "remapped" not in x.reason, x.line()  # clamp_min(idx, 0) of a top-k's indices is no remapping
-        if chunks > 1:
-            assert "row chunk" in x.reason, x.line()
-    kinds = ("forward",) if grad else ("inference",)
-    assert count(r["cap"], ATTENTION, kinds) == 0
-    assert count(r["cap"], SELECTION, kinds) == 1
-    with torch.set_grad_enabled(grad):
-        orig = M.megatron_absorbed_site(qi, ki, q, lat, w, mask=mask, seq_chunk_size=chunk)
-    torch.testing.assert_close(r["out"], orig.detach(), rtol=1e-5, atol=1e-5)
-    if grad:
-        for g, go in zip(r["grads"], torch.autograd.grad(orig, (q, lat, w), r["go"])):
-            torch.testing.assert_close(g, go, rtol=1e-5, atol=1e-5)
+    (x,) = r["records"]
+    ln = x.line()
+    assert x.rewritten and x.form == "mqa", ln
+    assert x.sizes["H"] == 4 and x.sizes["Hk"] == 1 and x.sizes["Dqk"] == 12 and x.sizes["Dv"] == 8, ln
+    assert "softmax=masked_softmax over isfinite(index mask)" in ln and "safe_softmax" in ln, ln
+    assert "mask:range" in ln and "mask:add" not in ln, ln  # the causal row mask (or varlen bounds) as a range
+    rows = f"{chunks} row chunks" if chunks > 1 else "one chunk"
+    assert f"index mask built in {rows} (" in ln and "scatter_reduce ('amax') of where(idx >= 0, 0.0, -inf)" in ln, ln
+    assert "at clamp_min(idx, 0)" in ln and "folded into one scatter of 0.0" in ln, ln
+    assert x.backward == ("sparse" if grad else ""), ln
+
+
+def _padded(idx, S):
+    """Megatron's padding of invalid picks: the slots a causal row cannot fill become -1."""
+    pos = torch.arange(S).view(1, S, 1)
+    return torch.where(idx <= pos, idx, -1)
+
+
+@pytest.mark.parametrize("chunk", [256, 8])
+def test_megatron_absorbed_padded_indices_stay_dense(chunk):
+    """Indices padded with -1 (``where(idx <= s, idx, -1)``) are no longer a top-k's positions:
+    the op cannot read a -1 slot (clamped to key 0 with src -inf, amax would leave the mask as it
+    is, but the op would gather key 0). Dense, one record per row chunk naming the remapping;
+    the output is eager's."""
+    from tests.models import megatron_dsa as M
+
+    def fn(qi, ki, q, lat, w):
+        s = qi @ ki.transpose(-1, -2) + M.causal_mask(qi.shape[1])
+        idx = _padded(s.topk(4, dim=-1).indices, qi.shape[1])
+        return M.megatron_absorbed_attention(q, lat, w, idx, seq_chunk_size=chunk)
+
+    args = M.absorbed_site_inputs(fresh_seed(f"megatron absorbed padded {chunk}") % 10_000)
+    cap = []
+    diagnostics.clear()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(fn, backend="hyscale_debug", fullgraph=True, options={"hyscale.capture": cap})(*args)
+        torch.testing.assert_close(out, fn(*args), rtol=1e-5, atol=1e-5)
+    recs = selection_consumers(diagnostics.attention_records())
+    assert len(recs) == -(-16 // chunk), [x.line() for x in recs]
+    for x in recs:
+        assert not x.rewritten and "remapped by where" in x.reason and "not a top-k's distinct" in x.reason, x.line()
+    assert count(cap, ATTENTION, ("inference",)) == 0 and count(cap, SELECTION, ("inference",)) == 1
+
+
+@pytest.mark.parametrize("mask, chunk", [("additive", 8)])
+def test_megatron_absorbed_switch_off_keeps_the_chunked_build(mask, chunk):
+    """``hyscale.sparse_attention: False``: dense, explain says what the pass would do, and the
+    graph keeps Megatron's own chunked build (its scatter_reduce per chunk, no folded scatter);
+    the output is eager's, bit for bit."""
+    import functools
+
+    from tests.models import megatron_dsa as M
+
+    fn = functools.partial(M.megatron_absorbed_site, mask=mask, seq_chunk_size=chunk)
+    args = M.absorbed_site_inputs(fresh_seed("megatron absorbed off") % 10_000)
+    cap = []
+    diagnostics.clear()
+    torch._dynamo.reset()
+    opts = {"hyscale.capture": cap, "hyscale.sparse_attention": False}
+    with torch.no_grad():
+        out = torch.compile(fn, backend="hyscale_debug", fullgraph=True, options=opts)(*args)
+        assert torch.equal(out, fn(*args))
+    (x,) = selection_consumers(diagnostics.attention_records())
+    assert not x.rewritten and "hyscale.sparse_attention=False" in x.reason and "form mqa" in x.reason, x.line()
+    g = next(g for k, g in cap if k == "inference").graph
+    targets = [n.target for n in g.nodes]
+    assert targets.count(torch.ops.aten.scatter_reduce.two) == 2 and torch.ops.aten.scatter.value not in targets
+    assert count(cap, ATTENTION, ("inference",)) == 0
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
@@ -613,10 +661,6 @@ def test_megatron_absorbed_numerics_at_the_ops_indices(mask, chunk, grad):
             assert eo < ORIG_SANE[torch.float32]
 
 
-@pytest.mark.xfail(strict=True, reason="Megatron's absorbed form stays dense: its index mask is a scatter_reduce "
-                   "('amax') of where(idx >= 0, 0, -inf) into row slices of full(-inf), and its masked_softmax "
-                   "(finfo.min fill and zero fills by isfinite(index_mask), a row max guarded by any(), a sum "
-                   "clamped to eps) is not a softmax the pass recognises (test_megatron_absorbed_dense_reason)")
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("mask, chunk", ABSORBED_CASES, ids=ABSORBED_IDS)
 def test_megatron_absorbed_attention_rewritten(mask, chunk, grad):
@@ -640,8 +684,9 @@ def test_megatron_absorbed_attention_rewritten(mask, chunk, grad):
 @pytest.mark.parametrize("lo", [0, 1])
 def test_clamp_min_of_the_indices_is_a_remapping_only_above_zero(lo):
     """``clamp_min(idx, 0)`` (Megatron's ``safe_idx``) is the top-k's indices themselves, so the
-    dense reason names the scatter; ``clamp_min(idx, 1)`` moves the picks of key 0 and is
-    reported as a remapping. Either way the output is eager's."""
+    ``amax`` scatter of 0 into ``full(-inf)`` is a scatter of max(-inf, 0) = 0 there and the
+    attention is rewritten (passes/index_mask.py); ``clamp_min(idx, 1)`` moves the picks of
+    key 0 and is reported as a remapping. Either way the output is eager's."""
     from tests.models import attention_forms as af
 
     def fn(qi, ki, w, q, kk, v):
@@ -658,8 +703,35 @@ def test_clamp_min_of_the_indices_is_a_remapping_only_above_zero(lo):
         out = torch.compile(fn, backend="hyscale_debug")(*args)
         torch.testing.assert_close(out, fn(*args), atol=1e-5, rtol=1e-5)
     recs = diagnostics.attention_records()
-    assert len(recs) == 1 and not recs[0].rewritten, [x.line() for x in recs]
+    assert len(recs) == 1 and recs[0].rewritten == (lo == 0), [x.line() for x in recs]
     if lo == 0:
-        assert "is a scatter_reduce ('amax') of" in recs[0].reason and "remapped" not in recs[0].reason, recs[0].line()
+        assert "scatter_reduce ('amax') of 0.0 at clamp_min(idx, 0)), folded into one scatter of 0.0" in \
+            recs[0].line(), recs[0].line()
     else:
         assert "remapped by clamp_min = clamp_min(idx, 1)" in recs[0].reason, recs[0].line()
+
+
+@pytest.mark.parametrize("mask, chunk", [("additive", 256), ("varlen", 8)])
+def test_megatron_absorbed_dynamic_training_step_has_no_square_tensor(mask, chunk):
+    """Under dynamic=True the absorbed form is rewritten (the source's chunk loop, a Python
+    ``range`` over the rows, specializes S; heads and head dims stay symbolic) and its training
+    step's forward and backward graphs hold no tensor with two sequence-length dims."""
+    from tests.models import megatron_dsa as M
+
+    # the chunk a literal, as in the source (an int from a closure or an argument becomes a symbol too)
+    fn = {256: lambda *a: M.megatron_absorbed_site(*a, mask=mask, seq_chunk_size=256),
+          8: lambda *a: M.megatron_absorbed_site(*a, mask=mask, seq_chunk_size=8)}[chunk]
+
+    args = M.absorbed_site_inputs(fresh_seed(f"megatron absorbed dynamic {mask}") % 10_000, S=DYN_SEQ)
+    cap = []
+    diagnostics.clear()
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="hyscale_debug", dynamic=True, options={"hyscale.capture": cap})(*args)
+    out.sum().backward()
+    (x,) = selection_consumers(diagnostics.attention_records())
+    assert x.rewritten and x.form == "mqa" and x.backward == "sparse", x.line()
+    assert not isinstance(x.sizes["H"], int), x.line()  # the heads are symbolic
+    graphs = [(k, g) for k, g in cap if k in ("forward", "backward")]
+    assert len(graphs) == 2, [k for k, _ in cap]
+    found = square_tensors(graphs, [DYN_SEQ])
+    assert found == [], "\n".join(found)

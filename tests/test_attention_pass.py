@@ -584,3 +584,51 @@ def test_finfo_min_index_mask_dense_where_a_row_may_lose_every_key(case, reason)
         keep[0, :5] = False  # left padding of the first sequence: its rows 0..4 see no key
         rec = _dense_case(af.hf_v32_eager_in_graph_mask, af.make_inputs(0) + (keep,), reason)
     assert "finite value" in rec.reason and "no such row is proven not to occur" in rec.reason
+
+
+def _megatron_masked(change):
+    """Megatron's absorbed attention (tests/models/megatron_dsa.py: the index mask scattered in
+    two row chunks, masked_softmax over isfinite(index mask)) with one thing changed, each of
+    which the rewrite must not accept: "bias" adds a tensor into the index mask (isfinite then
+    reads it), "other" adds a tensor into the logits beside the index mask (a key it hides
+    would still count as valid), "valid" narrows the valid mask by another tensor, "rows"
+    scatters only the first chunk of rows (no [B, S, T] scatter over every row)."""
+    from tests.models import megatron_dsa as M
+
+    def fn(qi, ki, q, lat, extra):
+        idx = (qi @ ki.transpose(-1, -2) + M.causal_mask(qi.shape[1])).topk(4, dim=-1).indices
+        sq, b, np_, hn = q.shape
+        scores = torch.matmul(q.permute(1, 2, 0, 3), lat.permute(1, 2, 3, 0)) * hn ** -0.5
+        im = torch.full((b, sq, sq), float("-inf"))
+        if change == "rows":
+            M._mg_scatter_topk_into_index_mask(im[:, :8], idx[:, :8], seq_chunk_size=8)
+        else:
+            M._mg_scatter_topk_into_index_mask(im, idx, seq_chunk_size=8)
+        im = im + M.causal_mask(sq)
+        if change == "bias":
+            im = im + extra
+        logits = scores + im.unsqueeze(1)
+        if change == "other":
+            logits = logits + extra.unsqueeze(1)
+        valid = torch.isfinite(im)
+        if change == "valid":
+            valid = valid & (extra > 0)
+        p = M.masked_softmax(logits, valid.unsqueeze(1).expand(b, np_, sq, sq))
+        return torch.matmul(p, lat[..., :8].permute(1, 2, 0, 3))
+    return fn
+
+
+@pytest.mark.parametrize("change, reason", [
+    ("bias", "whose index mask holds an additive tensor at the selected keys"),
+    ("other", "with another tensor (add_"),
+    ("valid", "is not isfinite of the index mask its logits were given"),
+    ("rows", "is a scatter_reduce ('amax') of where(ge(idx, 0), 0.0, -inf) at the indices"),
+])
+def test_dense_megatron_masked_softmax_variants(change, reason):
+    """Each variant of Megatron's masked_softmax form the proof does not cover stays dense, with
+    its reason; the output is eager's."""
+    from tests.models import megatron_dsa as M
+
+    qi, ki, q, lat, _ = M.absorbed_site_inputs(fresh_seed(f"megatron masked {change}") % 10_000)
+    extra = torch.randn(1, 16, 16, generator=torch.Generator().manual_seed(1))
+    _dense_case(_megatron_masked(change), (qi, ki, q.detach(), lat.detach(), extra), reason)
