@@ -285,12 +285,17 @@ th.hidden_value_flag = th.finite_flag = lambda *a, **kw: torch.ones(1, dtype=tor
 B, S, H, D, K = 4, 8192, 16, 16, 256
 q, k, w = torch.empty(B, S, H, D), torch.empty(B, S, 1, D), torch.empty(B, S, H)
 hi = torch.arange(1, S + 1).view(1, S).expand(B, S).contiguous()
-for name, value in (("finfo", float(torch.finfo(torch.float32).min)), ("inf", -math.inf)):
-    spec = ScoreSpec(name="dsa", epilogue=(("mul", D ** -0.5), ("relu",)), reduce="weighted_sum",
+# HF's causal mask as the example's graph canonicalizes it (finfo.min added), DSA's -inf one, and
+# an unweighted head sum whose epilogue ends in a product
+for name, value, reduce, epi in (
+        ("finfo", float(torch.finfo(torch.float32).min), "weighted_sum", (("mul", D ** -0.5), ("relu",))),
+        ("inf", -math.inf, "weighted_sum", (("mul", D ** -0.5), ("relu",))),
+        ("sum", -math.inf, "sum", (("relu",), ("mul", D ** -0.5)))):
+    spec = ScoreSpec(name="dsa", epilogue=epi, reduce=reduce,
                      post=(("mask", 0),), masks=(MaskTerm(kind="range", hi=0, mode="add", value=value),))
     cfg = th.default_config(S, S, K, torch.device("cuda"), False, D, H)
     cfg = th.dataclasses.replace(cfg, num_programs=264)
-    ck = th.hytopk_triton(q, k, w, [hi], K, spec, config=cfg,
+    ck = th.hytopk_triton(q, k, w if reduce == "weighted_sum" else None, [hi], K, spec, config=cfg,
                           _launcher=lambda kern, args, launch: kern.warmup(*args, grid=(1,), **launch))
     with open(os.path.join(sys.argv[2], name + ".ptx"), "w") as f:
         f.write(ck.asm["ptx"])
@@ -345,7 +350,7 @@ def test_fp32_head_sum_copies_agree_for_sm90(tmp_path):
                          text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     print(out.stdout)
-    for name in ("finfo", "inf"):
+    for name in ("finfo", "inf", "sum"):
         with open(tmp_path / f"{name}.ptx") as f:
             ptx = f.read()
         assert ptx.count("shfl.sync.bfly") > 0, "the head sum no longer crosses lanes: revisit this test"
