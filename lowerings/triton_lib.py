@@ -97,6 +97,34 @@ _mul_rn = _mul_rn_interp if _INTERPRETED else _mul_rn_ptx
 
 
 @triton.jit
+def _add_rn_ptx(x):
+    # x + -0.0 as add.rn: x exactly (signed zeros and NaN included), never fused with the mul before
+    return tl.inline_asm_elementwise("add.rn.f32 $0, $1, 0f80000000;", "=r,r", [x], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _add_rn_interp(x):
+    return x
+
+
+_add_rn = _add_rn_interp if _INTERPRETED else _add_rn_ptx
+
+
+@triton.jit
+def _unfused(x, UPCAST: tl.constexpr, TF32: tl.constexpr):
+    # x, rounded on its own on FMA-unit dots before an unweighted head sum (_weigh's reason), where
+    # the epilogue's last step may be a product: one more instruction per element there
+    if UPCAST == 1:
+        if TF32:
+            return x
+        else:
+            return _add_rn(x)
+    else:
+        return x
+
+
+@triton.jit
 def _weigh(wv, x, UPCAST: tl.constexpr, TF32: tl.constexpr):
     # wv * x, the head weights times the epilogue'd logits, unfused on FMA-unit dots (_mul_rn)
     if UPCAST == 1:
