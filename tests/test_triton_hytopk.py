@@ -1461,7 +1461,7 @@ def test_codegen_file_cache(interpret, kernel_cache):
     src = cg.render_kernel_source(DSA, 1)
     assert src == cg.render_kernel_source(DSA, 1), "rendering must be deterministic"
     assert "tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)" in src  # one-instruction ReLU
-    assert "wv[None, :] * x" in src and "hi0" in src
+    assert "_weigh(wv[None, :], x, UPCAST, TF32)" in src and "hi0" in src
     assert "@triton.jit" in src and "hytopk_kernel" in src
     k1 = cg.load_kernel(DSA, 1)
     assert cg.load_kernel(DSA, 1) is k1
@@ -1470,7 +1470,7 @@ def test_codegen_file_cache(interpret, kernel_cache):
     assert open(path).read() == src
     other = ScoreSpec(epilogue=(("sigmoid",),), reduce="sum")
     src2 = cg.render_kernel_source(other, 0)
-    assert "tl.sigmoid" in src2 and "wv[None, :] * x" not in src2
+    assert "tl.sigmoid" in src2 and "_weigh(" not in src2.split("def _score_tile")[1]
     assert cg.write_source(src2) != path
     assert not [f for f in os.listdir(kernel_cache) if f.endswith(".tmp")]
     with pytest.raises(SpecError):
