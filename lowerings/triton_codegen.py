@@ -283,8 +283,12 @@ def _render_reduce(spec: ScoreSpec) -> str:
     """Per-head weighting of the epilogue'd logits ``x`` [BLOCK_N, BLOCK_M * GP] (columns are
     (row, head-in-group) pairs); the head sum itself is ``_head_sum``."""
     if spec.reduce == "weighted_sum":
-        return "x = wv[None, :] * x"
+        # (unfused on FMA-unit dots, so that every lane's copy of a head sum is the same bits)
+        return "x = _weigh(wv[None, :], x, UPCAST, TF32)"
     if spec.reduce == "sum":
+        if spec.epilogue and spec.epilogue[-1][0] in ("mul", "mod"):
+            # (the epilogue may end in a product: unfused on FMA-unit dots, as _weigh's)
+            return "x = _unfused(x, UPCAST, TF32)  # reduce='sum': unweighted"
         return "pass  # reduce='sum': unweighted"
     return "pass  # reduce='none': H == 1"
 
@@ -480,7 +484,7 @@ import triton.language as tl
 from hyscale_compile.lowerings.triton_keys import EMPTY, NEG_INF_HI, _pack, _unpack_value  # noqa: F401
 from hyscale_compile.lowerings.triton_lib import (  # noqa: F401
     _append_lanes, _as_key, _col_row_head, _compact_all_rows, _compact_full_rows, _emit_rows, _fill_tiles,
-    _head_logits, _head_sum, _load_k, _load_q, _round_bf16, _sample_estimate)
+    _head_logits, _head_sum, _load_k, _load_q, _round_bf16, _sample_estimate, _unfused, _weigh)
 
 
 {{EPILOGUE_FN}}

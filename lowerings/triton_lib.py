@@ -72,6 +72,70 @@ def _min_max_interp(lo, hi):
 _min_max = _min_max_interp if _INTERPRETED else _min_max_compiled
 
 
+# The head weighting of FMA-unit dots (fp32 IEEE operands). Their head sum runs across lanes,
+# and every lane of a butterfly keeps its own copy of each reduced score, from which it decides
+# that key's append and counts its lane. LLVM fused the first butterfly add with the lane's own
+# product (fma(w, x, the partner's rounded w * x)), so the copies rounded differently; where
+# they straddled a row's threshold one copy appended the key and another did not, the lane
+# counts diverged and a key could end in two slots. A mul.rn is never fused: every butterfly
+# step then adds two rounded values, which commutes, so the copies are the same bits. No more
+# instructions (mul + fma -> mul.rn + add: the partner needs the rounded product either way).
+# Tensor-core dots keep the plain product: their head sum starts inside each thread (a
+# column pair per register), where the fused in-thread sum saves one instruction per product.
+@triton.jit
+def _mul_rn_ptx(a, b):
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _mul_rn_interp(a, b):
+    return a * b  # one copy per element in the interpreter
+
+
+_mul_rn = _mul_rn_interp if _INTERPRETED else _mul_rn_ptx
+
+
+@triton.jit
+def _add_rn_ptx(x):
+    # x + -0.0 as add.rn: x exactly (signed zeros and NaN included), never fused with the mul before
+    return tl.inline_asm_elementwise("add.rn.f32 $0, $1, 0f80000000;", "=r,r", [x], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _add_rn_interp(x):
+    return x
+
+
+_add_rn = _add_rn_interp if _INTERPRETED else _add_rn_ptx
+
+
+@triton.jit
+def _unfused(x, UPCAST: tl.constexpr, TF32: tl.constexpr):
+    # x, rounded on its own on FMA-unit dots before an unweighted head sum (_weigh's reason), where
+    # the epilogue's last step may be a product: one more instruction per element there
+    if UPCAST == 1:
+        if TF32:
+            return x
+        else:
+            return _add_rn(x)
+    else:
+        return x
+
+
+@triton.jit
+def _weigh(wv, x, UPCAST: tl.constexpr, TF32: tl.constexpr):
+    # wv * x, the head weights times the epilogue'd logits, unfused on FMA-unit dots (_mul_rn)
+    if UPCAST == 1:
+        if TF32:
+            return wv * x
+        else:
+            return _mul_rn(wv, x)
+    else:
+        return wv * x
+
+
 @triton.jit
 def _as_key(x, T, IDX32: tl.constexpr):
     # A key position (or a bound compared with key positions) in the tile loop's key type:

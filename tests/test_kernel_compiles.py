@@ -268,3 +268,91 @@ def test_indexer_kl_kernels_compile_for_sm90(tmp_path):
         for name, r in got.items():
             assert r["wgmma"] == "1" and r["spill"] == "0", (config, name, r)
             assert 0 < int(r["regs"]) <= 255 and int(r["smem"]) <= 232448, (config, name, r)
+
+
+_FP32_EXAMPLE_PTX = r"""
+import os, sys
+sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks")); sys.path.insert(0, sys.argv[1])
+import math
+import torch
+import inspect_hytopk as ih
+from triton.runtime import driver
+driver.set_active(ih._Sm90())
+from hyscale_compile.lowerings import triton_hytopk as th
+from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
+# (the launch's device-side flags are kernels of their own; only the selection kernel is built)
+th.hidden_value_flag = th.finite_flag = lambda *a, **kw: torch.ones(1, dtype=torch.int32)
+B, S, H, D, K = 4, 8192, 16, 16, 256
+q, k, w = torch.empty(B, S, H, D), torch.empty(B, S, 1, D), torch.empty(B, S, H)
+hi = torch.arange(1, S + 1).view(1, S).expand(B, S).contiguous()
+# HF's causal mask as the example's graph canonicalizes it (finfo.min added), DSA's -inf one, and
+# an unweighted head sum whose epilogue ends in a product
+for name, value, reduce, epi in (
+        ("finfo", float(torch.finfo(torch.float32).min), "weighted_sum", (("mul", D ** -0.5), ("relu",))),
+        ("inf", -math.inf, "weighted_sum", (("mul", D ** -0.5), ("relu",))),
+        ("sum", -math.inf, "sum", (("relu",), ("mul", D ** -0.5)))):
+    spec = ScoreSpec(name="dsa", epilogue=epi, reduce=reduce,
+                     post=(("mask", 0),), masks=(MaskTerm(kind="range", hi=0, mode="add", value=value),))
+    cfg = th.default_config(S, S, K, torch.device("cuda"), False, D, H)
+    cfg = th.dataclasses.replace(cfg, num_programs=264)
+    ck = th.hytopk_triton(q, k, w if reduce == "weighted_sum" else None, [hi], K, spec, config=cfg,
+                          _launcher=lambda kern, args, launch: kern.warmup(*args, grid=(1,), **launch))
+    with open(os.path.join(sys.argv[2], name + ".ptx"), "w") as f:
+        f.write(ck.asm["ptx"])
+    print(name, cfg)
+"""
+
+
+def _replica_unsafe_sums(ptx: str) -> list:
+    """The PTX instructions where a lane adds a value shuffled from another lane to a product
+    that is not rounded on its own: an fma taking the shuffled value, or an add of it to a
+    plain mul.f32 (which ptxas may fuse). The two lanes of such a butterfly step then round
+    differently, so the copies of one reduced value that the lanes hold differ."""
+    import re
+
+    defs, shuffled = {}, set()
+    for ln in ptx.splitlines():
+        m = re.match(r"\s*(shfl\.sync\.bfly\.b32|[a-z]+(?:\.[a-z0-9]+)*)\s+(%r\d+)\s*,(.*?);", ln)
+        if m:
+            defs[m.group(2)] = m.group(1)
+            if m.group(1).startswith("shfl.sync.bfly"):
+                shuffled.add(m.group(2))
+    bad = []
+    for ln in ptx.splitlines():
+        m = re.match(r"\s*((?:fma|add)\.(?:rn\.)?f32)\s+%r\d+\s*,(.*?);", ln)
+        if not m:
+            continue
+        ops = re.findall(r"%r\d+", m.group(2))
+        if not any(o in shuffled for o in ops):
+            continue
+        if m.group(1).startswith("fma") or any(defs.get(o) == "mul.f32" for o in ops if o not in shuffled):
+            bad.append(ln.strip())
+    return bad
+
+
+@needs_ptxas
+def test_fp32_head_sum_copies_agree_for_sm90(tmp_path):
+    # examples/train_dsa.py's fp32 indexer on an H200 (16 heads x 16, k = 256, HF's causal mask
+    # canonicalized to a range; the launch's fp32 default: 32-key FMA-unit tiles, 4 rows):
+    # the head sum runs across 8 lanes, and every lane keeps a copy of each reduced score, from
+    # which it decides the key's append and counts its lane. LLVM fused the first butterfly
+    # step with the lane's own head product (fma(w, x, the partner's rounded product)), so the
+    # copies rounded differently; where they straddled a row's threshold, one copy appended
+    # the key and counted it and another did not, and from then on their appends overwrote
+    # each other's slots, which leaves a key in two slots (what the same-weights check found
+    # in 2 of 3.3M rows; the interpreter keeps one copy, so CPU tests cannot show it).
+    # Every butterfly step must add two rounded values (IEEE addition commutes, so every copy
+    # is then the same bits).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    out = subprocess.run([sys.executable, "-c", _FP32_EXAMPLE_PTX, ROOT, str(tmp_path)], capture_output=True,
+                         text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    print(out.stdout)
+    for name in ("finfo", "inf", "sum"):
+        with open(tmp_path / f"{name}.ptx") as f:
+            ptx = f.read()
+        assert ptx.count("shfl.sync.bfly") > 0, "the head sum no longer crosses lanes: revisit this test"
+        bad = _replica_unsafe_sums(ptx)
+        assert not bad, f"{name}: {len(bad)} butterfly steps fused with a lane's own product, e.g. {bad[:3]}"

@@ -65,6 +65,36 @@ def test_ties_match_stable_order_exactly(spec):
         assert_stable_topk(idx, dense_scores(q, k, w, masks, spec), topk, vals)
 
 
+def test_signed_zero_ties_one_value():
+    # -0.0 and +0.0 tie (value desc, index asc): the CPU path (streaming_topk, in chunks of keys
+    # small enough that the tied zeros straddle chunks and merges), the table selection
+    # (table_topk) and the stable reference all take the zeros of the smallest indices,
+    # whatever their sign. The scores: a zero head times -1 (-0.0), plus a table of -0.0, +0.0
+    # and a few positive values
+    from hyscale_compile.lowerings.reference import stable_topk, table_topk
+
+    g = torch.Generator().manual_seed(fresh_seed("signed zero ties"))
+    S, T, topk = 3, 600, 64
+    sign = torch.where(torch.rand(1, S, T, generator=g) < 0.5, -0.0, 0.0)
+    table = torch.where(torch.rand(1, S, T, generator=g) < 0.03, torch.rand(1, S, T, generator=g) + 0.5, sign)
+    spec = ScoreSpec(reduce="none", post=(("mul", -1.0), ("mask", 0)), masks=(MaskTerm(kind="add", operand=0),))
+    q, k = torch.zeros(1, S, 1, 16), torch.zeros(1, T, 1, 16)
+    scores = dense_scores(q, k, None, [table], spec)
+    zeros = scores == 0
+    neg = torch.signbit(scores)
+    assert bool((zeros & neg).sum(-1).min() > 100) and bool((zeros & ~neg).sum(-1).min() > 100)
+    npos = (scores > 0).sum(-1, keepdim=True)
+    assert bool((npos < topk).all())
+    # the expected rows: the positive keys by value, then the first zeros by index
+    nth_zero = torch.where(zeros, zeros.long().cumsum(-1) - 1, T)
+    want = [sorted(torch.nonzero((scores[0, s] > 0) | (nth_zero[0, s] < topk - npos[0, s])).flatten().tolist())
+            for s in range(S)]
+    for name, idx in (("streaming_topk", streaming_topk(q, k, None, [table], topk, spec, chunk_bytes=4096)),
+                      ("table_topk", table_topk(scores, topk)), ("stable_topk", stable_topk(scores, topk)[1])):
+        got = [sorted(idx[0, s].tolist()) for s in range(S)]
+        assert got == want, name
+
+
 def test_rows_with_fewer_valid_keys_than_k():
     seed = fresh_seed("short rows")
     q, k, w = make(seed, S=8, T=8)

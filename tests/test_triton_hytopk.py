@@ -1363,6 +1363,34 @@ def test_threshold_search_on_special_scores(interpret, cap):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("sort", ["bitonic", "none"])
+def test_signed_zero_ties_reach_the_keys(interpret, sort):
+    # -0.0 and +0.0 are one value (torch.sort's order, the float64 stable reference's). In DSA's
+    # own arithmetic a -0.0 never reaches the keys (the head sum starts from +0.0 and an
+    # additive mask adds +0.0; Triton's negation is 0 - y), so here a post step makes them:
+    # y = -0.0 (a zero head times -1), then a table of -0.0, +0.0 and some positive values,
+    # added: the rows' zeros are a mix of both signs, and the k-th value is 0 with ties across
+    # tiles and compactions (the GPU's fp32 tiles of 32 keys, compacted whenever a lane
+    # fills). The selection must take the zeros of the smallest indices whatever their sign,
+    # as the stable reference does
+    g = _gen(171)
+    S, T, topk = 3, 600, 64
+    sign = torch.where(torch.rand(1, S, T, generator=g) < 0.5, -0.0, 0.0)
+    table = torch.where(torch.rand(1, S, T, generator=g) < 0.03, torch.rand(1, S, T, generator=g) + 0.5, sign)
+    table[..., 1] = 0.75  # (a mask tensor's first run of additive zeros is not read: keep it short)
+    spec = ScoreSpec(reduce="none", post=(("mul", -1.0), ("mask", 0)), masks=(MaskTerm(kind="add", operand=0),))
+    q, k = torch.zeros(1, S, 1, 16), torch.zeros(1, T, 1, 16)
+    eager = torch.zeros(1, S, T) * -1.0 + table  # the scores as torch computes them
+    zeros = eager == 0
+    neg = torch.signbit(eager)
+    assert bool((zeros & neg).sum(-1).min() > 100) and bool((zeros & ~neg).sum(-1).min() > 100)
+    assert bool(((eager > 0).sum(-1) < topk).all()), "the k-th value of every row should be a zero"
+    cfg = HyTopKConfig(block_n=32, block_m=4, low_water=1, sort=sort)
+    vals, idx = hytopk_triton(q, k, None, [table], topk, spec, return_values=True, config=cfg, sorted=sort != "none")
+    assert_selection_equal(idx, eager, values=vals, rtol=0, atol=0, sorted=sort != "none")
+
+
+@pytest.mark.interpret
 def test_buffer_config_errors(interpret):
     q, k, w, topk, spec = _compaction_case(152)
     with pytest.raises(SpecError, match="cap"):
@@ -1433,7 +1461,7 @@ def test_codegen_file_cache(interpret, kernel_cache):
     src = cg.render_kernel_source(DSA, 1)
     assert src == cg.render_kernel_source(DSA, 1), "rendering must be deterministic"
     assert "tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)" in src  # one-instruction ReLU
-    assert "wv[None, :] * x" in src and "hi0" in src
+    assert "_weigh(wv[None, :], x, UPCAST, TF32)" in src and "hi0" in src
     assert "@triton.jit" in src and "hytopk_kernel" in src
     k1 = cg.load_kernel(DSA, 1)
     assert cg.load_kernel(DSA, 1) is k1
@@ -1442,7 +1470,7 @@ def test_codegen_file_cache(interpret, kernel_cache):
     assert open(path).read() == src
     other = ScoreSpec(epilogue=(("sigmoid",),), reduce="sum")
     src2 = cg.render_kernel_source(other, 0)
-    assert "tl.sigmoid" in src2 and "wv[None, :] * x" not in src2
+    assert "tl.sigmoid" in src2 and "_weigh(" not in src2.split("def _score_tile")[1]
     assert cg.write_source(src2) != path
     assert not [f for f in os.listdir(kernel_cache) if f.endswith(".tmp")]
     with pytest.raises(SpecError):
@@ -1556,24 +1584,35 @@ def _dsa_case(cuda, seed, S, H=64, D=128):
 @pytest.mark.parametrize("sorted_", [True, False], ids=["sorted", "unsorted"])
 def test_gpu_fp32_example_shape_selects_distinct_keys(cuda, sorted_):
     # examples/train_dsa.py at --seq 8192 on the H200 (fp32, 16 index heads x 16, k = 256,
-    # batch 4, an additive causal mask): its same-weights check found, in 2 of 3.3M rows
-    # over 50 steps, a hyscale selection holding one key twice (not reproduced on the CPU
-    # interpreter). Random fp32 inputs at that shape, several seeds: every row's keys are
-    # distinct and in range, and the rows are the stable top-k of the float64 scores
+    # batch 4, HF's additive causal mask, which canonicalizes to a range of hidden value
+    # finfo.min): its same-weights check found, in 2 of 3.3M rows over 50 steps, a hyscale
+    # selection holding one key twice. On the FMA-unit dots the head sum runs across 8 lanes,
+    # each keeping a copy of the score that decides the key's append and its lane count; the
+    # copies rounded differently where the first butterfly step was fused with a lane's own
+    # product (test_kernel_compiles.py::test_fp32_head_sum_copies_agree_for_sm90), and copies
+    # straddling a row's threshold leave a key in two slots. The interpreter keeps one copy, so
+    # only the GPU can show it. Random inputs, and "clustered" ones (keys within ~2^-18 of one
+    # key, so each row's scores crowd within a few ulps around its k-th and the copies'
+    # roundings straddle the threshold often), -inf filled and finfo.min added: every row's
+    # keys are distinct and in range, and the rows are the stable top-k of the float64 scores
     B, S, T, H, D, topk = 4, 8192, 8192, 16, 16, 256
-    spec = ScoreSpec(name="dsa", epilogue=(("mul", 0.25), ("relu",)), reduce="weighted_sum", post=(("mask", 0),),
-                     masks=(MaskTerm(kind="range", hi=0),))
     hi = causal_hi(B, S, T, cuda)
-    for i in range(3):
+    fmin = float(torch.finfo(torch.float32).min)
+    for i, (clustered, mode, value) in enumerate([(False, "fill", -math.inf), (True, "fill", -math.inf),
+                                                  (True, "add", fmin)]):
+        spec = ScoreSpec(name="dsa", epilogue=(("mul", 0.25), ("relu",)), reduce="weighted_sum",
+                         post=(("mask", 0),), masks=(MaskTerm(kind="range", hi=0, mode=mode, value=value),))
         g = torch.Generator(device=cuda).manual_seed(fresh_seed(f"gpu fp32 example shape #{i}"))
         q = torch.randn(B, S, H, D, device=cuda, generator=g)
         k = torch.nn.functional.layer_norm(torch.randn(B, T, 1, D, device=cuda, generator=g), (D,))
+        if clustered:
+            k = k[:, :1] * (1 + 2.0 ** -18 * torch.randn(B, T, 1, D, device=cuda, generator=g))
         w = torch.randn(B, S, H, device=cuda, generator=g) * H ** -0.5
         idx = hytopk_triton(q, k, w, [hi], topk, spec, sorted=sorted_)
         srt = idx.long().sort(-1).values
         dup = (srt[..., 1:] == srt[..., :-1]).any(-1)
         assert not dup.any() and bool((srt >= 0).all()) and bool((srt < T).all()), \
-            f"rows with a key twice: {dup.nonzero()[:8].tolist()}"
+            f"case {i}: rows with a key twice: {dup.nonzero()[:8].tolist()}"
         for b in range(B):
             s64 = ref.dense_scores(q[b:b + 1].double(), k[b:b + 1].double(), w[b:b + 1].double(), [hi[b:b + 1]],
                                    spec, dtype=torch.float64)
