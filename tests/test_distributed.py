@@ -10,6 +10,7 @@ so selections compare with ``torch.equal`` and losses/gradients within fp32 reas
 """
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -307,9 +308,11 @@ def _capture_indices(model):
     return seen
 
 
+@functools.lru_cache(maxsize=None)
 def _cp_reference():
     """One process, the whole sequence: logits, loss, gradients and each layer's selections.
-    Computed once by the test (not by every rank: each rank would compile it again)."""
+    Computed once for the module's tests (not by every rank: each rank would compile it
+    again); read only."""
     model, ids, labels = _model_and_data(batch=1)
     want = _capture_indices(model)
     logits = torch.compile(model, backend="hyscale_debug")(ids)
