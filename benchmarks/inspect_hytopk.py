@@ -23,7 +23,9 @@ its instructions, spill instructions, barriers, atomics and shuffles; compile (s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import os
 import re
 import subprocess
@@ -107,14 +109,44 @@ def compile_dsa(fields: dict, S: int = 4096):
     return ck, time.perf_counter() - t
 
 
+_PTXAS_LOGS: dict = {}  # PTX -> the log of the ptxas run that built its cubin
+
+
+def _keep_ptxas_logs() -> None:
+    """Triton's own build runs ``ptxas -v``: keep its log by PTX, so that ``ptxas_report``
+    reads the build's registers and spills instead of running ptxas a second time (as long
+    again as the rest of the build for the large kernels)."""
+    from triton import knobs
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    real = CUDABackend.make_cubin
+    if getattr(real, "_keeps_logs", False):
+        return
+
+    def make_cubin(self, src, metadata, opt, capability):
+        buf = io.StringIO()
+        with knobs.nvidia.scope(), contextlib.redirect_stdout(buf):
+            knobs.nvidia.dump_ptxas_log = True  # printed after a successful build
+            cubin = real(self, src, metadata, opt, capability)
+        _PTXAS_LOGS[src] = buf.getvalue()
+        return cubin
+
+    make_cubin._keeps_logs = True
+    CUDABackend.make_cubin = make_cubin
+
+
+_keep_ptxas_logs()
+
+
 def ptxas_report(ptx: str, bindir: str) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        r = subprocess.run([os.path.join(bindir, "ptxas"), "-v", "--gpu-name=sm_90a", src, "-o",
-                            os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True)
-    log = r.stderr
+    log = _PTXAS_LOGS.get(ptx)
+    if log is None:  # a kernel from Triton's cache: no build ran here
+        with tempfile.TemporaryDirectory() as d:
+            src = os.path.join(d, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            log = subprocess.run([os.path.join(bindir, "ptxas"), "-v", "--gpu-name=sm_90a", src, "-o",
+                                  os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True).stderr
     out = {}
     m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     if m:

@@ -1,14 +1,16 @@
 """The rewrite beyond one process: FSDP2 and context parallelism (by all-gather) on gloo
 process groups, against one process (docs/distributed.md).
 
-Each test spawns its ranks (``torch.multiprocessing``, a free port); every rank compiles
-(``hyscale_debug``: the same pass, no Inductor codegen), so the tests are few and tiny. A
-rank's failure is re-raised by ``spawn`` with its traceback. The single-process reference
+The tests of two ranks share two spawned processes (``Ranks``: ``torch.multiprocessing``, a
+free port), the four-rank test spawns its own; every rank compiles (``hyscale_debug``: the
+same pass, no Inductor codegen), so the tests are few and tiny. A rank's failure is re-raised
+with its traceback. The single-process reference
 is the same backend on one process: it breaks ties (ReLU's exact zeros) by the same rule,
 so selections compare with ``torch.equal`` and losses/gradients within fp32 reassociation.
 """
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -48,15 +50,92 @@ def _spawn(fn, world: int, *args):
 
 
 def _init_and_run(rank, world, port, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _init(rank, world, port)
     try:
-        import hyscale_compile  # noqa: F401  registers the backends in the child
-
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+
+
+def _init(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import hyscale_compile  # noqa: F401  registers the backends in the child
+
+
+class Ranks:
+    """``world`` gloo ranks kept for the module's tests of that world size: a fresh process
+    costs about 6 s of CPU (Python, torch, this module, the process group), more than most of
+    these tests' own work. Each task starts from a reset Dynamo; a rank's failure is re-raised
+    with its traceback, and the ranks are replaced (a rank left waiting in a collective)."""
+
+    def __init__(self, world: int):
+        self.world, self.procs = world, []
+
+    def _start(self):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.results, self.tasks, port = ctx.Queue(), [ctx.SimpleQueue() for _ in range(self.world)], _free_port()
+        self.procs = [ctx.Process(target=_serve, args=(r, self.world, port, self.tasks[r], self.results), daemon=True)
+                      for r in range(self.world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = 600):
+        import queue
+
+        if not self.procs:
+            self._start()
+        for q in self.tasks:
+            q.put((fn, args))
+        errors, done = {}, 0
+        while done < self.world:
+            try:  # after a rank's failure the others may wait in a collective: a short grace
+                rank, err = self.results.get(timeout=60 if errors else timeout)
+            except queue.Empty:
+                self.close()
+                pytest.fail(f"{fn.__name__}: no answer from {self.world - done} rank(s)\n" + "\n".join(errors.values()))
+            done += 1
+            if err:
+                errors[rank] = f"-- rank {rank}:\n{err}"
+        if errors:
+            self.close()
+            pytest.fail(f"{fn.__name__} failed\n" + "\n".join(errors[r] for r in sorted(errors)))
+
+    def close(self):
+        for q in self.tasks if self.procs else ():
+            q.put(None)
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        self.procs = []
+
+
+def _serve(rank, world, port, tasks, results):
+    import traceback
+
+    _init(rank, world, port)
+    try:
+        while (task := tasks.get()) is not None:
+            fn, args = task
+            torch._dynamo.reset()
+            try:
+                fn(rank, world, *args)
+                results.put((rank, None))
+            except BaseException:
+                results.put((rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks2():
+    ranks = Ranks(2)
+    yield ranks
+    ranks.close()
 
 
 def _model_and_data(batch=2):
@@ -139,10 +218,10 @@ def _fsdp_rank(rank, world, per_block):
     assert len(report.fused) == 1 and not report.left_alone, f"rank {rank}:\n{report}"
 
 
-def test_fsdp2_training_equals_one_process():
+def test_fsdp2_training_equals_one_process(ranks2):
     # per block, as FSDP2 wraps it; ``torch.compile(model)`` of the whole model compiles the
     # same block frames (the FSDP2 hooks break the model's frame), and _fsdp_rank takes it too
-    _spawn(_fsdp_rank, 2, True)
+    ranks2.run(_fsdp_rank, True)
 
 
 # ---- context parallelism by all-gather ----------------------------------------------------
@@ -229,9 +308,11 @@ def _capture_indices(model):
     return seen
 
 
+@functools.lru_cache(maxsize=None)
 def _cp_reference():
     """One process, the whole sequence: logits, loss, gradients and each layer's selections.
-    Computed once by the test (not by every rank: each rank would compile it again)."""
+    Computed once for the module's tests (not by every rank: each rank would compile it
+    again); read only."""
     model, ids, labels = _model_and_data(batch=1)
     want = _capture_indices(model)
     logits = torch.compile(model, backend="hyscale_debug")(ids)
@@ -284,8 +365,11 @@ def _cp_rank(rank, world, layout, ref):
 # zigzag on 2 ranks runs the same chunk order and key gather as on 4 (and
 # test_context_parallel_hf_deepseek_v32 takes it on 2): one spawn of 2 processes fewer
 @pytest.mark.parametrize("layout,world", [("contiguous", 2), ("zigzag", 4)])
-def test_context_parallel_equals_one_process(layout, world):
-    _spawn(_cp_rank, world, layout, _cp_reference())
+def test_context_parallel_equals_one_process(layout, world, request):
+    if world == 2:
+        request.getfixturevalue("ranks2").run(_cp_rank, layout, _cp_reference())
+    else:
+        _spawn(_cp_rank, world, layout, _cp_reference())
 
 
 # ---- tensor-parallel heads: a partial sum is never fused -----------------------------------
@@ -326,8 +410,8 @@ def _tp_rank(rank, world):
     assert_selection_equal(indices, full, values=values)
 
 
-def test_tensor_parallel_partial_head_sum_is_left_alone():
-    _spawn(_tp_rank, 2)
+def test_tensor_parallel_partial_head_sum_is_left_alone(ranks2):
+    ranks2.run(_tp_rank)
 
 
 # ---- the tiny HF DeepSeek-V3.2, unmodified -------------------------------------------------
@@ -355,7 +439,7 @@ def _hf_rank(rank, world, layout, ref_logits):
     _close(logits, ref_logits[:, pos], f"rank {rank} logits")
 
 
-def test_context_parallel_hf_deepseek_v32():
+def test_context_parallel_hf_deepseek_v32(ranks2):
     from tests.models.hf_models import build_deepseek_v32, transformers_available
 
     if not transformers_available():
@@ -364,4 +448,4 @@ def test_context_parallel_hf_deepseek_v32():
     with torch.no_grad():
         ref = torch.compile(model, backend="hyscale_debug")(**kw).logits
     torch._dynamo.reset()
-    _spawn(_hf_rank, 2, "zigzag", ref)
+    ranks2.run(_hf_rank, "zigzag", ref)

@@ -446,16 +446,20 @@ def test_latent_kernels_compile_for_sm90_without_spills(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     lines = []
     # the op's launches (v = k[..., :512]: the values' part folded into the keys'), then apart,
-    # then with v its own [T, 1, 512] tensor (its gathered tiles beside the keys')
+    # then with v its own [T, 1, 512] tensor (its gathered tiles beside the keys'); the two
+    # folded runs in one process
     apart = {"kernel=attn_bwd_keys", "kernel=attn_bwd_keys(v)"}
-    for shape, flags, keys in (("mqa128", [], {"kernel=attn_bwd_keys(fold)"}), ("mqa128", ["--no-fold"], apart),
-                               ("mqa128_own_v", [], apart)):
+    for shapes, flags, keys in ((("mqa128", "mqa128_own_v"), [], ({"kernel=attn_bwd_keys(fold)"}, apart)),
+                                (("mqa128",), ["--no-fold"], (apart,))):
         r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention_backward.py"),
-                            "--inspect", "--shapes", shape, *flags], capture_output=True, text=True, env=env,
-                           timeout=900)
+                            "--inspect", "--shapes", ",".join(shapes), *flags], capture_output=True, text=True,
+                           env=env, timeout=900)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
         got = [ln for ln in r.stdout.splitlines() if ln.startswith("inspect ")]
-        assert {ln.split()[2] for ln in got} == {"kernel=attn_bwd_rows", "kernel=attn_bwd_dq"} | keys, got
+        assert {ln.split()[1] for ln in got} == {f"shape={shape}" for shape in shapes}, got
+        for shape, want in zip(shapes, keys):
+            assert {ln.split()[2] for ln in got if ln.split()[1] == f"shape={shape}"} == {
+                "kernel=attn_bwd_rows", "kernel=attn_bwd_dq"} | want, (shape, got)
         lines += got
     for ln in lines:
         f = dict(x.split("=", 1) for x in ln.split() if "=" in x and not x.startswith("BackwardConfig"))
