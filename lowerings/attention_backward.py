@@ -40,8 +40,9 @@ Memory: O(rows per chunk x k x Hk x D) plus the fp32 [B, T, Hk, D] key gradients
 This runs inside a custom op, below autograd, so the chain rule is written out. Each post
 step's derivative is the one autograd gives the original graph's op
 (``backward._step_grad`` / ``_mask_grad``): a fill passes no gradient to the slots it
-hides. The softmax's ``delta`` is sum_j P dP, from the fp32 probabilities (not the rounded
-output). A row whose every slot is hidden (lse -inf; out NaN, or 0 under ``empty_row="zero"``)
+hides. The softmax's ``delta`` is sum_j P dP / sum_j P, from the fp32 probabilities (not the
+rounded output), in two steps (see the loop: dP - delta cancels where one slot holds most of
+P). A row whose every slot is hidden (lse -inf; out NaN, or 0 under ``empty_row="zero"``)
 passes no gradient at all, as the safe softmax's ``where`` passes none to such a row.
 """
 from __future__ import annotations
@@ -271,10 +272,18 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
                 go = grad_out[b, s0:s1].to(f32)
                 go = torch.where(live.squeeze(-1).transpose(0, 1).unsqueeze(-1), go, 0.0)
                 goh = go.view(n, Hk, G, Dv).permute(1, 0, 2, 3)  # [Hk, n, G, Dv]
-                # dP = dO . v;  dy = P (dP - delta), delta = sum_j P dP (the softmax's backward)
+                # dP = dO . v;  dy = P (dP - delta), delta = sum_j P dP / sum_j P (the softmax's
+                # backward; over sum_j P, so the rounding of the forward's sum e, common to the
+                # row's P, cancels). In two steps: dP - c with c that sum, then delta the same
+                # sum of the shifted dP, which corrects c's rounding. In one step, where one slot
+                # holds most of P, dP - delta cancels and delta's rounding at |dP|'s scale went
+                # into every dy of the row (gq / gk 4-5 eps off where the dense original erred 1);
+                # shifted, each rounding is at the scale of dP - delta, dy's own.
                 dp = heads_to_rows(torch.matmul(goh, vb.transpose(-1, -2)), H)
                 del vb
-                delta = (p * dp).sum(-1, keepdim=True)
+                psum = torch.where(live, p.sum(-1, keepdim=True), 1.0)
+                dp = dp - (p * dp).sum(-1, keepdim=True) / psum
+                delta = (p * dp).sum(-1, keepdim=True) / psum
                 g = torch.where(p > 0, p * (dp - delta), 0.0)
                 del dp
                 for i in reversed(range(len(sspec.post))):

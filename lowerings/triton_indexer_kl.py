@@ -491,7 +491,7 @@ def indexer_kl_triton_forward(q, k, qi, ki, w, lse: Optional[torch.Tensor], scal
             STAGES=cfg.head_stages or None, ASTAGES=cfg.attn_stages or None,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
-    loss = rows.sum() * (loss_coeff / (B * S))
+    loss = (rows.double().sum() * (loss_coeff / (B * S))).float()  # one rounding (the reference's comment)
     return loss, stats, row_stats
 
 
@@ -505,7 +505,7 @@ def indexer_kl_triton_backward(grad, q, k, qi, ki, w, stats, row_stats, scale: f
     HI, DI = qi.shape[2], qi.shape[3]
     cfg = _resolve(cfg, q, qi, T, interp)
     BDI = max(16, _next_pow2(DI))
-    g = (grad.detach().to(device=q.device, dtype=torch.float32) * (loss_coeff / (B * S))).reshape(())
+    g = (grad.detach().to(device=q.device, dtype=torch.float64) * (loss_coeff / (B * S))).float().reshape(())
     stats, row_stats = stats.contiguous(), row_stats.contiguous()
     chunk = min(cfg.chunk_rows, triton.cdiv(S, cfg.block_m) * cfg.block_m)
     # zeroed: what the dI kernel leaves unwritten (key tiles past a query tile's diagonal) it

@@ -166,9 +166,11 @@ SEEDS = 5
 
 
 def _check_against_dense(kind, layout, dtype, softcap_key=None, seeds=SEEDS):
+    """``seeds``: how many fresh seeds, or a list of fixed ones."""
     H, Hk, mqa = LAYOUTS[layout]
-    for i in range(seeds):
-        seed = fresh_seed(f"{kind}-{layout}-{dtype}-{i}")
+    fixed = seeds if isinstance(seeds, (list, tuple)) else None
+    for i in range(len(fixed) if fixed else seeds):
+        seed = fixed[i] if fixed else fresh_seed(f"{kind}-{layout}-{dtype}-{i}")
         gen = torch.Generator().manual_seed(seed)
         post, terms, ops, dense, idx = make_case(kind, gen, softcap_key)
         spec = _spec(post, terms, dtype)
@@ -195,6 +197,16 @@ def _check_against_dense(kind, layout, dtype, softcap_key=None, seeds=SEEDS):
 @pytest.mark.parametrize("kind,layout", CASES)
 def test_forward_and_gradients_match_dense(kind, layout, dtype):
     _check_against_dense(kind, layout, dtype)
+
+
+@pytest.mark.parametrize("kind,layout,seed", [("range_fill", "per_head", 899315771), ("fill_bool", "per_head", 336),
+                                              ("fill_bool", "per_head", 396)])
+def test_dominant_slot_gradients_match_dense(kind, layout, seed):
+    """Seeds where a row's slot holds most of the probability (P ~ 0.9) with a large dP
+    (~9): dS = P (dP - delta) cancels there, and a delta rounded at |dP|'s scale put 4-5 eps
+    into gk / gq where the dense original, by the luck of its roundings, erred 1 eps (CI drew
+    the first; the others are from a sweep of seeds 0..1999)."""
+    _check_against_dense(kind, layout, torch.float32, seeds=[seed])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
