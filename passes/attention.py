@@ -991,8 +991,9 @@ def _dense_rows_spec(m: AttentionMatch, r: Region, masked: Masked, why: str) -> 
         raise dense("the softmax is a safe softmax")
     nodes = [n for n, _ in r.chain]
     after = nodes[nodes.index(r.app) + 1:]
-    if any(n.target not in _VIEWS and n.target not in _CASTS for n in after):
-        raise dense(f"the scores pass through {after[0].name} after the index mask is added")
+    late = [n for n in after if n.target not in _VIEWS and n.target not in _CASTS]
+    if late:  # (a softcap there would make the hidden logits ordinary numbers)
+        raise dense(f"the scores pass through {late[0].name} after the index mask is added")
     # the "round" steps collect_steps records for the casts after the index mask's add
     trailing = sum(1 for n in after if n.target in _CASTS and cast_dtype(n) is not None
                    and _FLOAT_RANK.get(cast_dtype(n), 0) < _FLOAT_RANK.get(dtype_of_node(n.args[0]), 0))
