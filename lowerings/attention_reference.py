@@ -16,7 +16,7 @@ import torch
 from .attention_backward import chunk_rows
 from .attention_spec import AttentionSpec
 from .mask_kinds import check_mask_operands, mask_kinds
-from .reference import _apply_elementwise
+from .reference import _apply_elementwise, _capturing
 from .spec import SpecError, dtype_of
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -163,9 +163,13 @@ def flagged_rows(lse: torch.Tensor, spec: AttentionSpec, backward: bool = False)
 
 def dense_blocks(flag: torch.Tensor, step: int):
     """The (b, s0, s1) row blocks of ``step`` rows (fixed: [i step, (i + 1) step)) holding a
-    flagged (row, head), in (b, s0) order; one host synchronization."""
+    flagged (row, head), in (b, s0) order; one host synchronization. Inside a CUDA graph
+    capture, which allows none, every block (its unflagged rows kept by the callers' where:
+    the dense attention's cost, but the captured graph is right for any mask it replays)."""
     B, S, _ = flag.shape
     nb = -(-S // step)
+    if _capturing(flag.device):
+        return [(b, i * step, min(S, (i + 1) * step)) for b in range(B) for i in range(nb)]
     any_row = flag.any(-1)
     pad = nb * step - S
     if pad:
@@ -225,8 +229,8 @@ def dense_rows_forward(q, k, v, idx, masks, spec: AttentionSpec, out, lse, probs
     probability at each selected key, summed over the heads (for an unflagged head the same
     as the sparse one: its unselected weights are 0).
 
-    Cost: the flagged rows are found per call (one host synchronization, so no CUDA graph
-    capture of a "dense" site); rows are taken in fixed blocks of ``dense_chunk_rows`` and
+    Cost: the flagged rows are found per call (one host synchronization; inside a CUDA graph
+    capture every block is computed instead, ``dense_blocks``); rows are taken in fixed blocks of ``dense_chunk_rows`` and
     each block holding a flagged row is computed densely, O(block x T) memory (the gathered
     keys of ``score_slots`` at every key) and O(block x T x D) work. Padding rows are
     contiguous, so a batch with P padded rows costs about P x T (rounded up to blocks) on

@@ -239,6 +239,31 @@ def test_cuda_op_recomputes_rows_without_a_visible_selected_key(replaces, dtype)
     assert all(torch.equal(a, b) for a, b in zip(again, res["cuda"]))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_capture_recomputes_every_block():
+    """Inside a CUDA graph capture the flagged rows cannot be read on the host: every block is
+    computed densely and the unflagged rows kept (``dense_blocks``); the replayed graph gives
+    eager's bits, also after the mask changes which rows are flagged."""
+    seed = fresh_seed("empty_rows_cuda_graph")
+    q, k, v, idx, amask = (x.cuda() for x in _case(seed, torch.float32))
+    spec = _spec(torch.float32, True, torch.finfo(torch.float32).min)
+    static = amask.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _op(q, k, v, idx, static, spec)  # warm-up (kernel builds) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse, _ = _op(q, k, v, idx, static, spec)
+    for mask in (amask, torch.where(torch.rand_like(amask) < 0.5, torch.finfo(torch.float32).min, amask)):
+        static.copy_(mask)
+        graph.replay()
+        want, want_lse, _ = _op(q, k, v, idx, mask, spec)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
 @pytest.mark.parametrize("replaces", [True, False])
 def test_triton_wrappers_recompute_the_same_rows(replaces):
     """The launch wrappers (forward and backward) under TRITON_INTERPRET=1: the kernels' rows
