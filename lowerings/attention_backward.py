@@ -47,6 +47,7 @@ passes no gradient at all, as the safe softmax's ``where`` passes none to such a
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -240,6 +241,10 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
     ordered sum); this path adds the two fp32 sums at the end."""
     from .attention_reference import heads_to_rows, gather_heads, rows_to_heads, score_slots
 
+    if spec.empty_row == "dense":
+        return dense_rows_backward(
+            lambda lse_, spec_: attention_backward(grad_out, q, k, v, idx, masks, out, lse_, spec_, needs, chunk_bytes,
+                                                   mode, fold_v), grad_out, q, k, v, idx, masks, lse, spec, needs, fold_v)
     if q.device.type == "cuda" and os.environ.get("HYSCALE_KERNEL", "triton") != "reference":
         how = backward_mode(mode, spec)
         if how != "pytorch":
@@ -313,3 +318,86 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
     # a fresh empty tensor per output: outputs of a custom op may not alias each other
     return (gq.to(q.dtype) if needs[0] else q.new_empty(0),
             gk.to(k.dtype) if needs[1] else k.new_empty(0), gv.to(v.dtype) if needs[2] else v.new_empty(0))
+
+
+def sparse_part(spec: AttentionSpec) -> AttentionSpec:
+    """The spec the sparse kernels run for an ``empty_row="dense"`` site (rows they see as
+    empty are recomputed anyway)."""
+    return dataclasses.replace(spec, empty_row="nan", dense_fill=())
+
+
+def dense_rows_backward(sparse, grad_out, q, k, v, idx, masks, lse, spec: AttentionSpec, needs=(True, True, True),
+                        fold_v: bool = False):
+    """``empty_row="dense"``'s backward: ``sparse(lse, spec)`` (the sparse backward, the
+    Triton kernels on CUDA) with the flagged (row, head)s' lse set to -inf, so they pass
+    nothing there, plus those heads' gradients of the original, recomputed over all T keys
+    (``attention_reference.dense_rows_forward`` says which heads, and why lse <= fill / 4
+    finds every one the forward recomputed). The softmax's and the post steps' derivatives
+    are written out as in the sparse path, at every key: at a selected key through every
+    step, at an unselected one through the "round" steps after the index mask, the fill's
+    add (which passes the gradient on unchanged, as autograd of the original's add does),
+    and the steps before it; no gradient to the fill. A head whose every key is -inf passes
+    nothing (as an empty row of the sparse op). The key side is a dense [T, Hk, D]
+    accumulation by matmul, block after block in row order: no atomics, the same bits on
+    every run. gq of a flagged head is the dense one outright (the sparse one is 0 there);
+    gk and gv add the two fp32 sums, rounded once more to the operands' dtype."""
+    from .attention_reference import dense_blocks, dense_chunk_rows, dense_logits, flagged_rows, heads_to_rows, \
+        rows_to_heads
+
+    flag = flagged_rows(lse, spec, backward=True)
+    gq, gk, gv = sparse(lse.masked_fill(flag, float("-inf")), sparse_part(spec))
+    B, S, H, D = q.shape
+    T, Hk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = H // Hk
+    blocks = dense_blocks(flag, dense_chunk_rows(q, k, v, spec)) if any(needs) and B * S * H and T else []
+    if not blocks:
+        return gq, gk, gv
+    f32 = torch.float32
+    fill, at, replaces = spec.dense_fill
+    sspec = spec.as_score_spec()
+    gq_d = torch.zeros(q.shape, dtype=f32, device=q.device) if needs[0] else None
+    gk_d = torch.zeros(k.shape, dtype=f32, device=k.device) if needs[1] else None
+    gv_d = torch.zeros(v.shape, dtype=f32, device=v.device) if needs[2] else None
+    for b, s0, s1 in blocks:
+        n = s1 - s0
+        y, outs, sel, mkeys = dense_logits(q, k, idx, masks, spec, b, s0, s1, f32)
+        live = (flag[b, s0:s1] & (lse[b, s0:s1] > -float("inf"))).transpose(0, 1).unsqueeze(-1)  # [H, n, 1]
+        p = torch.where(live, _softmax(y), 0.0)  # [H, n, T]
+        del y
+        go = torch.where(live.squeeze(-1).transpose(0, 1).unsqueeze(-1), grad_out[b, s0:s1].to(f32), 0.0)
+        goh = go.view(n, Hk, G, Dv).permute(1, 0, 2, 3)  # [Hk, n, G, Dv]
+        vt = v[b].transpose(0, 1).to(f32)  # [Hk, T, Dv]
+        dp = heads_to_rows(torch.matmul(goh, vt.transpose(-1, -2).unsqueeze(1)), H)
+        delta = (p * dp).sum(-1, keepdim=True)
+        g = torch.where(p > 0, p * (dp - delta), 0.0)
+        del dp
+        for i in reversed(range(len(sspec.post))):
+            st = sspec.post[i]
+            if st[0] == "mask":
+                gm = _mask_grad(g, sspec.masks[st[1]], masks, b, b + 1, s0, s1, mkeys, B, S, T)
+                # the step the fill takes the place of at the unselected keys: there the add of
+                # the fill passes the gradient on unchanged
+                g = torch.where(sel, gm, g) if replaces and i == at else gm
+            else:
+                g = _step_grad(g, st, outs[i], outs[i + 1])
+        del outs
+        gx = rows_to_heads(g, Hk)  # [Hk, n, G, T]
+        if needs[0]:
+            kt = k[b].transpose(0, 1).to(f32)  # [Hk, T, D]
+            gq_d[b, s0:s1] = torch.matmul(gx, kt.unsqueeze(1)).permute(1, 0, 2, 3).reshape(n, H, D)
+        if needs[1]:
+            qh = q[b, s0:s1].to(f32).view(n, Hk, G, D).permute(1, 0, 2, 3).reshape(Hk, n * G, D)
+            gk_d[b] += torch.matmul(gx.permute(0, 3, 1, 2).reshape(Hk, T, n * G), qh).transpose(0, 1)
+        if needs[2]:
+            ph = rows_to_heads(p, Hk).permute(0, 3, 1, 2).reshape(Hk, T, n * G)
+            gv_d[b] += torch.matmul(ph, goh.reshape(Hk, n * G, Dv)).transpose(0, 1)
+    if fold_v and needs[1] and needs[2] and v_is_view_of_k(k, v):
+        gk_d[..., :Dv] += gv_d
+        gv_d.zero_()
+    if needs[0]:
+        gq = torch.where(flag.unsqueeze(-1), gq_d.to(q.dtype), gq)
+    if needs[1]:
+        gk = (gk.to(f32) + gk_d).to(k.dtype)
+    if needs[2]:
+        gv = (gv.to(f32) + gv_d).to(v.dtype)
+    return gq, gk, gv

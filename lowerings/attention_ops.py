@@ -21,6 +21,10 @@ of the view adds, is the storage's gradient (a hook on the view v itself sees ze
 ``lse`` and ``probs`` are not differentiable (``mark_non_differentiable``): a loss that reads
 them (the indexer's KL reads ``probs`` as its target) gets no gradient through them.
 
+``empty_row="dense"`` (a finite index fill with no compile-time row proof): both ops
+recompute the rows without a visible selected key over every key around the sparse path
+(``attention_reference.dense_rows_forward``, ``attention_backward.dense_rows_backward``).
+
 Bad operands (shapes, dtypes, devices, masks that do not broadcast, indices outside
 [0, T) on the CPU, a spec that does not parse) raise ``SpecError`` naming the problem,
 and the fakes run the same checks, so a compile sees them before a run would.

@@ -16,7 +16,7 @@ import torch
 from .attention_backward import chunk_rows
 from .attention_spec import AttentionSpec
 from .mask_kinds import check_mask_operands, mask_kinds
-from .reference import _apply_elementwise
+from .reference import _apply_elementwise, _capturing
 from .spec import SpecError, dtype_of
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -124,7 +124,7 @@ def attention_forward(q, k, v, idx, masks: Sequence[torch.Tensor], spec: Attenti
     zero = spec.empty_row == "zero"
     if K == 0:  # no slot: every row is hidden, as a dense row of -inf
         out.fill_(0.0 if zero else float("nan")), lse.fill_(float("-inf"))
-        return out, lse, probs
+        return dense_rows_forward(q, k, v, idx, masks, spec, out, lse, probs, return_probs, dtype)
     step = chunk_rows(q.device, S, K, H, Hk, q.shape[3], Dv, len(spec.post))
     for b in range(B):
         for s0 in range(0, S, step):
@@ -146,4 +146,119 @@ def attention_forward(q, k, v, idx, masks: Sequence[torch.Tensor], spec: Attenti
             lse[b, s0:s1] = (m + torch.log(l)).squeeze(-1).transpose(0, 1).to(stat)
             if return_probs:
                 probs[b, s0:s1] = p.sum(0).to(stat)
+    return dense_rows_forward(q, k, v, idx, masks, spec, out, lse, probs, return_probs, dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# empty_row="dense": the rows without a visible selected key, recomputed over every key
+# ------------------------------------------------------------------------------------------
+
+
+def flagged_rows(lse: torch.Tensor, spec: AttentionSpec, backward: bool = False) -> torch.Tensor:
+    """[B, S, H] bool: the (row, head)s ``dense_rows_forward`` recomputes (``backward``: the
+    superset the backward recomputes, read from the forward's lse, see there)."""
+    fill = spec.dense_fill[0]
+    return ~(lse > (fill / 4 if backward else fill / 2))
+
+
+def dense_blocks(flag: torch.Tensor, step: int):
+    """The (b, s0, s1) row blocks of ``step`` rows (fixed: [i step, (i + 1) step)) holding a
+    flagged (row, head), in (b, s0) order; one host synchronization. Inside a CUDA graph
+    capture, which allows none, every block (its unflagged rows kept by the callers' where:
+    the dense attention's cost, but the captured graph is right for any mask it replays)."""
+    B, S, _ = flag.shape
+    nb = -(-S // step)
+    if _capturing(flag.device):
+        return [(b, i * step, min(S, (i + 1) * step)) for b in range(B) for i in range(nb)]
+    any_row = flag.any(-1)
+    pad = nb * step - S
+    if pad:
+        any_row = torch.cat([any_row, any_row.new_zeros((B, pad))], 1)
+    hit = any_row.view(B, nb, step).any(-1).nonzero().tolist()
+    return [(b, i * step, min(S, (i + 1) * step)) for b, i in hit]
+
+
+def dense_chunk_rows(q, k, v, spec: AttentionSpec) -> int:
+    """Rows per dense block: ``chunk_rows`` with all T keys as the slots."""
+    return chunk_rows(q.device, q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3],
+                      len(spec.post) + 2)
+
+
+def dense_logits(q, k, idx, masks, spec: AttentionSpec, b, s0, s1, dtype):
+    """The original's logits of rows (b, s0:s1) at every key, [H, n, T]: the spec's at the
+    selected keys, post[at + replaces:](post[:at](x) + fill) at the others (``dense_fill``).
+    Also every post step's output at every key (for the backward) and the [n, T] selected
+    keys."""
+    B, S, T = q.shape[0], q.shape[1], k.shape[1]
+    every = torch.arange(T, device=q.device).expand(B, S, T)
+    outs, kb, mkeys = score_slots(q, k, every, masks, spec, b, s0, s1, dtype)
+    del kb
+    fill, at, replaces = spec.dense_fill
+    sel = torch.zeros((s1 - s0, T), dtype=torch.bool, device=q.device)
+    sel.scatter_(1, idx[b, s0:s1].long(), True)
+    u = outs[at] + fill
+    for st in spec.post[at + replaces:]:
+        u = _apply_elementwise(u, st)
+    return torch.where(sel, outs[-1], u), outs, sel, mkeys
+
+
+def dense_rows_forward(q, k, v, idx, masks, spec: AttentionSpec, out, lse, probs, return_probs: bool = False,
+                       dtype: torch.dtype = torch.float32):
+    """``empty_row="dense"``: the (row, head)s that may differ from the original, recomputed
+    as the original, over all T keys; ``out``, ``lse`` and ``probs`` updated in place and
+    returned (any other ``empty_row``: returned as they are).
+
+    Why a row that is not flagged is the original's. Assumption (the one the compile-time
+    proof, ``passes/visible_rows.py``, makes too): every logit before the index mask's add
+    (the scores with the steps and masks before it) is below |fill| / 2 - 128 (finfo.min
+    fills: about 1.7e38; finfo(float16).min: 32624). At an unselected key the original's
+    logit is then z + fill < fill / 2 - 128 (a later "round" keeps it there or makes it
+    -inf). A row (b, s, h) is not flagged when its slot lse > fill / 2, so its best selected
+    logit M >= lse - log k > fill / 2 - log k: every unselected key has
+    exp(logit - M) < exp(-100) == 0 in fp32 (and in bf16 and fp16), the original's row
+    maximum is M, and its softmax over T keys is the op's over the k slots, the unselected
+    keys' weights exactly 0. A flagged row (lse <= fill / 2 or -inf: no selected key left
+    visible, a padding row, or a row whose visible keys are all unselected) is computed here
+    as the original: its T logits (``dense_logits``), the softmax in fp32 as the op's own
+    (a row whose every key is -inf gives NaN, as the plain softmax), @ v. Only the flagged
+    (row, head)s of ``out`` are written. ``lse`` of a flagged head is the log-sum-exp over
+    all T keys (the original's), which is <= fill / 2 + log T <= fill / 4, so the backward's
+    test (lse <= fill / 4, ``flagged_rows(backward=True)``) finds every flagged head (and
+    perhaps a few unflagged ones, whose dense gradients are the sparse ones: their
+    unselected weights are 0). ``probs`` of a row with a flagged head is the original's
+    probability at each selected key, summed over the heads (for an unflagged head the same
+    as the sparse one: its unselected weights are 0).
+
+    Cost: the flagged rows are found per call (one host synchronization; inside a CUDA graph
+    capture every block is computed instead, ``dense_blocks``); rows are taken in fixed blocks of ``dense_chunk_rows`` and
+    each block holding a flagged row is computed densely, O(block x T) memory (the gathered
+    keys of ``score_slots`` at every key) and O(block x T x D) work. Padding rows are
+    contiguous, so a batch with P padded rows costs about P x T (rounded up to blocks) on
+    top of the sparse op; rows scattered over every block would cost the dense attention."""
+    if spec.empty_row != "dense":
+        return out, lse, probs
+    B, S, H, _ = q.shape
+    T, Hk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if B * S * H == 0 or T == 0:
+        return out, lse, probs
+    flag = flagged_rows(lse, spec)
+    stat = lse.dtype
+    for b, s0, s1 in dense_blocks(flag, dense_chunk_rows(q, k, v, spec)):
+        y, outs, _sel, _ = dense_logits(q, k, idx, masks, spec, b, s0, s1, dtype)
+        del outs
+        n = s1 - s0
+        m0 = y.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m0), m0, torch.zeros_like(m0))
+        e = torch.exp(y - m)
+        l = e.sum(-1, keepdim=True)
+        p = e / l
+        vt = v[b].transpose(0, 1).to(dtype)  # [Hk, T, Dv]
+        o = torch.matmul(rows_to_heads(p, Hk), vt.unsqueeze(1)).permute(1, 0, 2, 3).reshape(n, H, Dv)
+        f = flag[b, s0:s1]  # [n, H]
+        out[b, s0:s1] = torch.where(f.unsqueeze(-1), o.to(out.dtype), out[b, s0:s1])
+        lse[b, s0:s1] = torch.where(f, (m + torch.log(l)).squeeze(-1).transpose(0, 1).to(stat), lse[b, s0:s1])
+        if return_probs and probs.numel():
+            K = idx.shape[-1]
+            at = p.gather(-1, idx[b, s0:s1].long().unsqueeze(0).expand(H, n, K)).sum(0).to(probs.dtype)
+            probs[b, s0:s1] = torch.where(f.any(-1, keepdim=True), at, probs[b, s0:s1])
     return out, lse, probs

@@ -32,16 +32,26 @@ out NaN, as a plain softmax over a row of -inf gives) or "zero" (out 0, probs 0,
 gradient reaches its q, k or v: the safe softmax of sdpa's math path and the zero its fused
 kernels give such a row). lse is -inf either way.
 
+``empty_row="dense"`` is for an index mask that hides the unselected keys with a finite
+``fill`` (finfo.min: HF V3.2 eager, GLM-5) where the pass cannot prove that every row keeps
+a visible selected key. ``dense_fill = (fill, at, replaces)`` says where the original adds
+the fill: an unselected key's logit is post[at + replaces:] (only "round" steps) applied to
+post[:at](x) + fill (``replaces``: post[at] is the mask term the index mask is at the
+selected keys, which the fill takes the place of). The op flags, per call, the (row, head)s
+whose slot lse is <= fill / 2 (or -inf) and recomputes them densely over all T keys, as the
+original; the exactness argument is ``attention_reference.dense_rows_forward``'s.
+
 This equals the dense attention under the index mask (every unselected key at -inf or
 ``finfo.min``) whenever each row keeps at least one visible selected key: under ``-inf``
 the original's hidden row is NaN too (0 under a safe softmax: ``empty_row="zero"``), under ``finfo.min`` it would average every key, so
-the matcher rewrites such a site only where it proves that no row is left empty
-(docs/contract.md, "The selection's consumers").
+the matcher rewrites such a site where it proves that no row is left empty, and elsewhere
+with ``empty_row="dense"`` (docs/contract.md, "The selection's consumers").
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Optional
 
 from .spec import MaskTerm, ScoreSpec, SpecError, dtype_of
@@ -52,7 +62,7 @@ FORMS = ("per_head", "mqa")
 
 # what a row with no visible slot gives; the field is written only when it is not the
 # default, so specs written before it existed parse (and serialize) unchanged
-EMPTY_ROWS = ("nan", "zero")
+EMPTY_ROWS = ("nan", "zero", "dense")
 # the CUDA backward's key-side reduction (``hyscale.attention_backward``): "deterministic" (a
 # fixed-order segment sum, bitwise reproducible) or "atomic" (fp32 atomics, opt-in only);
 # written only when not the default, as ``empty_row``
@@ -71,6 +81,8 @@ class AttentionSpec:
     fp32_precision: str = "ieee"
     empty_row: str = "nan"  # EMPTY_ROWS
     backward: str = "deterministic"  # BACKWARDS
+    # empty_row="dense" only: (fill, at, replaces), see the module docstring
+    dense_fill: tuple = ()
 
     def to_json(self) -> str:
         d = {
@@ -85,6 +97,8 @@ class AttentionSpec:
             d["empty_row"] = self.empty_row
         if self.backward != "deterministic":
             d["backward"] = self.backward
+        if self.dense_fill:
+            d["dense_fill"] = list(self.dense_fill)
         return json.dumps(d, separators=(",", ":"))
 
     @staticmethod
@@ -95,8 +109,8 @@ class AttentionSpec:
             raise SpecError(f"attention spec is not valid JSON: {e}") from None
         if not isinstance(d, dict) or d.pop("v", None) != ATTENTION_SPEC_VERSION:
             raise SpecError(f"attention spec version mismatch (expected {ATTENTION_SPEC_VERSION}): {text[:80]}")
-        fields = {"name", "post", "masks", "out_dtype", "fp32_precision", "empty_row", "backward"}
-        missing = sorted(fields - {"fp32_precision", "empty_row", "backward"} - set(d))
+        fields = {"name", "post", "masks", "out_dtype", "fp32_precision", "empty_row", "backward", "dense_fill"}
+        missing = sorted(fields - {"fp32_precision", "empty_row", "backward", "dense_fill"} - set(d))
         if missing:
             raise SpecError(f"attention spec is missing {', '.join(repr(m) for m in missing)}: {text[:80]}")
         if set(d) - fields:
@@ -113,7 +127,9 @@ class AttentionSpec:
                 raise SpecError(f"attention spec's mask term {i} ({m!r}) is not a MaskTerm: {e}") from None
         spec = AttentionSpec(name=d["name"], post=post, masks=tuple(masks), out_dtype=d["out_dtype"],
                              fp32_precision=d.get("fp32_precision", "ieee"), empty_row=d.get("empty_row", "nan"),
-                             backward=d.get("backward", "deterministic"))
+                             backward=d.get("backward", "deterministic"),
+                             dense_fill=tuple(d["dense_fill"]) if isinstance(d.get("dense_fill"), list)
+                             else d.get("dense_fill", ()))
         return spec.validate()
 
     def as_score_spec(self) -> ScoreSpec:
@@ -130,7 +146,32 @@ class AttentionSpec:
         if self.backward not in BACKWARDS:
             raise SpecError(f"attention spec's backward is {self.backward!r}; expected one of {BACKWARDS}")
         self.as_score_spec().validate(num_mask_operands=num_mask_operands)
+        self._validate_dense_fill()
         return self
+
+    def _validate_dense_fill(self) -> None:
+        f = self.dense_fill
+        if self.empty_row != "dense":
+            if f != ():
+                raise SpecError(f"attention spec has dense_fill {f!r} but empty_row {self.empty_row!r} (only "
+                                "empty_row='dense' reads it)")
+            return
+        if not isinstance(f, tuple) or len(f) != 3:
+            raise SpecError(f"attention spec's empty_row='dense' needs dense_fill = [fill, at, replaces]; got {f!r}")
+        fill, at, replaces = f
+        if isinstance(fill, bool) or not isinstance(fill, (int, float)) or not math.isfinite(fill) or fill >= 0:
+            raise SpecError(f"attention spec's dense_fill value {fill!r} is not a finite negative number")
+        if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= len(self.post):
+            raise SpecError(f"attention spec's dense_fill position {at!r} is not a step index in [0, "
+                            f"{len(self.post)}]")
+        if not isinstance(replaces, bool):
+            raise SpecError(f"attention spec's dense_fill replaces flag {replaces!r} is not a bool")
+        if replaces and (at == len(self.post) or self.post[at][0] != "mask"):
+            raise SpecError(f"attention spec's dense_fill replaces step {at}, which is not a mask step")
+        after = self.post[at + replaces:]
+        if any(st[0] != "round" for st in after):
+            raise SpecError(f"attention spec's dense_fill is followed by {after!r}: only 'round' steps may follow "
+                            "the index mask (a later step could make the hidden logits ordinary)")
 
     def resolve_operands(self, operands) -> "AttentionSpec":
         """The same spec with each 0-d ``*_operand`` step replaced by its value now."""
@@ -139,9 +180,11 @@ class AttentionSpec:
 
     def describe(self) -> str:
         """One line for diagnostics: 'mul(0.125) -> mask:range -> softmax -> @v' (with
-        ``empty_row="zero"``: 'safe_softmax', a row with no visible key gives 0)."""
+        ``empty_row="zero"``: 'safe_softmax', a row with no visible key gives 0; "dense":
+        'softmax(dense rows)', the rows without a visible selected key recomputed densely)."""
         steps = self.as_score_spec().describe().split(" -> ")[2:]  # drop the epilogue and reduce
-        return " -> ".join([*steps, "safe_softmax" if self.empty_row == "zero" else "softmax", "@v"])
+        sm = {"zero": "safe_softmax", "dense": "softmax(dense rows)"}.get(self.empty_row, "softmax")
+        return " -> ".join([*steps, sm, "@v"])
 
 
 def form_of(H: int, Hk: int) -> str:

@@ -260,9 +260,15 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
     empty tensor), as ``attention_reference.attention_forward``. CUDA tensors, or CPU tensors
     under ``TRITON_INTERPRET=1``. ``_launcher(kernel, args, launch)`` replaces the launch
     (benchmarks/tests compile offline with it)."""
-    interp = check_interpreter_mode()
     masks = list(masks)
     spec = spec.resolve_operands(masks)
+    if spec.empty_row == "dense":  # the kernel's rows, then the flagged ones recomputed in PyTorch
+        from .attention_backward import sparse_part
+        from .attention_reference import dense_rows_forward
+
+        res = sparse_attention_triton(q, k, v, idx, masks, sparse_part(spec), return_probs, config, _launcher)
+        return res if _launcher is not None else dense_rows_forward(q, k, v, idx, masks, spec, *res, return_probs)
+    interp = check_interpreter_mode()
     check_attention_operands(q, k, v, idx, masks, spec)
     device = q.device
     if device.type != "cuda" and not interp and _launcher is None:

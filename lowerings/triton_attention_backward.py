@@ -313,11 +313,17 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     contributions buffer (``keys_feature_width``; the same bits whatever it is).
     ``_launcher(kernel, args, launch)`` replaces the launches of the first chunk and the
     call returns their results (an offline sm_90 build: ``bench_attention_backward --inspect``)."""
-    from .attention_backward import check_backward_operands, key_order, run_starts, v_is_view_of_k
+    from .attention_backward import (check_backward_operands, dense_rows_backward, key_order, run_starts,
+                                     v_is_view_of_k)
 
-    interp = check_interpreter_mode()
     masks = list(masks)
     spec = spec.resolve_operands(masks)
+    if spec.empty_row == "dense" and _launcher is None:  # the kernels' rows, then the flagged ones in PyTorch
+        return dense_rows_backward(
+            lambda lse_, spec_: attention_backward_triton(grad_out, q, k, v, idx, masks, out, lse_, spec_, needs, atomic,
+                                                          chunk_bytes, config, fold_v, keys_bytes),
+            grad_out, q, k, v, idx, masks, lse, spec, needs, fold_v)
+    interp = check_interpreter_mode()
     check_attention_operands(q, k, v, idx, masks, spec)
     check_backward_operands(grad_out, q, k, v, idx, out, lse)
     reason = unsupported(spec)

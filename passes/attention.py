@@ -42,9 +42,11 @@ the score with the remaining masks, which is what the op computes. A row whose s
 keys are all hidden is NaN in both (0 in both under sdpa's safe softmax, which the op then
 runs as ``empty_row="zero"``; fused sdpa nodes are first written out as their math by
 ``passes/sdpa.py``). An index mask that hides with a finite value
-(``finfo.min``, HF's eager attention) is rewritten only where ``visible_rows.prove`` shows
-that every row keeps a visible selected key: a row without one would average over every
-key in the original. Left dense too, each
+(``finfo.min``, HF's eager attention) keeps the op's plain mode where ``visible_rows.prove``
+shows that every row keeps a visible selected key; elsewhere (the mask a graph input: a
+per-layer compile, a padding mask) the op runs with ``empty_row="dense"``, which recomputes
+per call, over every key, the rows that may have none (a row without one averages every
+key in the original); a fused sdpa kernel's site stays dense there. Left dense too, each
 with its reason: dropout with p > 0 (a random op after the softmax), attention weights
 read elsewhere (``output_attentions``), anything else the walk does not recognize.
 """
@@ -67,9 +69,9 @@ from . import index_mask
 from . import layout as L
 from . import masked_softmax, mla, sdpa, visible_rows
 from .diagnostics import AttentionRecord
-from .canonicalize import (CONTRACTIONS, _AND, _CASTS, _NOT, _OR, _VIEWS, GraphFacts, OperandPlan, SiteAnalysis,
-                           Unsupported, analyse_operand, dtype_of_node, is_backward_node, place_mask_operands,
-                           propagate_view, shape_of, unify_dims, val, _feeds_only_backward)
+from .canonicalize import (CONTRACTIONS, _AND, _CASTS, _FLOAT_RANK, _NOT, _OR, _VIEWS, GraphFacts, OperandPlan,
+                           SiteAnalysis, Unsupported, analyse_operand, cast_dtype, dtype_of_node, is_backward_node,
+                           place_mask_operands, propagate_view, shape_of, unify_dims, val, _feeds_only_backward)
 from .partition import tag_attention
 from .rewrite import Emitter
 
@@ -988,9 +990,9 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
             except visible_rows.NotProven as e:
                 if kernel is not None:
                     raise _Reject(sdpa.rows_not_proven(kernel, str(e))) from None
-                raise _Reject(f"the index mask hides the unselected keys with a finite value ({masked.uns}): a row "
-                              "with no visible selected key would average every key in the original, and no such "
-                              f"row is proven not to occur ({e})") from None
+                m.spec = _dense_rows_spec(m, r, masked, str(e))
+                rec.rows = ("rows without a visible selected key are recomputed densely per call, as the original "
+                            f"(not proven absent at compile time: {e})")
         rec.form, rec.spec, rec.sizes = m.form, m.spec.describe(), {**m.sizes, **rec.sizes}
         if not enabled:
             em.rollback()
@@ -1043,6 +1045,38 @@ def _masked_softmax_terms(m: AttentionMatch) -> None:
             raise _Reject(f"a masked_softmax over isfinite(index mask) whose index mask holds {what} at the "
                           "selected keys: isfinite may keep or drop keys the op does not (only ranges and fills "
                           "hiding with -inf are proven)")
+
+
+def _dense_rows_spec(m: AttentionMatch, r: Region, masked: Masked, why: str) -> AttentionSpec:
+    """The spec with ``empty_row="dense"``: the op recomputes, per call, the rows that keep
+    no visible selected key over every key, with the index mask's finite fill where the
+    original adds it (``AttentionSpec.dense_fill``). Raises ``_Reject`` where that run-time
+    check's assumptions do not hold."""
+    def dense(reason):
+        return _Reject(f"the index mask hides the unselected keys with a finite value ({masked.uns}): a row with no "
+                       "visible selected key would average every key in the original, no such row is proven not to "
+                       f"occur ({why}), and the rows cannot be recomputed at run time: {reason}")
+
+    fill = masked.uns
+    if isinstance(fill, bool) or not (math.isfinite(fill) and fill <= visible_rows.HIDING):
+        raise dense(f"the hiding value {fill} is not at most finfo(float16).min")
+    if r.empty_row != "nan":
+        raise dense("the softmax is a safe softmax")
+    nodes = [n for n, _ in r.chain]
+    after = nodes[nodes.index(r.app) + 1:]
+    late = [n for n in after if n.target not in _VIEWS and n.target not in _CASTS]
+    if late:  # (a softcap there would make the hidden logits ordinary numbers)
+        raise dense(f"the scores pass through {late[0].name} after the index mask is added")
+    # the "round" steps collect_steps records for the casts after the index mask's add
+    trailing = sum(1 for n in after if n.target in _CASTS and cast_dtype(n) is not None
+                   and _FLOAT_RANK.get(cast_dtype(n), 0) < _FLOAT_RANK.get(dtype_of_node(n.args[0]), 0))
+    replaces = not _is_const(masked.sel)  # the add is the selected keys' mask term there
+    at = len(m.spec.post) - trailing - int(replaces)
+    spec = dataclasses.replace(m.spec, empty_row="dense", dense_fill=(float(fill), at, replaces))
+    try:
+        return spec.validate(num_mask_operands=len(m.mask_operands))
+    except SpecError as e:
+        raise dense(str(e)) from None
 
 
 def _erase_new_nodes(graph: fx.Graph, before: set) -> None:

@@ -43,10 +43,12 @@ additive bias, ``where(~mask, -65504, 0)`` (or a -inf bias), whose hidden keys a
 attention's own bool terms (ranges the selection shares, as above) and the unselected keys;
 with -inf the exp of a hidden logit is 0 outright.
 
-Anything else is not proven and the site stays dense with the reason: tensor masks (a
-padding mask, whose fully padded rows have no visible key), a range the selection does
-not share, bounds that are not positions or constants, a selection left as ``aten.topk``
-or selected from a table (no canonical mask recorded).
+Anything else is not proven, with the reason: tensor masks (a padding mask, whose fully
+padded rows have no visible key), a range the selection does not share, bounds that are
+not positions or constants, a selection left as ``aten.topk`` or selected from a table (no
+canonical mask recorded). The pass then rewrites the site with ``empty_row="dense"``, which
+finds such rows at run time and recomputes them densely (``attention_reference.
+dense_rows_forward``), and keeps a fused sdpa kernel's site dense.
 """
 from __future__ import annotations
 
