@@ -226,6 +226,20 @@ def backward_mode(mode: str = None, spec: AttentionSpec = None) -> str:
     return mode
 
 
+def _softmax_grad(p: torch.Tensor, dp: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """The softmax's backward, dy = P (dP - delta), delta = sum_j P dP / sum_j P (over sum_j P,
+    so the rounding of the forward's sum, common to the row's P, cancels); rows not ``live``
+    give 0. In two steps: dP - c with c that sum, then delta the same sum of the shifted dP,
+    which corrects c's rounding. In one step, where one slot holds most of P, dP - delta
+    cancels and delta's rounding at |dP|'s scale went into every dy of the row (gq / gk 4-5
+    eps off where the dense original erred 1); shifted, each rounding is at the scale of
+    dP - delta, dy's own."""
+    psum = torch.where(live, p.sum(-1, keepdim=True), 1.0)
+    dp = dp - (p * dp).sum(-1, keepdim=True) / psum
+    delta = (p * dp).sum(-1, keepdim=True) / psum
+    return torch.where(p > 0, p * (dp - delta), 0.0)
+
+
 def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionSpec, needs=(True, True, True),
                        chunk_bytes: int = None, mode: str = None, fold_v: bool = False):
     """(gq, gk, gv) in the operands' dtypes; an input that needs no gradient gets an empty
@@ -277,19 +291,10 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
                 go = grad_out[b, s0:s1].to(f32)
                 go = torch.where(live.squeeze(-1).transpose(0, 1).unsqueeze(-1), go, 0.0)
                 goh = go.view(n, Hk, G, Dv).permute(1, 0, 2, 3)  # [Hk, n, G, Dv]
-                # dP = dO . v;  dy = P (dP - delta), delta = sum_j P dP / sum_j P (the softmax's
-                # backward; over sum_j P, so the rounding of the forward's sum e, common to the
-                # row's P, cancels). In two steps: dP - c with c that sum, then delta the same
-                # sum of the shifted dP, which corrects c's rounding. In one step, where one slot
-                # holds most of P, dP - delta cancels and delta's rounding at |dP|'s scale went
-                # into every dy of the row (gq / gk 4-5 eps off where the dense original erred 1);
-                # shifted, each rounding is at the scale of dP - delta, dy's own.
+                # dP = dO . v
                 dp = heads_to_rows(torch.matmul(goh, vb.transpose(-1, -2)), H)
                 del vb
-                psum = torch.where(live, p.sum(-1, keepdim=True), 1.0)
-                dp = dp - (p * dp).sum(-1, keepdim=True) / psum
-                delta = (p * dp).sum(-1, keepdim=True) / psum
-                g = torch.where(p > 0, p * (dp - delta), 0.0)
+                g = _softmax_grad(p, dp, live)
                 del dp
                 for i in reversed(range(len(sspec.post))):
                     st = sspec.post[i]
@@ -368,8 +373,7 @@ def dense_rows_backward(sparse, grad_out, q, k, v, idx, masks, lse, spec: Attent
         goh = go.view(n, Hk, G, Dv).permute(1, 0, 2, 3)  # [Hk, n, G, Dv]
         vt = v[b].transpose(0, 1).to(f32)  # [Hk, T, Dv]
         dp = heads_to_rows(torch.matmul(goh, vt.transpose(-1, -2).unsqueeze(1)), H)
-        delta = (p * dp).sum(-1, keepdim=True)
-        g = torch.where(p > 0, p * (dp - delta), 0.0)
+        g = _softmax_grad(p, dp, live)
         del dp
         for i in reversed(range(len(sspec.post))):
             st = sspec.post[i]
