@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from .attention_spec import AttentionSpec
-from .backward import _mask_grad, _step_grad
+from .backward import _post_backward
 from .spec import SpecError
 
 # Bytes of per-chunk temporaries (gathered keys and values, their gradients, the per-head
@@ -296,12 +296,7 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
                 del vb
                 g = _softmax_grad(p, dp, live)
                 del dp
-                for i in reversed(range(len(sspec.post))):
-                    st = sspec.post[i]
-                    if st[0] == "mask":
-                        g = _mask_grad(g, sspec.masks[st[1]], masks, b, b + 1, s0, s1, mkeys, B, S, T)
-                    else:
-                        g = _step_grad(g, st, outs[i], outs[i + 1])
+                g = _post_backward(g, sspec, masks, outs, b, b + 1, s0, s1, mkeys, B, S, T)
                 del outs
                 gx = rows_to_heads(g, Hk)  # [Hk, n, G, K]
                 flat = keys.reshape(-1)
@@ -375,15 +370,10 @@ def dense_rows_backward(sparse, grad_out, q, k, v, idx, masks, lse, spec: Attent
         dp = heads_to_rows(torch.matmul(goh, vt.transpose(-1, -2).unsqueeze(1)), H)
         g = _softmax_grad(p, dp, live)
         del dp
-        for i in reversed(range(len(sspec.post))):
-            st = sspec.post[i]
-            if st[0] == "mask":
-                gm = _mask_grad(g, sspec.masks[st[1]], masks, b, b + 1, s0, s1, mkeys, B, S, T)
-                # the step the fill takes the place of at the unselected keys: there the add of
-                # the fill passes the gradient on unchanged
-                g = torch.where(sel, gm, g) if replaces and i == at else gm
-            else:
-                g = _step_grad(g, st, outs[i], outs[i + 1])
+        # the mask step the fill takes the place of at the unselected keys: there the add of
+        # the fill passes the gradient on unchanged
+        g = _post_backward(g, sspec, masks, outs, b, b + 1, s0, s1, mkeys, B, S, T,
+                           passthrough=(at, sel) if replaces else None)
         del outs
         gx = rows_to_heads(g, Hk)  # [Hk, n, G, T]
         if needs[0]:

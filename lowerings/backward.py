@@ -108,6 +108,20 @@ def _mask_grad(g, term, masks, b0, b1, s0, s1, keys, B, S, T) -> torch.Tensor:
     return torch.where(probe != 0, 0.0, g)
 
 
+def _post_backward(g, spec, masks, post_in, b0, b1, s0, s1, keys, B, S, T, passthrough=None) -> torch.Tensor:
+    """Gradient through ``spec``'s post steps in reverse (``post_in``: each step's input, then
+    the last output). ``passthrough`` (i, where): at mask step i the slots where ``where`` is
+    False take g unchanged (an add of the index fill stands in for that term there)."""
+    for i in reversed(range(len(spec.post))):
+        st = spec.post[i]
+        if st[0] == "mask":
+            gm = _mask_grad(g, spec.masks[st[1]], masks, b0, b1, s0, s1, keys, B, S, T)
+            g = torch.where(passthrough[1], gm, g) if passthrough is not None and passthrough[0] == i else gm
+        else:
+            g = _step_grad(g, st, post_in[i], post_in[i + 1])
+    return g
+
+
 def rows_backward(g, q, ksel, w, masks, spec: ScoreSpec, keys, b0, b1, s0, s1, shape):
     """Gradients for rows [b0,b1) x [s0,s1) at the gathered keys.
 
@@ -140,12 +154,7 @@ def rows_backward(g, q, ksel, w, masks, spec: ScoreSpec, keys, b0, b1, s0, s1, s
             y = _apply_mask(y, spec.masks[st[1]], masks, b0, b1, s0, s1, 0, T, B, S, T, keys=keys)
     post_in.append(y)
     # backward
-    for i in reversed(range(len(spec.post))):
-        st = spec.post[i]
-        if st[0] == "mask":
-            g = _mask_grad(g, spec.masks[st[1]], masks, b0, b1, s0, s1, keys, B, S, T)
-        else:
-            g = _step_grad(g, st, post_in[i], post_in[i + 1])
+    g = _post_backward(g, spec, masks, post_in, b0, b1, s0, s1, keys, B, S, T)
     gw = None
     if spec.reduce == "weighted_sum":
         gw = torch.matmul(x, g.unsqueeze(-1)).squeeze(-1)  # [nb, ns, H]
