@@ -330,13 +330,19 @@ def test_index_cache_one_selection_feeds_two_layers():
 
 # ------------------------------------------------------------------------------ left dense
 
-def _dense_case(fn, args, reason):
+def _compiled_equals_eager(fn, args):
+    """The capture of ``fn`` compiled, after checking its no_grad outputs against eager's."""
     c, cap = compiled(fn)
     with torch.no_grad():
         out = c(*args)
         ref = fn(*args)
     for a, b in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    return cap
+
+
+def _dense_case(fn, args, reason):
+    cap = _compiled_equals_eager(fn, args)
     assert OP not in targets(cap, "inference")
     assert torch.ops.hyscale.hytopk.default in targets(cap, "inference")  # the selection is still fused
     recs = attention_records()
@@ -347,12 +353,7 @@ def _dense_case(fn, args, reason):
 def _dense_rows_case(fn, args, why):
     """Rewritten with ``empty_row="dense"``: the output is eager's, explain says the rows
     without a visible selected key are recomputed per call and why no proof held."""
-    c, cap = compiled(fn)
-    with torch.no_grad():
-        out = c(*args)
-        ref = fn(*args)
-    for a, b in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    cap = _compiled_equals_eager(fn, args)
     assert OP in targets(cap, "inference") and aten_bmm_count(cap, "inference") == 0
     recs = attention_records()
     assert len(recs) == 1 and recs[0].rewritten, [r.line() for r in recs]
