@@ -143,7 +143,7 @@ def kernel_rates(shape: str, S: int, K: int, fold: bool, split: dict) -> dict:
 def run(shape: str, S: int, K: int, reps: int, impls, profile: bool = False):
     """{impl: (ms, peak bytes, bitwise repeatable, kernel split or None)} of the backward,
     each impl in this call on the same inputs, and the forward's (ms, peak)."""
-    from hyscale_compile.lowerings.attention_backward import attention_backward
+    from hyscale_compile.lowerings.attention_backward import attention_backward, attention_delta
     from hyscale_compile.lowerings.attention_spec import AttentionSpec
     from hyscale_compile.lowerings.spec import MaskTerm
 
@@ -171,8 +171,9 @@ def run(shape: str, S: int, K: int, reps: int, impls, profile: bool = False):
     saved_cfg = os.environ.get("HYSCALE_ATTN_BWD_CONFIG")
     for impl in impls:
         mode, fold, cfg = parse_impl(impl)
-        bwd = lambda: attention_backward(go, q, k, v, idx, [hi], out, lse, parsed, mode=mode,  # noqa: E731
-                                         fold_v=fold)
+        # (delta timed with the backward: the kernels used to compute it themselves)
+        bwd = lambda: attention_backward(go, q, k, v, idx, [hi], attention_delta(go, out, lse), lse,  # noqa: E731
+                                         parsed, mode=mode, fold_v=fold)
         if cfg:
             os.environ["HYSCALE_ATTN_BWD_CONFIG"] = cfg
         try:
@@ -232,13 +233,12 @@ def inspect_sm90(shapes, dump: str = None, fold: bool = True) -> int:
         v = k[..., :Dv] if view else torch.empty(1, T, Hk, Dv, dtype=bf16)
         idx = torch.zeros(1, S, K, dtype=torch.int64)  # (compiled, not run)
         hi = torch.arange(1, S + 1).view(1, S)
-        out, go = torch.empty(1, S, H, Dv, dtype=bf16), torch.empty(1, S, H, Dv, dtype=bf16)
-        lse = torch.empty(1, S, H)
+        go, lse, delta = torch.empty(1, S, H, Dv, dtype=bf16), torch.empty(1, S, H), torch.empty(1, S, H)
         spec = AttentionSpec(name="bench", post=(("mul", Dq ** -0.5), ("mask", 0)),
                              masks=(MaskTerm(kind="range", hi=0),), out_dtype="bfloat16")
         cfg = default_config(H, Hk, Dq, Dv, v_from_k=view)
         for atomic in (False, True):
-            built = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, atomic=atomic, fold_v=fold,
+            built = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, atomic=atomic, fold_v=fold,
                                               _launcher=lambda kern, args, kw: (kern.__name__, kw.get("FOLD"),
                                                                                 kern.warmup(*args, grid=(1,), **kw)))
             for i, (kname, folded, ck) in enumerate(built):

@@ -193,10 +193,10 @@ def _softmax(y: torch.Tensor) -> torch.Tensor:
     return e / e.sum(-1, keepdim=True)
 
 
-def check_backward_operands(grad_out, q, k, v, idx, out, lse) -> None:
+def check_backward_operands(grad_out, q, k, v, idx, delta, lse) -> None:
     B, S, H, _ = q.shape
     Dv = v.shape[3]
-    for name, t, shape in (("grad_out", grad_out, (B, S, H, Dv)), ("out", out, (B, S, H, Dv)),
+    for name, t, shape in (("grad_out", grad_out, (B, S, H, Dv)), ("delta", delta, (B, S, H)),
                            ("lse", lse, (B, S, H))):
         if tuple(t.shape) != shape:
             raise SpecError(f"sparse_attention_backward: {name} has shape {tuple(t.shape)}; expected {shape}")
@@ -204,6 +204,30 @@ def check_backward_operands(grad_out, q, k, v, idx, out, lse) -> None:
             raise SpecError(f"sparse_attention_backward: {name} is on {t.device}, q on {q.device}")
     if not grad_out.is_floating_point():
         raise SpecError(f"sparse_attention_backward: grad_out has dtype {grad_out.dtype}; expected a float dtype")
+    if delta.dtype != torch.float32:
+        raise SpecError(f"sparse_attention_backward: delta has dtype {delta.dtype}; expected torch.float32 "
+                        "(attention_delta(grad_out, out, lse))")
+
+
+DELTA_CHUNK_BYTES = 256 << 20  # the fp32 product's rows per step of the eager attention_delta
+
+
+def attention_delta(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The softmax backward's correction term the backward op takes, fp32 [B, S, H]:
+    sum_d dO * O over the value features, each factor taken to fp32 from its own dtype, and
+    0 for a head with no visible slot (lse -inf, where O is NaN or 0). The op takes it
+    rather than O so that a compiled backward computes it first (the pass emits these ops
+    in the graph, where Inductor fuses them into one reduction) and O, which nothing later
+    reads, is freed before the op's buffers are allocated. Here (eager callers) in row
+    chunks of ``DELTA_CHUNK_BYTES``: no fp32 copy of O."""
+    B, S, H, Dv = out.shape
+    delta = torch.empty((B, S, H), dtype=torch.float32, device=out.device)
+    step = max(1, DELTA_CHUNK_BYTES // max(1, B * H * Dv * 4))
+    for s0 in range(0, S, step):
+        s1 = min(S, s0 + step)
+        d = (grad_out[:, s0:s1].to(torch.float32) * out[:, s0:s1].to(torch.float32)).sum(-1)
+        delta[:, s0:s1] = torch.where(lse[:, s0:s1] > -float("inf"), d, 0.0)
+    return delta
 
 
 def v_is_view_of_k(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -240,12 +264,13 @@ def _softmax_grad(p: torch.Tensor, dp: torch.Tensor, live: torch.Tensor) -> torc
     return torch.where(p > 0, p * (dp - delta), 0.0)
 
 
-def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionSpec, needs=(True, True, True),
+def attention_backward(grad_out, q, k, v, idx, masks, delta, lse, spec: AttentionSpec, needs=(True, True, True),
                        chunk_bytes: int = None, mode: str = None, fold_v: bool = False):
     """(gq, gk, gv) in the operands' dtypes; an input that needs no gradient gets an empty
-    tensor. On CUDA the Triton kernels unless ``backward_mode(mode)`` is "pytorch" or the spec
-    has a step they do not differentiate; this path does not read ``out`` (delta comes from
-    the fp32 probabilities).
+    tensor. ``delta``: ``attention_delta(grad_out, out, lse)``. On CUDA the Triton kernels
+    unless ``backward_mode(mode)`` is "pytorch" or the spec has a step they do not
+    differentiate; this path does not read ``delta`` (its delta comes from the fp32
+    probabilities, more exactly than from the rounded output).
 
     ``fold_v``, where v is a view of k's first Dv columns (``v_is_view_of_k``) and both
     gradients are asked: gk is the shared storage's whole gradient, k's part plus v's on its
@@ -257,7 +282,7 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
 
     if spec.empty_row == "dense":
         return dense_rows_backward(
-            lambda lse_, spec_: attention_backward(grad_out, q, k, v, idx, masks, out, lse_, spec_, needs, chunk_bytes,
+            lambda lse_, spec_: attention_backward(grad_out, q, k, v, idx, masks, delta, lse_, spec_, needs, chunk_bytes,
                                                    mode, fold_v), grad_out, q, k, v, idx, masks, lse, spec, needs, fold_v)
     if q.device.type == "cuda" and os.environ.get("HYSCALE_KERNEL", "triton") != "reference":
         how = backward_mode(mode, spec)
@@ -265,7 +290,7 @@ def attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec: AttentionS
             from .triton_attention_backward import attention_backward_triton, unsupported
 
             if unsupported(spec) is None:
-                return attention_backward_triton(grad_out, q, k, v, idx, masks, out, lse, spec, needs,
+                return attention_backward_triton(grad_out, q, k, v, idx, masks, delta, lse, spec, needs,
                                                  atomic=how == "atomic", chunk_bytes=chunk_bytes, fold_v=fold_v)
 
     B, S, H, D = q.shape

@@ -2,14 +2,17 @@
 
     hyscale::sparse_attention(q, k, v, idx, masks, spec, return_probs=False)
         -> (out [B,S,H,Dv], lse [B,S,H] fp32, probs [B,S,k] fp32 or empty)
-    hyscale::sparse_attention_backward(grad_out, q, k, v, idx, masks, out, lse, spec,
+    hyscale::sparse_attention_backward(grad_out, q, k, v, idx, masks, delta, lse, spec,
                                        needs_q, needs_k, needs_v) -> (gq, gk, gv)
 
 ``spec`` is a JSON ``AttentionSpec`` (``attention_spec.py``, which also gives the operand
 layouts). ``probs`` is the head-summed probability at each selected slot (the indexer's
 loss reads it). ``sparse_attention`` is differentiable in q, k and v
 (``register_autograd``); in a joint graph the pass inserts the backward op itself, with
-the forward's saved indices and log-sum-exp.
+the forward's saved indices and log-sum-exp. ``delta`` [B,S,H] fp32 is the softmax
+backward's sum_d dO * O (``attention_backward.attention_delta``; the pass emits it as graph
+ops): the backward takes it instead of the output, so the output is freed before the
+backward's buffers are allocated.
 
 Implementations: CPU -> ``attention_reference`` (chunked, no [S, T] tensor); CUDA -> the
 forward kernel of ``triton_attention`` (``HYSCALE_KERNEL=reference``: the reference). The
@@ -89,23 +92,23 @@ def _(q, k, v, idx, masks, spec, return_probs=False):
 
 @torch.library.custom_op(f"{LIB}::sparse_attention_backward", mutates_args=())
 def sparse_attention_backward(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, masks: List[Tensor], out: Tensor, lse: Tensor,
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, masks: List[Tensor], delta: Tensor, lse: Tensor,
     spec: str, needs_q: bool, needs_k: bool, needs_v: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     CALLS["sparse_attention_backward"] += 1
     parsed = _parsed(spec, masks)
     ref.check_attention_operands(q, k, v, idx, masks, parsed)
-    bwd.check_backward_operands(grad_out, q, k, v, idx, out, lse)
+    bwd.check_backward_operands(grad_out, q, k, v, idx, delta, lse)
     # v a view of k (the MLA latent): gk carries both gradients and gv is zeros; its callers
     # (autograd of the view, the MLA pass's d latent = gk[..., :Dv] + gv) add the two
-    return bwd.attention_backward(grad_out, q, k, v, idx, list(masks), out, lse, parsed, (needs_q, needs_k, needs_v),
+    return bwd.attention_backward(grad_out, q, k, v, idx, list(masks), delta, lse, parsed, (needs_q, needs_k, needs_v),
                                   fold_v=True)
 
 
 @sparse_attention_backward.register_fake
-def _(grad_out, q, k, v, idx, masks, out, lse, spec, needs_q, needs_k, needs_v):
+def _(grad_out, q, k, v, idx, masks, delta, lse, spec, needs_q, needs_k, needs_v):
     ref.check_attention_operands(q, k, v, idx, masks, _validated(spec, masks))
-    bwd.check_backward_operands(grad_out, q, k, v, idx, out, lse)
+    bwd.check_backward_operands(grad_out, q, k, v, idx, delta, lse)
     return (q.new_empty(q.shape if needs_q else (0,)), k.new_empty(k.shape if needs_k else (0,)),
             v.new_empty(v.shape if needs_v else (0,)))
 
@@ -122,7 +125,8 @@ def _backward(ctx, grad_out, grad_lse, grad_probs):
     nq, nk, nv = ctx.needs_input_grad[:3]
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    gq, gk, gv = torch.ops.hyscale.sparse_attention_backward(grad_out, q, k, v, idx, masks, out, lse, ctx.spec,
+    delta = bwd.attention_delta(grad_out, out, lse)
+    gq, gk, gv = torch.ops.hyscale.sparse_attention_backward(grad_out, q, k, v, idx, masks, delta, lse, ctx.spec,
                                                             nq, nk, nv)
     # lse and probs are marked non-differentiable: grad_lse and grad_probs are zeros
     rest = len(ctx.needs_input_grad) - 5

@@ -1,6 +1,6 @@
 """The sparse attention's backward on Triton: dQ, and dK / dV reduced per key without atomics.
 
-``attention_backward_triton(grad_out, q, k, v, idx, masks, out, lse, spec)`` gives what
+``attention_backward_triton(grad_out, q, k, v, idx, masks, delta, lse, spec)`` gives what
 ``attention_backward.attention_backward`` gives (its docstring has the math), from two
 generated kernels and the key-major segment sum, per chunk of query rows:
 
@@ -9,7 +9,7 @@ generated kernels and the key-major segment sum, per chunk of query rows:
    per head / GQA: the kv head's G heads, padded to 16), the forward's tiling (dQ' here, or
    at the latent's widths by ``attn_bwd_dq`` from the stored dS', a GEMM over the slots
    with the keys gathered again: ``default_config``):
-       delta = sum_d dO * O (fp32, from the saved output); fp32 operands: sum_j P' dP / sum_j P'
+       delta = sum_d dO * O (fp32, the operand: ``attention_delta``); fp32 operands: sum_j P' dP / sum_j P'
        for each block of BLOCK_N slots:
            y  = post(q . k[t]^T)        the forward's generated ``_post`` (masks identical)
            P' = exp(y - lse)            0 for a head with lse = -inf (no visible slot)
@@ -22,7 +22,9 @@ generated kernels and the key-major segment sum, per chunk of query rows:
    after the loop (to dQ) and in kernel 2 (to P', dS'). delta from O rather than from the
    P . dP sum: that would need every slot's dP before the first dS, a second pass over the
    keys (the FlashAttention kernels use sum dO * O for the same reason); O is the op's output
-   in ``out_dtype``, so delta carries its rounding. With fp32 operands and IEEE dots
+   in ``out_dtype``, so delta carries its rounding. The caller computes it
+   (``attention_delta``, or the pass's graph ops): the op never reads O, which a compiled
+   backward frees before the op's buffers exist. With fp32 operands and IEEE dots
    (``EXACT_DELTA``) the kernel makes that pass (``_bwd_delta``: the keys' and values'
    gathers and two of the loop's three dots again, no stores): O comes from the forward's P,
    whose low bits differ from P' (another dot order, exp(y - lse) against the forward's
@@ -301,7 +303,7 @@ def keys_feature_width(device: torch.device, step: int, K: int, Hk: int, F: int,
     return -(-tiles // passes) * block_f
 
 
-def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tensor], out, lse, spec: AttentionSpec,
+def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tensor], delta, lse, spec: AttentionSpec,
                               needs=(True, True, True), atomic: bool = False, chunk_bytes: int = None,
                               config: Optional[BackwardConfig] = None, fold_v: bool = False, keys_bytes: int = None,
                               _launcher=None):
@@ -320,12 +322,12 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     spec = spec.resolve_operands(masks)
     if spec.empty_row == "dense" and _launcher is None:  # the kernels' rows, then the flagged ones in PyTorch
         return dense_rows_backward(
-            lambda lse_, spec_: attention_backward_triton(grad_out, q, k, v, idx, masks, out, lse_, spec_, needs, atomic,
+            lambda lse_, spec_: attention_backward_triton(grad_out, q, k, v, idx, masks, delta, lse_, spec_, needs, atomic,
                                                           chunk_bytes, config, fold_v, keys_bytes),
             grad_out, q, k, v, idx, masks, lse, spec, needs, fold_v)
     interp = check_interpreter_mode()
     check_attention_operands(q, k, v, idx, masks, spec)
-    check_backward_operands(grad_out, q, k, v, idx, out, lse)
+    check_backward_operands(grad_out, q, k, v, idx, delta, lse)
     reason = unsupported(spec)
     if reason:
         raise SpecError(reason)
@@ -390,7 +392,7 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     nblk = -(-G // cfg.block_h)
     prec_consts = dict(UPCAST=upcast)
     # fp32 operands with IEEE dots: delta from the slots' own P' and dP, a first pass over the
-    # keys (see the module docstring); 16-bit operands and TF32 dots: from O, one pass
+    # keys (see the module docstring); 16-bit operands and TF32 dots: the ``delta`` operand, one pass
     exact_delta = {q.dtype, k.dtype, v.dtype} == {f32} and spec.fp32_precision != "tf32"
     built = []
 
@@ -403,8 +405,8 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     for r0 in range(0, rows, step):
         n = min(rows, r0 + step) - r0
         launch(rows_fn, (n * Hk * nblk,), [
-            q, k, v, idx, out, grad_out, lse, dq_arg, pbuf, gbuf, lbuf, *mask_args,
-            *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *out.stride(), *grad_out.stride(),
+            q, k, v, idx, delta, grad_out, lse, dq_arg, pbuf, gbuf, lbuf, *mask_args,
+            *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *delta.stride(), *grad_out.stride(),
             *lse.stride(), *dq_arg.stride(), r0, S, G, Hk, K, D, Dv],
             dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DA=da, DB=db, DBQ=max(db, 16), BLOCK_DV=block_dv,
                  V_FROM_K=v_from_k, NEED_DQ=bool(fused_dq), PREFETCH_IDX=cfg.prefetch_idx,
@@ -544,12 +546,12 @@ def _bwd_delta(qa, qb, do_c, kbase, vbase, ibase, live, lse_use, b, s, DQK, DV, 
 
 @triton.jit
 def attn_bwd_rows(
-    Q, K, V, IDX, OUT, DO, LSE, DQ, PB, GB, LB,
+    Q, K, V, IDX, DELTA, DO, LSE, DQ, PB, GB, LB,
 {{MASK_ARGS_DEF}}    stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_ib, stride_is, stride_ij,
-    stride_ob, stride_os, stride_oh, stride_od,
+    stride_eb, stride_es, stride_eh,
     stride_gb, stride_gs, stride_gh, stride_gd,
     stride_lb, stride_ls, stride_lh,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
@@ -578,17 +580,15 @@ def attn_bwd_rows(
     gbase = DO + b * stride_gb + s * stride_gs + (hk * G) * stride_gh
     do = tl.load(tl.make_block_ptr(gbase, (G, DV), (stride_gh, stride_gd), (g0, 0), (BLOCK_H, BLOCK_DV), (1, 0)),
                  boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-    obase = OUT + b * stride_ob + s * stride_os + (hk * G) * stride_oh
-    o = tl.load(tl.make_block_ptr(obase, (G, DV), (stride_oh, stride_od), (g0, 0), (BLOCK_H, BLOCK_DV), (1, 0)),
-                boundary_check=(0, 1), padding_option="zero").to(tl.float32)
     lse = tl.load(LSE + b * stride_lb + s * stride_ls + (hk * G + g0 + offs_h) * stride_lh, mask=h_ok,
                   other=float("-inf"))
-    # a head with no visible slot (lse -inf, out NaN) passes nothing: its dO and O read as 0
+    # a head with no visible slot (lse -inf, out NaN) passes nothing: its dO reads as 0
     live = lse > float("-inf")
     lse_use = tl.where(live, lse, 0.0)
     do = tl.where(live[:, None], do, 0.0)
     if not EXACT_DELTA:
-        delta = tl.sum(do * tl.where(live[:, None], o, 0.0), axis=1)
+        delta = tl.load(DELTA + b * stride_eb + s * stride_es + (hk * G + g0 + offs_h) * stride_eh,
+                        mask=h_ok & live, other=0.0)
     do_c = do.to(qa.dtype)
     kbase = K + b * stride_kb + hk * stride_kh
     vbase = V + b * stride_vb + hk * stride_vh

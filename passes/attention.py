@@ -1160,7 +1160,8 @@ def rewrite_attention_backward(graph: fx.Graph, m: AttentionMatch, applied: Appl
         if val(g).dtype != val(applied.out).dtype:
             g = em.call(prims.convert_element_type.default, [g, val(applied.out).dtype])
         needs = [role in by_source for role in ("q", "k", "v")]
-        call = em.call(BACKWARD, [g, applied.q, applied.k, applied.v, applied.idx, applied.masks, applied.out,
+        delta = emit_delta(em, g, applied.out, applied.lse)
+        call = em.call(BACKWARD, [g, applied.q, applied.k, applied.v, applied.idx, applied.masks, delta,
                                   applied.lse, m.spec.to_json(), *needs])
         replace = {}
         canonical = {"q": applied.q, "k": applied.k, "v": applied.v}
@@ -1243,3 +1244,16 @@ def _same_shape(a: fx.Node, b: fx.Node) -> bool:
 
 
 BACKWARD = torch.ops.hyscale.sparse_attention_backward.default
+
+
+def emit_delta(em: Emitter, g: fx.Node, out: fx.Node, lse: fx.Node) -> fx.Node:
+    """``attention_backward.attention_delta`` as graph ops before the backward op: sum_d
+    dO * O in fp32, 0 where lse is -inf. Inductor fuses them into one reduction (no fp32
+    copy of O), and the op's output has no reader after it, so it is freed before the
+    backward op allocates (at 128K tokens the MLA latent's output is 2 GiB a layer)."""
+    f32 = torch.float32
+
+    def up(x):
+        return x if val(x).dtype == f32 else em.call(prims.convert_element_type.default, [x, f32])
+    d = em.call(aten.sum.dim_IntList, [em.call(aten.mul.Tensor, [up(g), up(out)]), [-1]])
+    return em.call(aten.where.ScalarOther, [em.call(aten.gt.Scalar, [lse, -math.inf]), d, 0.0])

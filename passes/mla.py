@@ -618,6 +618,7 @@ def rewrite_backward(graph: fx.Graph, m, applied) -> str:
     attention per head."""
     from ..lowerings import attention_ops  # noqa: F401
     from . import sdpa
+    from .attention import emit_delta
     from .rewrite import Emitter
     from .sparse_backward import KeepDense, _invert_views, _same_shape
 
@@ -654,8 +655,10 @@ def rewrite_backward(graph: fx.Graph, m, applied) -> str:
         oh, gh2 = _common_dtype(em, ab.out_heads, gh)
         d_wv = em.call(aten.bmm.default, [em.call(aten.permute.default, [oh, [0, 2, 1]]), gh2])  # [H, R, Dv]
         d_ol = cast(_from_heads(em, d_ol, H, B, S), ab.out_lat)
+        # (after d_wv, the output's other reader: it is freed before the op's buffers exist)
+        delta = emit_delta(em, d_ol, ab.out_lat, applied.lse)
         call = em.call(torch.ops.hyscale.sparse_attention_backward.default,
-                       [d_ol, ab.q, ab.k, ab.v, applied.idx, applied.masks, ab.out_lat, applied.lse, spec,
+                       [d_ol, ab.q, ab.k, ab.v, applied.idx, applied.masks, delta, applied.lse, spec,
                         True, True, True])
         gq, gk, gv = (em.call(operator.getitem, [call, i]) for i in range(3))
         # the latent is the key and (a view of it) the value

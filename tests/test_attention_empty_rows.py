@@ -268,7 +268,7 @@ def test_cuda_graph_capture_recomputes_every_block():
 def test_triton_wrappers_recompute_the_same_rows(replaces):
     """The launch wrappers (forward and backward) under TRITON_INTERPRET=1: the kernels' rows
     with the flagged ones recomputed around them, as the CPU path."""
-    from hyscale_compile.lowerings.attention_backward import attention_backward
+    from hyscale_compile.lowerings.attention_backward import attention_backward, attention_delta
     from hyscale_compile.lowerings.triton_attention import sparse_attention_triton
     from hyscale_compile.lowerings.triton_attention_backward import attention_backward_triton
 
@@ -280,8 +280,9 @@ def test_triton_wrappers_recompute_the_same_rows(replaces):
     for a, b in zip((out, lse, probs), ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     go = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
-    got = attention_backward_triton(go, q, k, v, idx, [amask], out, lse, spec)
-    want = attention_backward(go, q, k, v, idx, [amask], out, lse, spec)
+    delta = attention_delta(go, out, lse)
+    got = attention_backward_triton(go, q, k, v, idx, [amask], delta, lse, spec)
+    want = attention_backward(go, q, k, v, idx, [amask], delta, lse, spec)
     assert flagged_rows(lse, spec).any()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -354,10 +354,11 @@ def test_empty_row_zero_backward_kernel_path(monkeypatch):
                torch.randn(B, T, 2, DV, generator=gen))
     out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, ops, spec.to_json())
     go = torch.randn(out.shape, generator=gen)
-    want = ab.attention_backward(go, q, k, v, idx, ops, out, lse, spec)
+    delta = ab.attention_delta(go, out, lse)
+    want = ab.attention_backward(go, q, k, v, idx, ops, delta, lse, spec)
     seg = ab.segment_sum_
     monkeypatch.setattr(ab, "segment_sum_", lambda o, kk, src, use_kernel=None: seg(o, kk, src, use_kernel=True))
-    got = ab.attention_backward(go, q, k, v, idx, ops, out, lse, spec)
+    got = ab.attention_backward(go, q, k, v, idx, ops, delta, lse, spec)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert (got[0][0, 2] == 0).all() and (got[0][1, 5] == 0).all()
 
@@ -421,9 +422,10 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.hyscale.sparse_attention.default, (q, k, v, idx, ops, spec, probs))
     out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, ops, spec)
     go = torch.randn_like(out)
+    delta = ab.attention_delta(go, out.detach(), lse)
     for needs in ((True, True, True), (False, True, False)):
         torch.library.opcheck(torch.ops.hyscale.sparse_attention_backward.default,
-                              (go, q.detach(), k.detach(), v.detach(), idx, ops, out.detach(), lse, spec, *needs))
+                              (go, q.detach(), k.detach(), v.detach(), idx, ops, delta, lse, spec, *needs))
 
 
 # ---------------------------------------------------------------------------------------
@@ -479,7 +481,8 @@ def _backward_bits(device, S_, T_, K_, H, Hk, Dq, Dv, chunk_bytes=None, seed=0):
     spec = AttentionSpec(post=(("mul", Dq ** -0.5), ("mask", 0)), masks=(MaskTerm(kind="range", hi=0),))
     out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json())
     go = torch.randn(out.shape, generator=gen).to(device)
-    return ab.attention_backward(go, q, k, v, idx, [hi], out, lse, spec, chunk_bytes=chunk_bytes)
+    return ab.attention_backward(go, q, k, v, idx, [hi], ab.attention_delta(go, out, lse), lse, spec,
+                                 chunk_bytes=chunk_bytes)
 
 
 def test_backward_bitwise_reproducible_cpu():
@@ -584,9 +587,11 @@ def test_bad_input_names_the_problem(name):
 def test_bad_backward_input_names_the_problem():
     a = _good()
     out, lse, _ = torch.ops.hyscale.sparse_attention(a["q"], a["k"], a["v"], a["idx"], a["masks"], a["spec"])
-    args = [torch.randn_like(out), a["q"], a["k"], a["v"], a["idx"], a["masks"], out, lse, a["spec"], True, True, True]
+    go = torch.randn_like(out)
+    delta = ab.attention_delta(go, out, lse)
+    args = [go, a["q"], a["k"], a["v"], a["idx"], a["masks"], delta, lse, a["spec"], True, True, True]
     for i, bad, msg in [(0, torch.randn(B, S, 4, DV + 1), "grad_out has shape"), (7, lse[..., :1], "lse has shape"),
-                        (6, out[:1], "out has shape")]:
+                        (6, out, "delta has shape"), (6, delta.double(), "delta has dtype")]:
         bad_args = list(args)
         bad_args[i] = bad
         with pytest.raises(SpecError, match=msg):

@@ -121,7 +121,8 @@ def check(q, k, v, idx, masks, spec, seed, atomic=False, config=None, fold_v=Fal
         out, lse, _ = R.attention_forward(q, k, v, idx, masks, spec)
     g = torch.Generator().manual_seed(seed + 7)
     go = torch.randn(out.shape, generator=g).to(out.dtype).to(out.device)
-    got = attention_backward_triton(go, q, k, v, idx, masks, out, lse, spec, atomic=atomic, config=config,
+    delta = bwd.attention_delta(go, out, lse)
+    got = attention_backward_triton(go, q, k, v, idx, masks, delta, lse, spec, atomic=atomic, config=config,
                                     fold_v=fold_v)
     orig = dense_grads(go, q, k, v, idx, masks, spec, fold_v=fold_v)
     ref = grads64(go, q, k, v, idx, masks, spec)
@@ -253,8 +254,9 @@ def test_deterministic_repeats_and_ignores_the_chunking():
     hi = _causal(B, S, T)
     spec = _spec(D, torch.float32, [MaskTerm(kind="range", hi=0)])
     first, (go, out, lse) = check(q, k, v, idx, [hi], spec, seed)
-    again = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec)
-    one_row = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, chunk_bytes=1)  # a row per chunk
+    delta = bwd.attention_delta(go, out, lse)
+    again = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec)
+    one_row = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, chunk_bytes=1)  # a row per chunk
     for a, b, c in zip(first, again, one_row):
         assert torch.equal(a, b) and torch.equal(a, c)
 
@@ -282,15 +284,16 @@ def test_fold_repeats_ignores_the_chunking_and_leaves_other_operands_alone():
     hi = _causal(B, S, T)
     spec = _spec(D, torch.float32, [MaskTerm(kind="range", hi=0)])
     first, (go, out, lse) = check(q, k, v, idx, [hi], spec, seed, fold_v=True)
-    again = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=True)
-    one_row = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, chunk_bytes=1, fold_v=True)
+    delta = bwd.attention_delta(go, out, lse)
+    again = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True)
+    one_row = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, chunk_bytes=1, fold_v=True)
     for a, b, c in zip(first, again, one_row):
         assert torch.equal(a, b) and torch.equal(a, c)
     # v a copy of k's columns (not a view), or only one of the two gradients asked: no fold
-    plain = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec)
-    copy = attention_backward_triton(go, q, k, v.clone(), idx, [hi], out, lse, spec, fold_v=True)
+    plain = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec)
+    copy = attention_backward_triton(go, q, k, v.clone(), idx, [hi], delta, lse, spec, fold_v=True)
     assert all(torch.equal(a, b) for a, b in zip(plain, copy))
-    only_k = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, needs=(False, True, False),
+    only_k = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, needs=(False, True, False),
                                        fold_v=True)
     assert torch.equal(only_k[1], plain[1]) and only_k[2].numel() == 0
 
@@ -306,12 +309,13 @@ def test_op_folds_the_value_view_and_autograd_sums_the_same():
     spec = _spec(D, torch.float32, [MaskTerm(kind="range", hi=0)])
     out, lse, _ = R.attention_forward(q, k, v, idx, [hi], spec)
     go = torch.randn(out.shape, generator=g)
+    delta = bwd.attention_delta(go, out, lse)
     op = torch.ops.hyscale.sparse_attention_backward
-    gq, gk, gv = op(go, q, k, v, idx, [hi], out, lse, spec.to_json(), True, True, True)
-    sq, sk, sv = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec)
+    gq, gk, gv = op(go, q, k, v, idx, [hi], delta, lse, spec.to_json(), True, True, True)
+    sq, sk, sv = bwd.attention_backward(go, q, k, v, idx, [hi], delta, lse, spec)
     assert torch.equal(gq, sq) and torch.equal(gv, torch.zeros_like(sv)) and sv.abs().sum() > 0
     assert torch.equal(gk, folded(sk, sv))  # (fp32: the same two sums, added once)
-    apart = op(go, q, k, v.clone(), idx, [hi], out, lse, spec.to_json(), True, True, True)
+    apart = op(go, q, k, v.clone(), idx, [hi], delta, lse, spec.to_json(), True, True, True)
     assert all(torch.equal(a, b) for a, b in zip(apart, (sq, sk, sv)))
     # autograd through the forward op: k's gradient is the same sum
     kl = k.clone().requires_grad_()
@@ -343,9 +347,10 @@ def test_grid_order_and_index_prefetch_keep_the_bits():
     base = default_config(H, Hk, D, Dv, interpret=True)
     got, (go, out, lse) = check(q, k, v, idx, [hi], spec, seed, config=dataclasses.replace(base, prefetch_idx=True),
                                 fold_v=True)
+    delta = bwd.attention_delta(go, out, lse)
     for fold in (True, False):
         for fused in (True, False):
-            runs = [attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=fold,
+            runs = [attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=fold,
                                               config=dataclasses.replace(base, f_first=ff, prefetch_idx=pf,
                                                                          fused_dq=fused, runs_grid=rg))
                     for ff in (True, False) for pf in (True, False) for rg in (True, False)]
@@ -402,9 +407,10 @@ def test_needs_subsets():
     spec = _spec(D, torch.float32, [MaskTerm(kind="range", hi=0)])
     out, lse, _ = R.attention_forward(q, k, v, idx, [hi], spec)
     go = torch.randn_like(out)
-    full = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec)
+    delta = bwd.attention_delta(go, out, lse)
+    full = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec)
     for needs in ((True, False, False), (False, True, False), (False, False, True)):
-        part = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, needs=needs)
+        part = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, needs=needs)
         for need, a, b in zip(needs, part, full):
             assert torch.equal(a, b) if need else a.numel() == 0
 
@@ -416,7 +422,7 @@ def test_unsupported_steps_name_the_step():
     q, k, v, idx, _ = _inputs(0, 1, 2, 8, 2, 1, 16, 16, 4)
     out, lse, _ = R.attention_forward(q, k, v, idx, [], spec)
     with pytest.raises(SpecError, match="relu"):
-        attention_backward_triton(torch.ones_like(out), q, k, v, idx, [], out, lse, spec)
+        attention_backward_triton(torch.ones_like(out), q, k, v, idx, [], torch.zeros_like(lse), lse, spec)
 
 
 def test_backward_mode_names_the_problem(monkeypatch):
@@ -490,8 +496,9 @@ for Hk, D, Dv in ((1, 576, 512), (H, 64, 64)):
     spec = AttentionSpec(post=(("mul", D ** -0.5),), out_dtype="bfloat16")
     out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, [], spec.to_json())
     go = torch.randn_like(out)
+    delta = bwd.attention_delta(go, out, lse)
     for _ in range(reps):
-        g = torch.ops.hyscale.sparse_attention_backward(go, q, k, v, idx, [], out, lse, spec.to_json(), True, True,
+        g = torch.ops.hyscale.sparse_attention_backward(go, q, k, v, idx, [], delta, lse, spec.to_json(), True, True,
                                                         True)
         h = hashlib.sha256()
         for t in g:
@@ -530,10 +537,11 @@ def test_gpu_bf16_gradients_match_float64(shape):
     spec = _spec(D, torch.bfloat16, [MaskTerm(kind="range", hi=0)])
     out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json())
     go = torch.randn_like(out)
-    orig = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec, mode="pytorch")
+    delta = bwd.attention_delta(go, out, lse)
+    orig = bwd.attention_backward(go, q, k, v, idx, [hi], delta, lse, spec, mode="pytorch")
     ref = grads64(go, q, k, v, idx, [hi], spec)
     for mode in ("deterministic", "atomic"):
-        got = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec, mode=mode)
+        got = bwd.attention_backward(go, q, k, v, idx, [hi], delta, lse, spec, mode=mode)
         for name, x, o, r in zip(("gq", "gk", "gv"), got, orig, ref):
             assert_consumer_close(x, o, r, torch.bfloat16, what=f"{name} ({mode})")
 
@@ -554,11 +562,12 @@ def test_gpu_bf16_folded_latent_gradient_matches_float64(H):
     spec = _spec(D, torch.bfloat16, [MaskTerm(kind="range", hi=0)])
     out, lse, _ = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json())
     go = torch.randn_like(out)
-    orig = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec, mode="pytorch", fold_v=True)
+    delta = bwd.attention_delta(go, out, lse)
+    orig = bwd.attention_backward(go, q, k, v, idx, [hi], delta, lse, spec, mode="pytorch", fold_v=True)
     r = grads64(go, q, k, v, idx, [hi], spec)
     ref = (r[0], folded(r[1], r[2]))
     for mode in ("deterministic", "atomic"):
-        got = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec, mode=mode, fold_v=True)
+        got = bwd.attention_backward(go, q, k, v, idx, [hi], delta, lse, spec, mode=mode, fold_v=True)
         assert torch.equal(got[2], torch.zeros_like(v))
         for name, x, o, want in zip(("gq", "gk"), got, orig, ref):
             assert_consumer_close(x, o, want.to(x.device), torch.bfloat16, what=f"{name} ({mode}, folded)")
@@ -585,8 +594,9 @@ def test_gpu_key_side_passes_keep_the_bits_at_the_latent():
     H, Hk, D, Dv = 16, 1, 576, 512
     S, K = 160, 256
     q, k, v, idx, hi, spec, out, lse, go = _latent_case_cuda("bwd gpu key passes", H, S, K)
+    delta = bwd.attention_delta(go, out, lse)
     chunk = 48 * (K * (4 * D + 2 * H * 2 + 16) + 4 * H)
-    runs = [attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=True, chunk_bytes=chunk,
+    runs = [attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True, chunk_bytes=chunk,
                                       keys_bytes=kb) for kb in (1 << 40, 4 * 48 * K * 192, 1)]
     for r in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], r))
@@ -599,16 +609,17 @@ def test_gpu_grid_order_prefetch_and_run_grid_keep_the_bits():
     # no bits; the pipelined kernel-1 configuration (16-slot tiles, 3 stages) is within the rule
     H, Hk, D, Dv = 128, 1, 576, 512
     q, k, v, idx, hi, spec, out, lse, go = _latent_case_cuda("bwd gpu configs", H, 96, 256)
+    delta = bwd.attention_delta(go, out, lse)
     base = default_config(H, Hk, D, Dv)
     for fold in (True, False):
-        want = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=fold, config=base)
+        want = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=fold, config=base)
         for change in (dict(f_first=False), dict(runs_grid=False), dict(prefetch_idx=True)):
-            got = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=fold,
+            got = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=fold,
                                             config=dataclasses.replace(base, **change))
             assert all(torch.equal(a, b) for a, b in zip(got, want)), (fold, change)
     piped = dataclasses.replace(base, block_n=16, num_stages=3, prefetch_idx=True)
-    got = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=True, config=piped)
-    orig = bwd.attention_backward(go, q, k, v, idx, [hi], out, lse, spec, mode="pytorch", fold_v=True)
+    got = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True, config=piped)
+    orig = bwd.attention_backward(go, q, k, v, idx, [hi], delta, lse, spec, mode="pytorch", fold_v=True)
     r = grads64(go, q, k, v, idx, [hi], spec)
     for name, x, o, want in zip(("gq", "gk"), got, orig, (r[0], folded(r[1], r[2]))):
         assert_consumer_close(x, o, want.to(x.device), torch.bfloat16, what=f"{name} (pipelined kernel 1)")
@@ -655,13 +666,14 @@ def test_key_side_passes_keep_the_bits_and_bound_the_buffer():
         spec = _spec(D, torch.float32, [MaskTerm(kind="range", hi=0)])
         out, lse, _ = R.attention_forward(q, k, v, idx, [hi], spec)
         go = torch.randn(out.shape, generator=g)
-        one = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=fold)
+        delta = bwd.attention_delta(go, out, lse)
+        one = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=fold)
         for keys_bytes, width in ((1, 16), (4 * Hk * B * S * K * 32, 32)):
             assert keys_feature_width(q.device, B * S, K, Hk, D, 16, keys_bytes) == min(width, D)
             mode = Empties()
             mode.flat = []
             with mode:
-                got = attention_backward_triton(go, q, k, v, idx, [hi], out, lse, spec, fold_v=fold,
+                got = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=fold,
                                                 keys_bytes=keys_bytes)
             assert all(torch.equal(a, b) for a, b in zip(one, got)), (form, fold, keys_bytes)
             assert mode.flat == [Hk * B * S * K * min(width, D)], mode.flat
