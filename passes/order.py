@@ -18,7 +18,8 @@ whose top-k-derived operands have the same row map (so that each row is combined
 itself), casts, views that keep the k axis whole, unsqueeze / expand / permute / select /
 slice / squeeze, a gather at the indices, reductions over axes the order does not vary
 along. The question ends at uses whose result cannot depend on the order: a scatter of a
-constant (or of values paired with indices that cannot repeat), integer max / min / sum /
+constant (or of values paired with indices that cannot repeat), a scatter_reduce "amax" /
+"amin" of constants without -0.0 or NaN (Megatron's row-chunked index mask), integer max / min / sum /
 any / all over k, the values of a sort of the indices, the indices operand of
 ``hyscale.sparse_attention`` (which reads each row as a set of keys, in any deterministic
 order: passes/attention.py keeps the selection unsorted behind it). Anything else (a graph output, a
@@ -122,6 +123,47 @@ def _dims(arg, rank: int) -> List[int]:
     return sorted(d % rank for d in arg) if rank else []
 
 
+def _constant_value(n):
+    """The one value of a constant (a Python number or a constant fill), else None."""
+    if isinstance(n, (int, float, bool)):
+        return n
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in (
+            aten.expand.default, *_SAME_AXES, *_VIEWS):
+        n = n.args[0]
+    if not (isinstance(n, fx.Node) and n.op == "call_function"):
+        return None
+    t = n.target
+    if t in (aten.zeros.default, aten.zeros_like.default):
+        return 0
+    if t in (aten.ones.default, aten.ones_like.default):
+        return 1
+    if t is aten.scalar_tensor.default:
+        return n.args[0]
+    if t in (aten.full.default, aten.full_like.default):
+        return n.args[1]
+    return None
+
+
+def _exact_extremes(src) -> bool:
+    """Every value of ``src`` is one whose max / min against the others cannot depend on the
+    order: an integer or bool tensor, or values drawn from float constants (a constant fill,
+    or a ``where`` between two such) none of which is -0.0 or NaN."""
+    v = val(src) if isinstance(src, fx.Node) else None
+    if isinstance(v, torch.Tensor) and not v.dtype.is_floating_point and not v.dtype.is_complex:
+        return True
+
+    def exact(c) -> bool:
+        c = _constant_value(c)
+        return isinstance(c, (int, float, bool)) and not math.isnan(c) and not (c == 0 and math.copysign(1, c) < 0)
+    while isinstance(src, fx.Node) and src.op == "call_function" and src.target in (
+            aten.expand.default, *_SAME_AXES, *_VIEWS):
+        src = src.args[0]
+    if isinstance(src, fx.Node) and src.op == "call_function" and src.target in (
+            aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar):
+        return exact(src.args[1]) and exact(src.args[2])
+    return exact(src)
+
+
 def _is_constant_fill(n) -> bool:
     """A tensor with one value everywhere (so any permutation of it is itself)."""
     while isinstance(n, fx.Node) and n.op == "call_function" and n.target in (
@@ -171,6 +213,8 @@ class _Walk:
         self.rows: Dict[fx.Node, RowMap] = {}
         self.distinct: set = set()
         self.sinks: List[str] = []
+        # (tensor, its use): inputs that may depend on the top-k only through order-free uses
+        self.order_free_inputs: List[Tuple[fx.Node, fx.Node]] = []
         self.reach: set = set()
         self.work = collections.deque()
         stack = [topk]
@@ -275,6 +319,8 @@ class _Walk:
             return self.add(u, r.with_axes([K_AXIS if i == d else FREE for i in range(len(us))]))
         if t in (aten.scatter.value, aten.scatter.src):
             return self._scatter(x, u)
+        if t is aten.scatter_reduce.two:
+            return self._scatter_extreme(x, u)
         if t is _sparse_attention():
             return self._attention_indices(x, u)
         if t in _MAXMIN or t in _SUMS:
@@ -415,6 +461,35 @@ class _Walk:
             raise _OrderRead(f"{_name(u)} (indices whose rows are not the top-k's rows)")
         self.sinks.append(_name(u))
 
+    def _scatter_extreme(self, x: fx.Node, u: fx.Node) -> None:
+        # scatter_reduce(self, dim, index, src, "amax" | "amin"): out[..., t] = the extreme of
+        # self's value and every src[i] with index[i] = t. The extreme of a multiset does not
+        # depend on the order it is met in, repeats included (Megatron clamps its indices), except
+        # between values that compare equal with other bits (+0.0 / -0.0, NaNs): so src takes
+        # its values from constants that are neither (``_exact_extremes``), and where it varies
+        # it is permuted with the index. ``self`` may come from the top-k through uses that are
+        # themselves order-free (the previous row chunk's scatter): checked after the walk.
+        self_, dim, index, src, reduce = u.args[:5]
+        if reduce not in ("amax", "amin"):
+            raise _OrderRead(f"{_name(u)} (reduce={reduce!r})")
+        if x is not index and x is not src:
+            raise _OrderRead(_name(u))
+        ri = self.rows_of(index)
+        if ri is None:
+            raise _OrderRead(f"{_name(u)} (at indices that do not come from the top-k)")
+        if dim % len(_shape(u)) != ri.k:
+            raise _OrderRead(f"{_name(u)} (along another axis)")
+        if not _exact_extremes(src):
+            raise _OrderRead(f"{_name(u)} (of values whose {reduce} can depend on the order: not constants "
+                             "without -0.0 and NaN)")
+        if not _is_constant_fill(src):
+            rs = self.rows_of(src)
+            if rs is None or not rs.same_rows(ri) or _shape(src) != _shape(index):
+                raise _OrderRead(f"{_name(u)} (of values that vary along k, not with the indices)")
+        if self_ in self.reach:
+            self.order_free_inputs.append((self_, u))
+        self.sinks.append(_name(u))
+
     def _scatter(self, x: fx.Node, u: fx.Node) -> None:
         # scatter(self, dim, index, value|src): out[..., index[i]] = src[i]. Permuting i
         # changes nothing when every src[i] is the same, or when src is permuted with the
@@ -450,6 +525,11 @@ def order_unread(topk: fx.Node, dim: int) -> Tuple[bool, str]:
                 raise _OrderRead(_name(g))
             w.add(g, identity, distinct=g.args[1] == 1)
         w.run()
+        # every use of a tensor holding the order was followed, so one reached from the top-k
+        # without a row map depends on it only through order-free uses
+        for x, u in w.order_free_inputs:
+            if x in w.rows:
+                raise _OrderRead(f"{_name(u)} (into a tensor that holds the top-k's order)")
     except _OrderRead as e:
         return False, str(e)
     if not w.sinks:

@@ -547,11 +547,12 @@ def run_megatron_absorbed(mask, chunk, grad):
     with recorded_selections() as calls, torch.set_grad_enabled(grad):
         out = c(*args)
     recs = selection_consumers(diagnostics.attention_records())
+    selections = [x.line() for x in diagnostics.records()]
     go = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
     grads = torch.autograd.grad(out, args[2:], go) if grad else ()  # (outside the recording: no re-selection)
     torch._dynamo.reset()
     _RUNS[key_] = dict(M=M, args=args, cap=cap, calls=calls, out=out.detach(), grads=grads, go=go, grad=grad,
-                       records=recs, mask=mask, chunk=chunk)
+                       records=recs, selections=selections, mask=mask, chunk=chunk)
     return _RUNS[key_]
 
 
@@ -574,6 +575,9 @@ def test_megatron_absorbed_explain(mask, chunk, grad):
     assert f"index mask built in {rows} (" in ln and "scatter_reduce ('amax') of where(idx >= 0, 0.0, -inf)" in ln, ln
     assert "at clamp_min(idx, 0)" in ln and "folded into one scatter of 0.0" in ln, ln
     assert x.backward == ("sparse" if grad else ""), ln
+    # the chunked scatter_reduce ('amax') of two constants reads no order: the selection skips its sort
+    (sel,) = r["selections"]
+    assert "(unsorted: nothing reads the order; its uses end in aten.scatter_reduce.two)" in sel, sel
 
 
 def _padded(idx, S):

@@ -105,8 +105,19 @@ def _values_scattered_with_indices(q, k, w):  # a sparse copy of the selected sc
     return torch.zeros_like(s).scatter(-1, idx, vals.clamp(min=-1e4)), (vals > 0).sum(-1)
 
 
+def _chunked_amax_scatter(q, k, w):  # Megatron's absorbed form: its index mask built per row chunk
+    s = _scores(q, k, w)
+    idx = s.topk(K, dim=-1).indices
+    mask = torch.full_like(s, -math.inf)
+    for s0 in range(0, s.shape[1], 4):
+        i = idx[:, s0:s0 + 4]
+        mask[:, s0:s0 + 4].scatter_reduce_(-1, i.clamp_min(0), torch.where(i >= 0, 0.0, -math.inf), "amax",
+                                           include_self=True)
+    return s.detach() + mask
+
+
 @pytest.mark.parametrize("fn", [_bool_scatter, _inf_scatter_minus_one, _src_scatter_and_int_reductions,
-                                _values_scattered_with_indices])
+                                _values_scattered_with_indices, _chunked_amax_scatter])
 def test_order_unread_drops_the_sort_and_keeps_the_bits(fn):
     seed = fresh_seed(fn.__name__)
     args = _inputs(seed)
@@ -208,6 +219,25 @@ def _squeeze_of_a_long_axis(q, k, w):  # squeeze(1) of an axis longer than 1 doe
     return torch.zeros(i.shape[0], s.shape[-1], K).scatter(1, i.squeeze(1), 1.0)
 
 
+def _amax_scatter_of_signed_zeros(q, k, w):  # amax(+0.0, -0.0): whichever comes first
+    s = _scores(q, k, w)
+    i = s.topk(K, dim=-1).indices
+    return torch.full_like(s, -1.0).scatter_reduce(-1, i % 3, torch.where(i % 2 == 0, 0.0, -0.0), "amax")
+
+
+def _amax_scatter_of_varying_values(q, k, w):  # values not permuted with the indices
+    s = _scores(q, k, w)
+    i = s.topk(K, dim=-1).indices
+    alternating = torch.where(torch.arange(K) % 2 == 0, 1.0, 2.0)
+    return torch.zeros_like(s).scatter_reduce(-1, i, alternating.expand(i.shape).contiguous(), "amax")
+
+
+def _sum_scatter_reduce(q, k, w):  # a float sum in pick order
+    s = _scores(q, k, w)
+    v, i = s.topk(K, dim=-1)
+    return torch.zeros_like(s).scatter_reduce(-1, i % 3, v.clamp(min=-1e4), "sum")
+
+
 def _int_sum_in_float(q, k, w):
     i = _scores(q, k, w).topk(K, dim=-1).indices
     return ((i + 1) * 16777217).sum(-1, dtype=torch.float32)
@@ -217,7 +247,8 @@ def _int_sum_in_float(q, k, w):
                                 _argmax_position, _scatter_values_repeated_indices, _plus_position, _cumsum,
                                 _flattened_k, _same_picks_as_previous_query, _two_selected_rows, _row_broadcast,
                                 _reduce_over_queries_first, _scatter_at_mixed_rows, _scatter_values_of_another_row,
-                                _scatter_values_at_lossy_cast, _squeeze_of_a_long_axis, _int_sum_in_float])
+                                _scatter_values_at_lossy_cast, _squeeze_of_a_long_axis, _int_sum_in_float,
+                                _amax_scatter_of_signed_zeros, _amax_scatter_of_varying_values, _sum_scatter_reduce])
 def test_order_read_keeps_the_sort(fn):
     args = _inputs(fresh_seed(fn.__name__))
     site = _site(fn, args)
@@ -240,7 +271,10 @@ def test_order_unread_names_the_op_that_reads():
                        (_argmax_position, "aten.max.dim's positions"), (_cumsum, "aten.cumsum"),
                        (_plus_position, "(with an operand that varies along k)"),
                        (_scatter_values_repeated_indices, "(of values that vary along k)"),
-                       (_float_max_of_values, "(of floats over k")]:
+                       (_float_max_of_values, "(of floats over k"),
+                       (_amax_scatter_of_signed_zeros, "(of values whose amax can depend on the order"),
+                       (_amax_scatter_of_varying_values, "(of values that vary along k, not with the indices)"),
+                       (_sum_scatter_reduce, "(reduce='sum')")]:
         unread, why = order_unread(topk_of(fn), 2)
         assert not unread and reader in why, (fn.__name__, why)
     assert order_unread(topk_of(_inf_scatter_minus_one), 2) == (True, "aten.scatter.value")
