@@ -514,6 +514,21 @@ def _bwd_scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MA
 
 
 @triton.jit
+def _bwd_dp(do_c, vbase, t, slot_ok, ka, DV, stride_vt, stride_vd, BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr,
+            UPCAST: tl.constexpr):
+    # dP = dO . v[t]^T [BLOCK_H, BLOCK_N] for a tile of slots t (``ka``: its key tile)
+    if V_FROM_K:
+        vt = ka  # v is a view of k's first columns: the tile already on chip
+    else:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        vt = tl.load(vbase + t[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
+                     mask=slot_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        if UPCAST:
+            vt = vt.to(tl.float32)
+    return tl.dot(do_c, tl.trans(vt), input_precision="{{PRECISION}}", out_dtype=tl.float32)
+
+
+@triton.jit
 def _bwd_delta(qa, qb, do_c, kbase, vbase, ibase, live, lse_use, b, s, DQK, DV, TOPK, stride_kt, stride_kd,
                stride_vt, stride_vd, stride_ij, {{MASK_PARAMS}}BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                DA: tl.constexpr, DB: tl.constexpr, BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr,
@@ -521,7 +536,6 @@ def _bwd_delta(qa, qb, do_c, kbase, vbase, ibase, live, lse_use, b, s, DQK, DV, 
     # delta = sum_j P'_j dP_j / sum_j P'_j [BLOCK_H]: a pass over the slots with the main
     # loop's own P' and dP (the same tiles and ops, so the same bits)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_dv = tl.arange(0, BLOCK_DV)
     num = tl.zeros([BLOCK_H], dtype=tl.float32)
     den = tl.zeros([BLOCK_H], dtype=tl.float32)
     for n0 in range(0, TOPK, BLOCK_N):
@@ -531,14 +545,7 @@ def _bwd_delta(qa, qb, do_c, kbase, vbase, ibase, live, lse_use, b, s, DQK, DV, 
         y, ka, kb = _bwd_scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
                                 BLOCK_N, DA, DB, UPCAST)
         p = tl.where(live[:, None], tl.exp(y - lse_use[:, None]), 0.0)
-        if V_FROM_K:
-            vt = ka
-        else:
-            vt = tl.load(vbase + t[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-                         mask=slot_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-            if UPCAST:
-                vt = vt.to(tl.float32)
-        dp = tl.dot(do_c, tl.trans(vt), input_precision="{{PRECISION}}", out_dtype=tl.float32)
+        dp = _bwd_dp(do_c, vbase, t, slot_ok, ka, DV, stride_vt, stride_vd, BLOCK_DV, V_FROM_K, UPCAST)
         num += tl.sum(tl.where(p > 0.0, p * dp, 0.0), axis=1)
         den += tl.sum(p, axis=1)
     return tl.where(live, tl.div_rn(num, tl.where(live, den, 1.0)), 0.0)
@@ -573,7 +580,6 @@ def attn_bwd_rows(
     g0 = ((pid % nblk) * BLOCK_H).to(tl.int32)
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_dv = tl.arange(0, BLOCK_DV)
     h_ok = g0 + offs_h < G
 {{ROW_BOUNDS}}
     qa, qb = _load_q(Q, b, s, hk, g0, G, DQK, stride_qb, stride_qs, stride_qh, stride_qd, BLOCK_H, DA, DB, UPCAST)
@@ -616,14 +622,7 @@ def attn_bwd_rows(
                                 BLOCK_N, DA, DB, UPCAST)
         p = tl.where(live[:, None], tl.exp(y - lse_use[:, None]), 0.0)
         lsum += tl.sum(p, axis=1)
-        if V_FROM_K:
-            vt = ka  # v is a view of k's first columns: the tile already on chip
-        else:
-            vt = tl.load(vbase + t[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-                         mask=slot_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-            if UPCAST:
-                vt = vt.to(tl.float32)
-        dp = tl.dot(do_c, tl.trans(vt), input_precision="{{PRECISION}}", out_dtype=tl.float32)
+        dp = _bwd_dp(do_c, vbase, t, slot_ok, ka, DV, stride_vt, stride_vd, BLOCK_DV, V_FROM_K, UPCAST)
         g = tl.where(p > 0.0, p * (dp - delta[:, None]), 0.0)
         g = _post_grad(g, t, slot_ok, b, s, {{MASK_PARAMS}})
         ok = h_ok[:, None] & slot_ok[None, :]
