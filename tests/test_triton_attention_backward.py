@@ -428,7 +428,7 @@ def test_run_time_scale_runs_the_kernels():
     spec = AttentionSpec(post=(("mul_operand", 1), ("mask", 0)), masks=(term,), out_dtype="float32")
     const = AttentionSpec(post=(("mul", float(scale)), ("mask", 0)), masks=(term,), out_dtype="float32")
     assert unsupported(spec) is None
-    out, lse, _ = R.attention_forward(q, k, v, idx, [hi, scale], spec)
+    out, lse, _ = R.attention_forward(q, k, v, idx, [hi], const)
     go = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
     delta = bwd.attention_delta(go, out, lse)
     got = attention_backward_triton(go, q, k, v, idx, [hi, scale], delta, lse, spec)
