@@ -185,9 +185,10 @@ def _config_override(cfg: BackwardConfig) -> BackwardConfig:
 # ---------------------------------------------------------------------------------------
 def unsupported(spec: AttentionSpec) -> Optional[str]:
     """Why the kernels cannot differentiate ``spec`` (a post step without a derivative
-    here), or None."""
+    here), or None. A 0-d run-time factor (``mul_operand`` / ``div_operand``) is read at each
+    call and is then the constant step (``resolve_operands``, before the launch)."""
     for step in spec.post:
-        if step[0] not in ("mask", "round") and step[0] not in _LINEAR_STEPS:
+        if step[0] not in ("mask", "round", "mul_operand", "div_operand") and step[0] not in _LINEAR_STEPS:
             return f"post step {step!r} has no derivative in the Triton backward"
     return None
 

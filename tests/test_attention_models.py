@@ -734,6 +734,8 @@ def test_megatron_absorbed_dynamic_training_step_has_no_square_tensor(mask, chun
     out.sum().backward()
     (x,) = selection_consumers(diagnostics.attention_records())
     assert x.rewritten and x.form == "mqa" and x.backward == "sparse", x.line()
+    # its run-time scale is read at each call and is then the constant step the kernels take
+    assert x.backward_impl == "on CUDA: Triton kernels", x.line()
     assert not isinstance(x.sizes["H"], int), x.line()  # the heads are symbolic
     graphs = [(k, g) for k, g in cap if k in ("forward", "backward")]
     assert len(graphs) == 2, [k for k, _ in cap]

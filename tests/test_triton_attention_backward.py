@@ -415,6 +415,27 @@ def test_needs_subsets():
             assert torch.equal(a, b) if need else a.numel() == 0
 
 
+def test_run_time_scale_runs_the_kernels():
+    """A 0-d scale the graph computes at run time (``mul_operand``: Megatron's softmax scale
+    under dynamic=True) is read once per call and then is the constant step: the kernels
+    take it (explain says so), with the bits of the same spec written with the constant."""
+    H, Hk, D, Dv, _ = FORMS["gqa"]
+    seed = fresh_seed("bwd run-time scale")
+    q, k, v, idx, _ = _inputs(seed, 1, 3, 16, H, Hk, D, Dv, 8)
+    hi = _causal(1, 3, 16)
+    scale = torch.tensor(D ** -0.5 * 1.5)
+    term = MaskTerm(kind="range", hi=0)
+    spec = AttentionSpec(post=(("mul_operand", 1), ("mask", 0)), masks=(term,), out_dtype="float32")
+    const = AttentionSpec(post=(("mul", float(scale)), ("mask", 0)), masks=(term,), out_dtype="float32")
+    assert unsupported(spec) is None
+    out, lse, _ = R.attention_forward(q, k, v, idx, [hi], const)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    delta = bwd.attention_delta(go, out, lse)
+    got = attention_backward_triton(go, q, k, v, idx, [hi, scale], delta, lse, spec)
+    want = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, const)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_unsupported_steps_name_the_step():
     spec = AttentionSpec(post=(("relu",), ("mul", 0.25)), out_dtype="float32")
     assert "relu" in unsupported(spec)
