@@ -958,6 +958,18 @@ def _rewrite_all(graph, facts_sources, graph_kind, replay, enabled, off_reason, 
             f.undo(graph)
 
 
+def _check_capturable(m: AttentionMatch) -> None:
+    """A site whose spec reads a 0-d operand on the host at each call (a run-time scale) stays
+    dense where the graph will be captured as a CUDA graph on a GPU: the capture cannot read it
+    (the selection's check, ``selection_pass``, does the same for the scores)."""
+    from .selection_pass import _cudagraphs
+
+    host = [st[0] for st in m.spec.post if st[0].endswith("_operand")]
+    if host and _cudagraphs() and val(m.q.node).device.type == "cuda":
+        raise _Reject(f"a 0-d tensor operand of the scores ({', '.join(host)}) is read on the host at each call, "
+                      "which a CUDA graph (mode='reduce-overhead' or 'max-autotune') cannot capture")
+
+
 def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled, off_reason) -> AttentionRecord:
     em = Emitter(graph, app)
     rec = AttentionRecord(sel.name, app.name, False)
@@ -994,6 +1006,7 @@ def _rewrite_one(graph, facts, sel, app, i, masked, graph_kind, replay, enabled,
                 rec.rows = ("rows without a visible selected key are recomputed densely per call, as the original "
                             f"(not proven absent at compile time: {e})")
         rec.form, rec.spec, rec.sizes = m.form, m.spec.describe(), {**m.sizes, **rec.sizes}
+        _check_capturable(m)
         if not enabled:
             em.rollback()
             rec.reason = f"{off_reason}; enabled, the pass would rewrite it (form {m.form})"

@@ -59,6 +59,25 @@ def test_official_v32_inference(i):
     assert_numerics(out, orig, ref, torch.float32, "out")
 
 
+def test_run_time_scale_is_an_operand_of_the_op():
+    """A 0-d tensor softmax scale becomes the op's ``mul_operand`` step (read at each call):
+    rewritten, within the rule against float64, and a new scale value is followed."""
+    seed = fresh_seed("attention run-time scale")
+    args = af.make_inputs(seed)
+    fn, cap = compiled(af.official_v32_scaled)
+    for scale in (0.3, -0.7):
+        s = torch.tensor(scale)
+        with torch.no_grad():
+            out = fn(*args, s)
+            orig = af.official_v32_scaled(*args, s)
+            qi, ki, w, q, k, v = args
+            ref = af.official_v32_scaled_attention(af.indexer(qi, ki, w, 4), q.double(), k.double(), v.double(),
+                                                   s.double())
+        assert_numerics(out, orig, ref, torch.float32, f"out at scale {scale}")
+    recs = attention_records()
+    assert recs and all(r.rewritten and "mul_operand" in r.spec for r in recs), [r.line() for r in recs]
+
+
 def aten_bmm_count(cap, kind):
     return sum(t is torch.ops.aten.bmm.default for t in targets(cap, kind))
 

@@ -28,6 +28,7 @@ from hyscale_compile.lowerings import reference as ref
 from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
 from hyscale_compile.lowerings import triton_hytopk
 from hyscale_compile.lowerings.triton_hytopk import hytopk_triton
+from tests.contract import fresh_seed
 from tests.test_triton_hytopk import DSA, causal_hi, cuda, interpret, kernel_cache  # noqa: F401  (fixtures)
 
 
@@ -470,6 +471,25 @@ def test_gpu_dsa_max_autotune_compiles_and_runs(cudagraph_checks):
         assert torch.isfinite(out).all(), i
     # (autotuned matmuls may round differently: reassociation-level differences only)
     torch.testing.assert_close(got[0][0], want[0][0], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_attention_with_a_runtime_scale_stays_dense_under_cuda_graphs(cudagraph_checks):
+    """The attention's 0-d scale would be read on the host at each call: under
+    mode="reduce-overhead" the site stays dense with that reason, and every replay follows
+    the call's scale (eager's output)."""
+    from hyscale_compile.passes import diagnostics
+    from tests.models import attention_forms as af
+
+    args = [t.cuda() for t in af.make_inputs(fresh_seed("cudagraphs attention run-time scale"))]
+    scales = [torch.tensor(v, device="cuda") for v in (0.3, -0.7, 1.1)]
+    diagnostics.clear()
+    with torch.no_grad():
+        got, _ = _calls(af.official_v32_scaled, [(*args, s) for s in scales], "reduce-overhead", 6)
+        for i, (out,) in enumerate(got):
+            torch.testing.assert_close(out, af.official_v32_scaled(*args, scales[i % 3]), atol=1e-4, rtol=1e-4)
+    recs = diagnostics.attention_records()
+    assert recs and all(not r.rewritten and "cannot capture" in r.reason for r in recs), [r.line() for r in recs]
 
 
 @pytest.mark.gpu

@@ -53,6 +53,22 @@ def official_v32_attention(idx, q, kk, v):
     return torch.einsum("bsht,bthd->bshd", scores.type_as(q), v)
 
 
+def official_v32_scaled(qi, ki, w, q, kk, v, scale, k: int = 4):
+    """``official_v32`` with its softmax scale a 0-d tensor (a learned temperature, or D ** -0.5
+    of a dynamic head dim): the op's spec takes it as a ``mul_operand`` step, read at each call."""
+    return official_v32_scaled_attention(indexer(qi, ki, w, k), q, kk, v, scale)
+
+
+def official_v32_scaled_attention(idx, q, kk, v, scale):
+    bsz, seqlen = q.shape[0], q.shape[1]
+    mask = causal(seqlen, seqlen, q.device).to(q.dtype)
+    scores = torch.einsum("bshd,bthd->bsht", q, kk) * scale
+    index_mask = torch.full((bsz, seqlen, seqlen), NEG_INF, device=q.device, dtype=q.dtype).scatter_(-1, idx, 0)
+    index_mask += mask
+    scores += index_mask.unsqueeze(2)
+    return torch.einsum("bsht,bthd->bshd", scores.softmax(dim=-1), v)
+
+
 def _indexer_inputs(g, B, S, Hi, Di):
     """Indexer queries and keys whose ReLU'd scores are positive (almost surely distinct): no
     exact-zero ties at the k-th key, so the selection is unique and eager's top-k picks the
