@@ -472,13 +472,7 @@ class _Walk:
         self_, dim, index, src, reduce = u.args[:5]
         if reduce not in ("amax", "amin"):
             raise _OrderRead(f"{_name(u)} (reduce={reduce!r})")
-        if x is not index and x is not src:
-            raise _OrderRead(_name(u))
-        ri = self.rows_of(index)
-        if ri is None:
-            raise _OrderRead(f"{_name(u)} (at indices that do not come from the top-k)")
-        if dim % len(_shape(u)) != ri.k:
-            raise _OrderRead(f"{_name(u)} (along another axis)")
+        ri = self._scatter_rows(x, u, dim, index, src)
         if not _exact_extremes(src):
             raise _OrderRead(f"{_name(u)} (of values whose {reduce} can depend on the order: not constants "
                              "without -0.0 and NaN)")
@@ -490,6 +484,18 @@ class _Walk:
             self.order_free_inputs.append((self_, u))
         self.sinks.append(_name(u))
 
+    def _scatter_rows(self, x: fx.Node, u: fx.Node, dim: int, index: fx.Node, src) -> RowMap:
+        """The row map of a scatter's ``index``, reached as its index or its src, scattering
+        along the top-k's k axis."""
+        if x is not index and x is not src:
+            raise _OrderRead(_name(u))
+        ri = self.rows_of(index)
+        if ri is None:
+            raise _OrderRead(f"{_name(u)} (at indices that do not come from the top-k)")
+        if dim % len(_shape(u)) != ri.k:
+            raise _OrderRead(f"{_name(u)} (along another axis)")
+        return ri
+
     def _scatter(self, x: fx.Node, u: fx.Node) -> None:
         # scatter(self, dim, index, value|src): out[..., index[i]] = src[i]. Permuting i
         # changes nothing when every src[i] is the same, or when src is permuted with the
@@ -499,13 +505,7 @@ class _Walk:
         src = u.args[3] if u.target is aten.scatter.src else None
         if self_ in self.reach or u.kwargs.get("reduce") is not None:
             raise _OrderRead(f"{_name(u)} (into a tensor derived from the top-k, or with reduce)")
-        if x is not index and x is not src:
-            raise _OrderRead(_name(u))
-        ri = self.rows_of(index)
-        if ri is None:
-            raise _OrderRead(f"{_name(u)} (at indices that do not come from the top-k)")
-        if dim % len(_shape(u)) != ri.k:
-            raise _OrderRead(f"{_name(u)} (along another axis)")
+        ri = self._scatter_rows(x, u, dim, index, src)
         if src is not None and not _is_constant_fill(src):
             rs = self.rows_of(src)
             if index not in self.distinct or rs is None or not rs.same_rows(ri) or _shape(src) != _shape(index):
