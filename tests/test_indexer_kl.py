@@ -205,6 +205,41 @@ def test_launch_configs(fields):
                 torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
 
 
+def _ulps(x, ref):
+    """|x - ref| in units of x's fp32 ulp."""
+    x = x.double()
+    return (x - ref).abs() / torch.exp2(torch.floor(torch.log2(x.abs())) - 23)
+
+
+def test_row_stats_over_many_key_tiles():
+    """The forward's softmax sums where every row's max rises in each of its 16 key tiles (a
+    rescale of the running sums per tile): scores exact in fp32 (one nonzero head dim,
+    multiples of 2^-12), so the indexer's l, the attention's l and Z are checked against
+    float64 to 2 ulps (the fp32 exps' roundings, then one of the sum). Summed across tiles
+    in fp32, each rescale's rounding stayed in l (up to 11 ulps off)."""
+    B, S, T = 1, 4, 256
+    t = torch.arange(T)
+    v = (t // 16).float() / 1024 + ((t * 7) % 16).float() / 4096
+    qi = torch.zeros(B, S, 1, 16)
+    qi[..., 0] = 1.0
+    ki = torch.zeros(B, T, 16)
+    ki[0, :, 0] = v
+    w = torch.tensor([1.0, 0.5, 4.0, 2.0]).view(1, S, 1)
+    q = torch.zeros(B, S, 1, 16)
+    q[0, :, 0, 0] = torch.tensor([16.0, 32.0, 64.0, 128.0])
+    k = torch.zeros(B, T, 1, 16)
+    k[0, :, 0, 0] = v
+    _, stats, rs = tk.indexer_kl_triton_forward(q, k, qi, ki, w, None, 0.25, False, 1.0)
+    I = w[0].double() * v.double()  # [S, T]
+    assert torch.equal(rs[0, :, 0].double(), I.amax(-1))
+    assert _ulps(rs[0, :, 1], torch.exp(I - I.amax(-1, keepdim=True)).sum(-1)).max() <= 2
+    s = q[0, :, 0, :1].double() * v.double() * 0.25
+    m, l = stats[0, :, 0, 0].double(), stats[0, :, 0, 1]
+    assert torch.equal(m, s.amax(-1))
+    assert _ulps(l, torch.exp(s - m[:, None]).sum(-1)).max() <= 2
+    assert _ulps(rs[0, :, 2], (torch.exp(s - m[:, None]) / l.double()[:, None]).sum(-1)).max() <= 2
+
+
 def test_bad_launch_config():
     q, k, qi, ki, w = make_inputs(0, B=1, S=8, H=2, Hk=2, Hi=2)
     base = tk.default_config(q, qi, 8)
