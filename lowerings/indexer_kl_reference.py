@@ -138,7 +138,8 @@ def _chunk(q, k, qi, ki, w, stats, r0, r1, scale, causal, dtype):
     else:
         m, l = (stats[:, r0:r1, :, i].to(dtype).transpose(1, 2) for i in (0, 1))
     P = (torch.exp(s - m.unsqueeze(-1)) / l.unsqueeze(-1)).sum(1)  # [B,C,T], hidden keys exp(-inf) = 0
-    z = P.sum(-1)
+    # Z in float64, rounded once: its rounding is common to the row's target (see the backward)
+    z = P.sum(-1, dtype=torch.float64).to(dtype)
     target = P / z.unsqueeze(-1)
     a = torch.einsum("bcjd,btd->bcjt", qi[:, r0:r1].to(dtype), ki.to(dtype))
     I = (w[:, r0:r1].to(dtype).unsqueeze(-1) * a.clamp_min(0)).sum(2).masked_fill(~vis, -math.inf)
@@ -189,7 +190,14 @@ def indexer_kl_backward(grad: Tensor, q, k, qi, ki, w, stats: Tensor, scale: flo
     for r0 in range(0, S, step):
         r1 = min(S, r0 + step)
         target, I, a, _, _ = _chunk(q, k, qi, ki, w, stats, r0, r1, scale, causal, dtype)
-        dI = g * (torch.softmax(I, dim=-1) - target)  # [B,C,T]; hidden keys: 0 - 0
+        p = torch.softmax(I, dim=-1)
+        dI = g * (p - target)  # [B,C,T]; hidden keys: 0 - 0
+        # in two steps: sum_t dI is 0 exactly, so its value, in float64, is the roundings
+        # common to the row's p (softmax's fp32 normaliser) less the target's; taken off along
+        # p, what is left is proportional to dI. In one step that rounding reached the
+        # gradients at the scale of sum_t p relu(a), not of dI (grad w 4.5 eps off where
+        # the original erred 0.76)
+        dI = dI - dI.sum(-1, keepdim=True, dtype=torch.float64).to(dtype) * p
         gw[:, r0:r1] = torch.einsum("bct,bcjt->bcj", dI, a.clamp_min(0))
         da = dI.unsqueeze(2) * w[:, r0:r1].to(dtype).unsqueeze(-1) * (a > 0)
         gqi[:, r0:r1] = torch.einsum("bcjt,btd->bcjd", da, kd)

@@ -16,8 +16,14 @@ Forward (``indexer_kl_triton_forward``):
                            row = E / Z - log Z - X / Z + log L     (tgt = P / Z, Z = sum P,
                                                                    lse_I = m + log L)
                        which is sum_t tgt_t (log tgt_t - I_t + lse_I). It writes the row
-                       losses and (lse_I, Z) per row for the backward; the loss is their
-                       sum in a fixed order.
+                       losses and (m, L, Z) per row for the backward; the loss is their
+                       sum in a fixed order. L (and the lse pass's sum) is carried across
+                       key tiles in float64, each tile's fp32 sum added and the rescale
+                       exp(m_old - m_new) in float64: a few float64 operations per row and
+                       key tile, none per key. In fp32 each rescale's rounding stayed in L
+                       (10 ulps over 16 tiles), a rounding common to the row's softmax,
+                       which the gradients see at the scale of p, not of dI (Z, a plain
+                       sum, stays fp32: a float64 Z doubled the fp32 config's spills)
 
 Backward (``indexer_kl_triton_backward``), over chunks of ``chunk_rows`` query rows, in order:
 
@@ -203,7 +209,7 @@ def _attn_lse_kernel(q_ptr, k_ptr, st_ptr, S, T, scale,
     q_base = q_ptr + b * S * H * D + h * D
     k_base = k_ptr + b * T * HK * D + (h // (H // HK)) * D
     m_i = tl.full((BM,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BM,), dtype=tl.float32)
+    l_i = tl.zeros((BM,), dtype=tl.float64)  # across key tiles in float64 (per row: no per-key cost)
     n_end = T
     if CAUSAL:
         n_end = tl.minimum(T, (pid_m + 1) * BM)
@@ -217,10 +223,11 @@ def _attn_lse_kernel(q_ptr, k_ptr, st_ptr, S, T, scale,
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
+        l_i = l_i * tl.exp(m_i.to(tl.float64) - m_safe.to(tl.float64)) + tl.sum(
+            tl.exp(s - m_safe[:, None]), 1).to(tl.float64)
         m_i = m_new
     tl.store(st_ptr + b * S * H * 2 + offs_m * (2 * H) + 2 * h, m_i, mask=m_ok)
-    tl.store(st_ptr + b * S * H * 2 + offs_m * (2 * H) + 2 * h + 1, l_i, mask=m_ok)
+    tl.store(st_ptr + b * S * H * 2 + offs_m * (2 * H) + 2 * h + 1, l_i.to(tl.float32), mask=m_ok)
 
 
 @triton.jit
@@ -241,7 +248,7 @@ def _kl_fwd_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, row_ptr, rs_ptr,
     w_base = w_ptr + b * S * HI
     st_base = st_ptr + b * S * H * 2
     m_i = tl.full((BM,), float("-inf"), tl.float32)  # the indexer's running max
-    l_i = tl.zeros((BM,), dtype=tl.float32)  # sum exp(I - m)
+    l_i = tl.zeros((BM,), dtype=tl.float64)  # sum exp(I - m), across key tiles in float64
     z_i = tl.zeros((BM,), dtype=tl.float32)  # sum P
     e_i = tl.zeros((BM,), dtype=tl.float32)  # sum P log P
     x_i = tl.zeros((BM,), dtype=tl.float32)  # sum P (I - m)
@@ -266,15 +273,17 @@ def _kl_fwd_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, row_ptr, rs_ptr,
         m_old = tl.where(m_i == float("-inf"), m_safe, m_i)
         # re-centre the running sums on the new max (z_i is 0 while m_i is -inf)
         x_i = x_i + z_i * (m_old - m_safe)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(I - m_safe[:, None]), 1)
+        l_i = l_i * tl.exp(m_i.to(tl.float64) - m_safe.to(tl.float64)) + tl.sum(
+            tl.exp(I - m_safe[:, None]), 1).to(tl.float64)
         z_i += tl.sum(P, 1)
         e_i += tl.sum(tl.where(P > 0.0, P * tl.log(P), 0.0), 1)
         x_i += tl.sum(tl.where(vis, P * (I - m_safe[:, None]), 0.0), 1)
         m_i = m_new
-    row = (e_i - x_i) / z_i - tl.log(z_i) + tl.log(l_i)
+    l32 = l_i.to(tl.float32)
+    row = (e_i - x_i) / z_i - tl.log(z_i) + tl.log(l32)
     tl.store(row_ptr + b * S + offs_m, row, mask=m_ok)
     tl.store(rs_ptr + b * S * 3 + offs_m * 3, m_i, mask=m_ok)
-    tl.store(rs_ptr + b * S * 3 + offs_m * 3 + 1, l_i, mask=m_ok)
+    tl.store(rs_ptr + b * S * 3 + offs_m * 3 + 1, l32, mask=m_ok)
     tl.store(rs_ptr + b * S * 3 + offs_m * 3 + 2, z_i, mask=m_ok)
 
 
