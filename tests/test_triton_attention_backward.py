@@ -651,7 +651,7 @@ def test_key_side_passes_keep_the_bits_and_bound_the_buffer():
 
     for form, fold, D, Dv in (("mqa", True, 24, 16), ("mqa", False, 24, 16), ("per_head", False, 40, 24)):
         H, Hk = FORMS[form][:2]
-        B, S, T, K = 2, 4, 24, 12
+        B, S, T, K = 1, 4, 24, 12
         seed = fresh_seed(f"bwd key passes {form} {fold}")
         q, k, v, idx, g = _inputs(seed, B, S, T, H, Hk, D, Dv, K, v_of_k=fold)
         hi = _causal(B, S, T)
