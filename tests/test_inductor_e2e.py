@@ -23,8 +23,10 @@ def compiled_code(fn, *args, options=None):
     return out, "\n".join(code)
 
 
+# (a selection beside a MoE router's top-k, which must stay aten.topk in the generated code:
+# the HF DeepSeek-V3.2 model below has both, its three router top-k counted)
 @pytest.mark.parametrize("name", ["v4_official_einsum_triu", "hf_v32_nograd_bool_bf16", "megatron_sbhd_values_minus_one",
-                                  "kernel_ref_mhd_nd_range", "indexer_plus_moe_router", "hf_v4_position_ids_threshold"])
+                                  "kernel_ref_mhd_nd_range", "hf_v4_position_ids_threshold"])
 def test_forms_through_inductor(name):
     case = FORMS[name](fresh_seed(name) % 1000)
     with torch.no_grad():
