@@ -1,9 +1,10 @@
 """The rewrite beyond one process: FSDP2 and context parallelism (by all-gather) on gloo
 process groups, against one process (docs/distributed.md).
 
-The tests of two ranks share two spawned processes (``Ranks``: ``torch.multiprocessing``, a
-free port), the four-rank test spawns its own; every rank compiles (``hyscale_debug``: the
-same pass, no Inductor codegen), so the tests are few and tiny. A rank's failure is re-raised
+The tests share two spawned processes (``Ranks``: ``torch.multiprocessing``, a free port;
+what differs at more ranks is only the chunk order, checked in-process); every rank
+compiles (``hyscale_debug``: the same pass, no Inductor codegen), so the tests are few and
+tiny. A rank's failure is re-raised
 with its traceback. The single-process reference
 is the same backend on one process: it breaks ties (ReLU's exact zeros) by the same rule,
 so selections compare with ``torch.equal`` and losses/gradients within fp32 reassociation.
@@ -41,20 +42,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _spawn(fn, world: int, *args):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_init_and_run, args=(world, _free_port(), fn, args), nprocs=world, join=True)
-
-
-def _init_and_run(rank, world, port, fn, args):
-    _init(rank, world, port)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
 
 
 def _init(rank, world, port):
@@ -417,14 +404,23 @@ def _cp_rank(rank, world, layout, ref):
         assert torch.equal(g, w[:, pos]), f"rank {rank} layer {layer}: selections differ"
 
 
-# zigzag on 2 ranks runs the same chunk order and key gather as on 4 (and
-# test_context_parallel_hf_deepseek_v32 takes it on 2): one spawn of 2 processes fewer
-@pytest.mark.parametrize("layout,world", [("contiguous", 2), ("zigzag", 4)])
-def test_context_parallel_equals_one_process(layout, world, request):
-    if world == 2:
-        request.getfixturevalue("ranks2").run(_cp_rank, layout, _cp_reference())
-    else:
-        _spawn(_cp_rank, world, layout, _cp_reference())
+# zigzag on 2 ranks runs the same chunk order and key gather code as on 4 (each rank two
+# chunks, r and 2W - 1 - r, put back in position order): both layouts on the module's two
+# ranks, no spawn of 4 processes; the 4-rank chunk order is checked in-process below
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_context_parallel_equals_one_process(layout, ranks2):
+    ranks2.run(_cp_rank, layout, _cp_reference())
+
+
+def test_zigzag_chunks_cover_the_sequence_once_and_balance_the_work():
+    from hyscale_compile.distributed import _chunk_order
+
+    for world in (2, 4, 8):
+        held = [_chunk_order(world, r, "zigzag") for r in range(world)]
+        assert sorted(c for chunks in held for c in chunks) == list(range(2 * world)), held
+        # a causal chunk j costs j + 1 key chunks: every rank holds the same causal work
+        assert {sum(c + 1 for c in chunks) for chunks in held} == {2 * world + 1}, held
+        assert [_chunk_order(world, r, "contiguous") for r in range(world)] == [[r] for r in range(world)]
 
 
 # ---- tensor-parallel heads: a partial sum is never fused -----------------------------------

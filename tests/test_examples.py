@@ -18,9 +18,10 @@ def run_demo(*flags, timeout):
 
 @pytest.mark.inductor
 def test_demo_quick():
-    # About 35 s on 2 busy CPU cores with cold Inductor caches (two Inductor compiles); the
-    # timeout only guards against a hang.
-    proc = run_demo("--quick", timeout=240)
+    # About 25 s on 2 busy CPU cores with cold Inductor caches (36 s with the plain Inductor
+    # variant, whose row runs the same loop as the others: --no-inductor leaves its compile
+    # out and is itself checked); the timeout only guards against a hang.
+    proc = run_demo("--quick", "--no-inductor", timeout=240)
     out = proc.stdout
     assert proc.returncode == 0, f"demo exited {proc.returncode}\n{out[-4000:]}\n{proc.stderr[-4000:]}"
     # explain's report: the indexer's top-k was rewritten
@@ -30,7 +31,7 @@ def test_demo_quick():
     table = out[out.rindex("variant "):]
     assert re.match(r"variant\s+\| compile s \| forward ms \(median\) \| peak extra MiB \| equal to eager", table)
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in table.splitlines()[2:] if "|" in line}
-    assert set(rows) == {"eager", "inductor", "hyscale"}, table
+    assert set(rows) == {"eager", "hyscale"}, table
     assert rows["eager"][4] == "(reference)", table
     assert rows["hyscale"][4].startswith("yes"), table
     for name, cells in rows.items():

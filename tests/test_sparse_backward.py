@@ -404,7 +404,8 @@ def test_key_gradient_kernel_path_equals_index_add_order(monkeypatch, layout):
 
     from hyscale_compile.lowerings import backward as bwd
 
-    kw = {} if layout == "mqa" else dict(H_=4, Hk_=2, reduce="sum", B_=2)
+    # (two batches of 24 rows: as many rows as the MQA case's 48, so as many one-row chunks)
+    kw = {} if layout == "mqa" else dict(H_=4, Hk_=2, reduce="sum", B_=2, S_=24)
     case = _shared_key_case("cpu", seed=f"shared-keys-{layout}", **kw)
     want = _values_bwd(case)
     (g, q, k, w, idx, hi), spec = case
