@@ -1,5 +1,5 @@
 """``examples/train_dsa.py``: the DSA indexer recipe (dense model, dense warm-up of the indexer with
-its KL loss, sparse training, control) on the CPU, run as a user runs it, with the debug
+its KL loss, sparse training, control) at its CPU defaults, run as a user runs it, with the debug
 backend (same passes, no Inductor codegen) to keep it fast; and its two KL losses against the
 paper's formula in float64."""
 import math
@@ -27,12 +27,10 @@ def _run_example(tmp_path, *args):
 
 
 def test_train_dsa_meets_the_targets_and_the_control_does_not(tmp_path):
-    # The CPU defaults with the debug backend (same passes, no Inductor codegen): the whole
-    # recipe, its targets, and the control with the indexer frozen at init. 20 sparse steps
-    # instead of the default 50, and S = 96 instead of 128 (the task's 16 pairs and 16 queries
-    # at distance >= S/2 need S >= 94; k = 3, k/S = 1/32 as at 128), keep the run near 40 s of
-    # CPU (63 s at S = 128): the dense stage, most of it, costs about S per step.
-    out, png = _run_example(tmp_path, "--backend", "hyscale_debug", "--steps", "20", "--seq", "96")
+    # The CPU defaults (S = 128) with the debug backend (same passes, no Inductor codegen): the
+    # whole recipe, its targets, and the control with the indexer frozen at init.
+    # 20 sparse steps instead of the default 50 keep the test near 40 s on 2 CPU cores.
+    out, png = _run_example(tmp_path, "--backend", "hyscale_debug", "--steps", "20")
     tail = out[-4000:]
     # explain: both layers' indexer top-k rewritten on the sparse stage's training graph
     assert re.search(r"^hyscale: 2 top-k site\(s\): 2 fused, 0 selected from the table, 0 left alone", out, re.M), tail
