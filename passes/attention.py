@@ -962,9 +962,9 @@ def _check_capturable(m: AttentionMatch) -> None:
     """A site whose spec reads a 0-d operand on the host at each call (a run-time scale) stays
     dense where the graph will be captured as a CUDA graph on a GPU: the capture cannot read it
     (the selection's check, ``selection_pass``, does the same for the scores)."""
-    from .selection_pass import _cudagraphs
+    from .selection_pass import _cudagraphs, _host_read_steps
 
-    host = [st[0] for st in m.spec.post if st[0].endswith("_operand")]
+    host = _host_read_steps(m.spec.as_score_spec())
     if host and _cudagraphs() and val(m.q.node).device.type == "cuda":
         raise _Reject(f"a 0-d tensor operand of the scores ({', '.join(host)}) is read on the host at each call, "
                       "which a CUDA graph (mode='reduce-overhead' or 'max-autotune') cannot capture")

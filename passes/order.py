@@ -123,13 +123,19 @@ def _dims(arg, rank: int) -> List[int]:
     return sorted(d % rank for d in arg) if rank else []
 
 
+def _under_views(n):
+    """The tensor under ``n``'s expands, casts and views (the same values, moved or repeated)."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in (
+            aten.expand.default, *_SAME_AXES, *_VIEWS):
+        n = n.args[0]
+    return n
+
+
 def _constant_value(n):
     """The one value of a constant (a Python number or a constant fill), else None."""
     if isinstance(n, (int, float, bool)):
         return n
-    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in (
-            aten.expand.default, *_SAME_AXES, *_VIEWS):
-        n = n.args[0]
+    n = _under_views(n)
     if not (isinstance(n, fx.Node) and n.op == "call_function"):
         return None
     t = n.target
@@ -155,9 +161,7 @@ def _exact_extremes(src) -> bool:
     def exact(c) -> bool:
         c = _constant_value(c)
         return isinstance(c, (int, float, bool)) and not math.isnan(c) and not (c == 0 and math.copysign(1, c) < 0)
-    while isinstance(src, fx.Node) and src.op == "call_function" and src.target in (
-            aten.expand.default, *_SAME_AXES, *_VIEWS):
-        src = src.args[0]
+    src = _under_views(src)
     if isinstance(src, fx.Node) and src.op == "call_function" and src.target in (
             aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar):
         return exact(src.args[1]) and exact(src.args[2])
@@ -166,9 +170,7 @@ def _exact_extremes(src) -> bool:
 
 def _is_constant_fill(n) -> bool:
     """A tensor with one value everywhere (so any permutation of it is itself)."""
-    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in (
-            aten.expand.default, *_SAME_AXES, *_VIEWS):
-        n = n.args[0]
+    n = _under_views(n)
     return isinstance(n, fx.Node) and n.op == "call_function" and n.target in _CONSTANT_FILLS
 
 
