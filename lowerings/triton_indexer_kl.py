@@ -148,6 +148,14 @@ def default_config(q: torch.Tensor, qi: torch.Tensor, T: int, interpret: Optiona
 
 
 @triton.jit
+def _rescaled_sum(l_i, m_i, m_safe, x):
+    # the row's float64 running sum of exp(x - m) re-centred from max m_i on m_safe, plus this
+    # key tile's fp32 sum (the module docstring: why float64)
+    return l_i * tl.exp(m_i.to(tl.float64) - m_safe.to(tl.float64)) + tl.sum(tl.exp(x - m_safe[:, None]), 1).to(
+        tl.float64)
+
+
+@triton.jit
 def _attn_scores(q_base, k_base, offs_m, m_ok, offs_n, n_ok, scale,
                  Q_STRIDE: tl.constexpr, K_STRIDE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr):
@@ -223,8 +231,7 @@ def _attn_lse_kernel(q_ptr, k_ptr, st_ptr, S, T, scale,
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i.to(tl.float64) - m_safe.to(tl.float64)) + tl.sum(
-            tl.exp(s - m_safe[:, None]), 1).to(tl.float64)
+        l_i = _rescaled_sum(l_i, m_i, m_safe, s)
         m_i = m_new
     tl.store(st_ptr + b * S * H * 2 + offs_m * (2 * H) + 2 * h, m_i, mask=m_ok)
     tl.store(st_ptr + b * S * H * 2 + offs_m * (2 * H) + 2 * h + 1, l_i.to(tl.float32), mask=m_ok)
@@ -273,8 +280,7 @@ def _kl_fwd_kernel(q_ptr, k_ptr, qi_ptr, ki_ptr, w_ptr, st_ptr, row_ptr, rs_ptr,
         m_old = tl.where(m_i == float("-inf"), m_safe, m_i)
         # re-centre the running sums on the new max (z_i is 0 while m_i is -inf)
         x_i = x_i + z_i * (m_old - m_safe)
-        l_i = l_i * tl.exp(m_i.to(tl.float64) - m_safe.to(tl.float64)) + tl.sum(
-            tl.exp(I - m_safe[:, None]), 1).to(tl.float64)
+        l_i = _rescaled_sum(l_i, m_i, m_safe, I)
         z_i += tl.sum(P, 1)
         e_i += tl.sum(tl.where(P > 0.0, P * tl.log(P), 0.0), 1)
         x_i += tl.sum(tl.where(vis, P * (I - m_safe[:, None]), 0.0), 1)
