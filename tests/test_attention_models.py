@@ -741,3 +741,53 @@ def test_megatron_absorbed_dynamic_training_step_has_no_square_tensor(mask, chun
     assert len(graphs) == 2, [k for k, _ in cap]
     found = square_tensors(graphs, [DYN_SEQ])
     assert found == [], "\n".join(found)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("chunk", [256, 32])
+def test_gpu_megatron_absorbed_dynamic_training_runs_the_kernels(chunk):
+    """The absorbed form under dynamic=True through Inductor on CUDA, in training: its run-time
+    scale (a 0-d operand) is resolved before the launch, so the Triton forward and backward
+    run it; output and gradients within the numerics rule of the float64 reference at the
+    selection's own indices, and a second call gives the same bits."""
+    from tests.models import megatron_dsa as M
+
+    S = 128
+
+    def select(qi, ki):  # megatron_absorbed_site's selection, its causal mask on the inputs' device
+        s = qi @ ki.transpose(-1, -2) + torch.triu(torch.full((S, S), float("-inf"), device=qi.device), 1)
+        return s.topk(16, dim=-1).indices
+
+    # the chunk a literal, as in the source (an int from a closure becomes a symbol)
+    site = {256: lambda qi, ki, q, lat, w: M.megatron_absorbed_attention(q, lat, w, select(qi, ki), v_channels=64,
+                                                                         seq_chunk_size=256),
+            32: lambda qi, ki, q, lat, w: M.megatron_absorbed_attention(q, lat, w, select(qi, ki), v_channels=64,
+                                                                        seq_chunk_size=32)}[chunk]
+
+    seed = fresh_seed(f"gpu megatron absorbed dynamic {chunk}") % 10_000
+    args = M.absorbed_site_inputs(seed, S=S, NP=16, C=64, R=16, DI=32, DV=32)
+    go = torch.randn(S, 1, 16 * 32, generator=torch.Generator().manual_seed(seed + 1))
+    cuda = [x.detach().cuda().requires_grad_(x.requires_grad) for x in args]
+    diagnostics.clear()
+    torch._dynamo.reset()
+    c = torch.compile(site, backend="hyscale", dynamic=True)
+    runs = []
+    for _ in range(2):
+        with recorded_selections() as calls:
+            out = c(*cuda)
+        runs.append((out, *torch.autograd.grad(out, cuda[2:], go.cuda())))
+    torch._dynamo.reset()
+    (x,) = selection_consumers(diagnostics.attention_records())
+    assert x.rewritten and x.form == "mqa" and x.backward == "sparse", x.line()
+    assert x.backward_impl == "on CUDA: Triton kernels", x.line()
+    assert all(torch.equal(a, b) for a, b in zip(*runs)), "two calls gave different bits"
+    idx = calls[0].cpu()
+    leaves = [x.detach().requires_grad_() for x in args[2:]]
+    ref_out = M.absorbed_reference(*[x.double() for x in leaves], idx, v_channels=64)
+    ref = (ref_out, *torch.autograd.grad(ref_out, leaves, go.double()))
+    orig_out = M.megatron_absorbed_attention(*[x.cuda() for x in leaves], idx.cuda(), v_channels=64,
+                                             seq_chunk_size=chunk)
+    orig = (orig_out, *torch.autograd.grad(orig_out, leaves, go.cuda()))
+    for name, a, b, r in zip(("out", "query", "latent", "w_uv"), runs[0], orig, ref):
+        assert_consumer_close(a.cpu(), b.cpu(), r, torch.float32, what=name)
