@@ -12,8 +12,9 @@ Shapes (batch 1, causal prefill S = T, k = 2048 selected keys per row, bf16):
   mla128  absorbed MLA, MQA over a latent: H = 128, d_qk 576, d_v 512, v = k[..., :512]
   mla16   the same with H = 16
   hf      HF DeepseekV32Attention's per-head form: H = Hk = 16, d_qk 192, d_v 128
-Selections: "random" (k distinct causal picks per row) and "structured" (64 sinks, the last
-512 positions, the rest scattered), built in row chunks from random scores by topk (no [S, T]
+Selections: "random" (k distinct causal picks per row), "structured" (64 sinks, the last
+512 positions, the rest scattered) and "shared" (each 64 consecutive rows pick from the same
+random scores: high reuse of keys across rows, to size what reuse can give), built in row chunks from random scores by topk (no [S, T]
 tensor on our side); rows with fewer than k visible keys pick hidden ones, which the causal
 range hides. FLOPs are counted as public kernels count them: 2 H k (d_qk + d_v) per query.
 
@@ -52,6 +53,8 @@ SHAPES = {  # name: (H, Hk, d_qk, d_v, v is a view of k)
 }
 TOPK = 2048
 SINKS, WINDOW = 64, 512
+SHARED = 64  # rows per group of the "shared" selection
+SELECTIONS = ("random", "structured", "shared")
 
 
 def parse_configs(text: str) -> list:
@@ -76,14 +79,20 @@ def spec_json(dqk: int) -> str:
 def make_selection(S: int, kind: str, device, k: int = TOPK, chunk: int = 1024, seed: int = 0) -> torch.Tensor:
     """idx [1, S, k] int32: per row, the top-k of random scores over the causal keys (hidden
     keys at -inf fill rows with fewer than k visible ones); "structured" lifts the sinks and
-    the recent window above every random score."""
+    the recent window above every random score; "shared" gives each group of SHARED
+    consecutive rows the same scores, so neighbouring rows select the same keys (apart from
+    the causal bound): the upper end of key reuse across rows."""
     g = torch.Generator(device=device).manual_seed(seed)
     idx = torch.empty(1, S, k, dtype=torch.int32, device=device)
     t = torch.arange(S, device=device)
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         rows = t[s0:s1, None]
-        sc = torch.rand(s1 - s0, S, generator=g, device=device)
+        if kind == "shared":  # one random score row per SHARED consecutive rows: neighbours pick alike
+            n = -(-(s1 - s0) // SHARED)
+            sc = torch.rand(n, S, generator=g, device=device).repeat_interleave(SHARED, 0)[:s1 - s0]
+        else:
+            sc = torch.rand(s1 - s0, S, generator=g, device=device)
         if kind == "structured":
             sc = torch.where((t[None, :] < SINKS) | (t[None, :] > rows - WINDOW), sc + 2.0, sc)
         sc = sc.masked_fill(t[None, :] > rows, float("-inf"))
@@ -339,7 +348,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help=f"comma list of {sorted(SHAPES)} (default: all; with "
                     "--inspect also gqa_fp32_tf32, gqa_fp16, mla128_fp32, mqa128_own_v)")
     ap.add_argument("--seqs", default=None, help="comma list of S (default 8192,32768,131072; --quick: 8192)")
-    ap.add_argument("--selections", default=None, help="comma list of random,structured")
+    ap.add_argument("--selections", default=None, help="comma list of random,structured,shared")
     ap.add_argument("--peers", default="sdpa_mask,flex,sdpa_causal", help="comma list, or 'none'")
     ap.add_argument("--inspect", action="store_true", help="no GPU: compile the kernels for sm_90 and report")
     ap.add_argument("--config", default=None,
@@ -359,8 +368,8 @@ def main(argv=None) -> int:
         ap.error(f"unknown shapes {bad}; known: {sorted(SHAPES)}")
     seqs = [int(x) for x in (a.seqs or ("8192" if a.quick else "8192,32768,131072")).split(",") if x]
     sels = [x for x in (a.selections or ("random" if a.quick else "random,structured")).split(",") if x]
-    if any(s not in ("random", "structured") for s in sels):
-        ap.error("--selections: random and/or structured")
+    if any(s not in SELECTIONS for s in sels):
+        ap.error(f"--selections: a comma list of {', '.join(SELECTIONS)}")
     peers = set() if a.peers == "none" else {p for p in a.peers.split(",") if p}
     if peers - {"sdpa_mask", "flex", "sdpa_causal"}:
         ap.error(f"unknown peers {sorted(peers - {'sdpa_mask', 'flex', 'sdpa_causal'})}")
