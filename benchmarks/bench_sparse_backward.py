@@ -91,8 +91,8 @@ def measure(fn, reps=3):
 
 
 def op_rows(S, H, D, topk, repeats, ways=("index_add", "segment_sum", "fused"), profile=False):
-    """values_backward alone, index_add_ against the segment sum and the fused kernel: [(way, ms, bitwise repeat,
-    rel diff to index_add)]."""
+    """values_backward alone, index_add_ against the segment sum and the fused kernel (those of ``ways``):
+    [(way, ms, bitwise repeat, rel diff to the first way timed)]; ``profile``: the fused call's kernels."""
     import functools
 
     from hyscale_compile.lowerings import backward as bwd

@@ -573,6 +573,30 @@ def test_fused_key_sum_at_sorted_positions_equals_the_gathered_sum():
         tvb.rows_backward_fused(gy[0], q[0], k[0], w[0], keys[0], spec, (True, True, True), dest=dest[:-1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rows_kernel_contribution_layouts_agree(monkeypatch, dtype):
+    """The key contributions as q^T gx (the default, c_trans=1) or as gx^T q (c_trans=0), and
+    HYSCALE_VALUES_BWD_CONFIG's other fields: exact-product inputs with heavy key sharing give
+    the same bits either way (bf16: the three-part split on either side of the dot); an
+    unknown field is an error that names the fields."""
+    from hyscale_compile.lowerings import backward as bwd
+    from hyscale_compile.lowerings import triton_values_backward as tvb
+
+    case = _shared_key_case("cpu", seed="fused-layouts", H_=4, Hk_=2)
+    (g, q, k, w, idx, hi), spec = case
+    q, k = q.to(dtype), k.to(dtype)
+    outs = {}
+    for cfg in ("", "c_trans=0", "c_trans=0,block_n=16,num_warps=2", "block_n=16,num_stages=2"):
+        monkeypatch.setenv("HYSCALE_VALUES_BWD_CONFIG", cfg)
+        outs[cfg] = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=True)
+    want = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=False)
+    for cfg, got in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), cfg
+    monkeypatch.setenv("HYSCALE_VALUES_BWD_CONFIG", "blocks=3")
+    with pytest.raises(ValueError, match="block_n"):
+        tvb.default_config(4, 16)
+
+
 def test_fused_rows_kernel_needs_and_uncovered_specs():
     """needs=(q only): no key or weight gradient is computed; a spec the kernel does not
     cover (a relu after the head reduction reads the score in its derivative) keeps the
