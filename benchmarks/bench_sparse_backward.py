@@ -187,7 +187,7 @@ def inspect_sm90(configs, H=64, D=128, topk=2048, dump=None) -> int:
             ck = tvb.rows_backward_fused(gy, q, k, w, keys, spec, (True, True, True), dest=d,
                                          _launcher=lambda kern, args, kw: kern.warmup(*args, grid=(1,), **kw))
             rep = ptxas_report(ck.asm["ptx"], bindir)
-            print(f"inspect H={H} D={D} config={cfg} dest={d is not None} {tvb.default_config(H, D)} "
+            print(f"inspect kernel=values_backward_kernel H={H} D={D} config={cfg} dest={d is not None} "
                   f"regs={rep.get('regs', 0)} spill={rep.get('spill_st', 0) + rep.get('spill_ld', 0)} "
                   f"smem={ck.metadata.shared} wgmma={int('wgmma' in ck.asm['ptx'])}", flush=True)
             if dump:
@@ -195,6 +195,15 @@ def inspect_sm90(configs, H=64, D=128, topk=2048, dump=None) -> int:
                 for ext in ("ttgir", "ptx"):
                     with open(os.path.join(dump, f"values_bwd.{cfg}.{int(d is not None)}.{ext}"), "w") as f:
                         f.write(ck.asm[ext])
+    # the key sum over the sorted layout (attention_backward.sorted_segment_sum_'s launch)
+    from hyscale_compile.lowerings import attention_backward as ab
+
+    N, src = ns * topk, torch.empty(1, ns * topk, D)
+    ck = ab._sorted_runs_kernel.warmup(src, torch.empty(N, dtype=torch.int32), torch.empty(T + 1, dtype=torch.int64),
+                                       torch.empty(T, 1, D), N, D, 1, BLOCK_F=min(ab._BLOCK_F, D), UNROLL=16, grid=(1,))
+    rep = ptxas_report(ck.asm["ptx"], bindir)
+    print(f"inspect kernel=_sorted_runs_kernel D={D} regs={rep.get('regs', 0)} "
+          f"spill={rep.get('spill_st', 0) + rep.get('spill_ld', 0)} smem={ck.metadata.shared}", flush=True)
     return 0
 
 
