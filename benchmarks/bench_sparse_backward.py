@@ -24,7 +24,7 @@ two ways, relative to max |gk|.
     python benchmarks/bench_sparse_backward.py --seqs 32768 --variants none --op-heads 16,64 --op-dims 64,128
 
 ``--ways fused --profile`` times the fused path alone and prints its GPU time per kernel (one
-call under torch.profiler); ``--inspect "default;c_trans=0"`` (no GPU) compiles the fused row
+call under torch.profiler); ``--inspect "default;c_trans=1"`` (no GPU) compiles the fused row
 kernel for sm_90 under those ``HYSCALE_VALUES_BWD_CONFIG`` values and prints registers, spills
 and shared memory.
 """

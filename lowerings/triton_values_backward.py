@@ -22,11 +22,14 @@ split of the fp32 gradient (the forward kernel's scheme), on the tensor cores.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+from typing import Optional
 
 import torch
 import triton
 
+from .config_text import parse_fields
 from .spec import ScoreSpec
 from .triton_codegen import _interpreting, _lit, _round_expr, import_source
 
@@ -221,25 +224,31 @@ def load_kernel(spec: ScoreSpec):
     return import_source(render_source(spec)).values_backward_kernel
 
 
-def default_config(G: int, D: int) -> dict:
-    """Launch parameters at G query heads per key head and head dim D: q and gq are
-    [BLOCK_G, BLOCK_D] tiles, each step a [BLOCK_G, BLOCK_N] one and a few [BLOCK_N, BLOCK_D]
-    ones: 8 warps and 32 slots a step once q's tile is large (64 x 128 heads). ``c_trans``:
-    the key contributions as q^T gx ([D, slots], M = D), not gx^T q (M = the slot block,
-    32: below a wgmma's 64, so mma.sync there); at 64 x 128 all seven dots are then wgmma
-    (sm_90 build: 247 registers, no spills, 49.5 KB shared against 252 and 57.7 KB).
-    ``HYSCALE_VALUES_BWD_CONFIG`` ("block_n=64,num_warps=8,num_stages=2,c_trans=0") overrides
-    fields, for sweeps."""
+@dataclasses.dataclass(frozen=True)
+class ValuesBackwardConfig:
+    """The row kernel's launch. q and gq are [BLOCK_G, BLOCK_D] tiles, each step a
+    [BLOCK_G, block_n] one and a few [block_n, BLOCK_D] ones."""
+
+    block_n: int = 64  # slots a step
+    num_warps: int = 4
+    num_stages: Optional[int] = None  # Triton's default
+    # The key contributions as q^T gx ([D, slots]: the dot's M is D) instead of gx^T q (M =
+    # block_n: at 32, below a wgmma's 64, so mma.sync). At 64 x 128 all seven dots are then
+    # wgmma (sm_90 build: 247 registers, no spills, 49.5 KB shared against 252 and 57.7 KB).
+    # The same parts and products; the dot instruction may round the fp32 sums differently.
+    # Off until a GPU A/B measures it.
+    c_trans: bool = False
+
+
+def default_config(G: int, D: int) -> ValuesBackwardConfig:
+    """At G query heads per key head and head dim D: 8 warps and 32 slots a step once q's tile
+    is large (64 x 128 heads). ``HYSCALE_VALUES_BWD_CONFIG`` ("block_n=64,num_stages=2,c_trans=1",
+    ``config_text`` syntax) overrides fields, for sweeps."""
     bg = max(16, triton.next_power_of_2(G))
     bd = max(16, triton.next_power_of_2(D))
-    big = bg * bd >= 4096
-    cfg = {"block_n": 32 if big else 64, "num_warps": 8 if big else 4, "num_stages": None, "c_trans": 1}
-    for field in filter(None, os.environ.get("HYSCALE_VALUES_BWD_CONFIG", "").split(",")):
-        name, _, value = field.partition("=")
-        if name not in cfg:
-            raise ValueError(f"HYSCALE_VALUES_BWD_CONFIG: unknown field {name!r} (fields: {sorted(cfg)})")
-        cfg[name] = int(value)
-    return cfg
+    cfg = ValuesBackwardConfig(block_n=32, num_warps=8) if bg * bd >= 4096 else ValuesBackwardConfig()
+    text = os.environ.get("HYSCALE_VALUES_BWD_CONFIG", "")
+    return dataclasses.replace(cfg, **parse_fields(text, ValuesBackwardConfig)) if text else cfg
 
 
 def rows_backward_fused(gy, q, kb, w, keys, spec: ScoreSpec, needs, dest=None, _launcher=None):
@@ -268,9 +277,9 @@ def rows_backward_fused(gy, q, kb, w, keys, spec: ScoreSpec, needs, dest=None, _
     split, interp = q.dtype == torch.bfloat16 and kb.dtype == torch.bfloat16, _interpreting()
     launch = dict(HAS_W=spec.reduce == "weighted_sum", HAS_DEST=dest is not None, NEED_Q=need_q, NEED_K=need_k,
                   NEED_W=need_w, SPLIT=split, INTERP=interp, TC16=split and not interp,
-                  BLOCK_G=bg, BLOCK_D=bd, BLOCK_N=cfg["block_n"], C_T=bool(cfg["c_trans"]), num_warps=cfg["num_warps"])
-    if cfg["num_stages"] is not None:
-        launch["num_stages"] = cfg["num_stages"]
+                  BLOCK_G=bg, BLOCK_D=bd, BLOCK_N=cfg.block_n, C_T=cfg.c_trans, num_warps=cfg.num_warps)
+    if cfg.num_stages is not None:
+        launch["num_stages"] = cfg.num_stages
     args = (q, kb, w if w is not None else gy, gy, keys, dest if dest is not None else keys, gq, gw, contrib,
             ns, n, G, D, Hk, q.stride(0), q.stride(1), kb.stride(0), kb.stride(1),
             w.stride(0) if w is not None else 0, gy.stride(0), keys.stride(0))

@@ -367,12 +367,12 @@ def test_values_backward_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HYSCALE_VALUES_BWD_CONFIG")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_sparse_backward.py"), "--inspect",
-                          "default;c_trans=0"], capture_output=True, text=True, env=env, timeout=900)
+                          "default;c_trans=1"], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     rows = [dict(kv.split("=", 1) for kv in ln.split()[1:] if "=" in kv) for ln in out.stdout.splitlines()
             if ln.startswith("inspect ")]
     row_builds = {(r["config"], r["dest"]) for r in rows if r["kernel"] == "values_backward_kernel"}
-    assert row_builds == {(c, d) for c in ("default", "c_trans=0") for d in ("True", "False")}, out.stdout
+    assert row_builds == {(c, d) for c in ("default", "c_trans=1") for d in ("True", "False")}, out.stdout
     assert [r["kernel"] for r in rows].count("_sorted_runs_kernel") == 1, out.stdout
     for r in rows:
         assert r["spill"] == "0" and 0 < int(r["regs"]) <= 255, r

@@ -575,7 +575,7 @@ def test_fused_key_sum_at_sorted_positions_equals_the_gathered_sum():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rows_kernel_contribution_layouts_agree(monkeypatch, dtype):
-    """The key contributions as q^T gx (the default, c_trans=1) or as gx^T q (c_trans=0), and
+    """The key contributions as gx^T q (the default) or as q^T gx (c_trans=1), and
     HYSCALE_VALUES_BWD_CONFIG's other fields: exact-product inputs with heavy key sharing give
     the same bits either way (bf16: the three-part split on either side of the dot); an
     unknown field is an error that names the fields."""
@@ -586,7 +586,7 @@ def test_fused_rows_kernel_contribution_layouts_agree(monkeypatch, dtype):
     (g, q, k, w, idx, hi), spec = case
     q, k = q.to(dtype), k.to(dtype)
     outs = {}
-    for cfg in ("", "c_trans=0", "c_trans=0,block_n=16,num_warps=2", "block_n=16,num_stages=2"):
+    for cfg in ("", "c_trans=1", "c_trans=1,block_n=16,num_warps=2", "block_n=16,num_stages=2"):
         monkeypatch.setenv("HYSCALE_VALUES_BWD_CONFIG", cfg)
         outs[cfg] = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=True)
     want = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=False)
