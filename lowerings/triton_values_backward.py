@@ -9,9 +9,11 @@ like the forward kernel), runs the steps' derivatives in reverse and gives
     C[hk, (s, j)]  = sum_h gx[h, j] q[s, h]       (the per-slot key contributions)
 
 where gy is d loss / d (reduced score), from the post steps' derivatives (computed on the
-[rows, k] gradient in PyTorch: they act on the reduced score, so they are cheap). The key
-gradient is then ``attention_backward.segment_sum_`` over C, in (row, slot) order. Nothing
-reduces across rows inside the kernel, so the results do not depend on the chunking.
+[rows, k] gradient in PyTorch: they act on the reduced score, so they are cheap). Row (s, j)
+of C is stored at ``dest[s k + j]``, its key-sorted position (``attention_backward.key_runs``),
+and the key gradient is then ``attention_backward.sorted_segment_sum_`` over C: each key's
+run read contiguously, in (row, slot) order. Nothing reduces across rows inside the kernel, so
+the results do not depend on the chunking.
 
 Covered specs (``supported``): epilogue steps mul / add / div / relu (all spellings) / neg /
 sigmoid / round, any logit dtype, and post steps whose derivative does not read the score
