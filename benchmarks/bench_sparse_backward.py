@@ -22,6 +22,11 @@ table runs the op's default; ``HYSCALE_BWD_FUSED=0`` runs it with the PyTorch ro
 two ways, relative to max |gk|.
 
     python benchmarks/bench_sparse_backward.py --seqs 32768 --variants none --op-heads 16,64 --op-dims 64,128
+
+``--ways fused --profile`` times the fused path alone and prints its GPU time per kernel (one
+call under torch.profiler); ``--inspect "default;c_trans=1"`` (no GPU) compiles the fused row
+kernel for sm_90 under those ``HYSCALE_VALUES_BWD_CONFIG`` values and prints registers, spills
+and shared memory.
 """
 from __future__ import annotations
 
@@ -85,9 +90,9 @@ def measure(fn, reps=3):
     return statistics.median(times), peak
 
 
-def op_rows(S, H, D, topk, repeats):
-    """values_backward alone, index_add_ against the segment sum and the fused kernel: [(way, ms, bitwise repeat,
-    rel diff to index_add)]."""
+def op_rows(S, H, D, topk, repeats, ways=("index_add", "segment_sum", "fused"), profile=False):
+    """values_backward alone, index_add_ against the segment sum and the fused kernel (those of ``ways``):
+    [(way, ms, bitwise repeat, rel diff to the first way timed)]; ``profile``: the fused call's kernels."""
     import functools
 
     from hyscale_compile.lowerings import backward as bwd
@@ -106,8 +111,11 @@ def op_rows(S, H, D, topk, repeats):
     out, ref = [], None
     orig = bwd._add_key_grads
     try:
-        for way, use_kernel, fused in (("index_add", False, False), ("segment_sum", True, False),
-                                       ("fused kernel + segment_sum", True, True)):
+        for key, way, use_kernel, fused in (("index_add", "index_add", False, False),
+                                            ("segment_sum", "segment_sum", True, False),
+                                            ("fused", "fused kernel + segment_sum", True, True)):
+            if key not in ways:
+                continue
             bwd._add_key_grads = functools.partial(orig, use_kernel=use_kernel)
             run = lambda: bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=fused)[1]  # noqa: E731
             ms, _ = measure(run, reps=repeats)
@@ -117,11 +125,86 @@ def op_rows(S, H, D, topk, repeats):
                 ref = gks[0]
             diff = ((gks[0] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
             out.append((way, ms, same, diff))
+            if profile and fused:
+                profile_kernels(run, f"S={S} H={H} D={D} k={topk} {way}")
             del gks
             torch.cuda.empty_cache()
     finally:
         bwd._add_key_grads = orig
     return out
+
+
+def profile_kernels(fn, what):
+    """One call of ``fn`` under torch.profiler: GPU time per kernel name, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", None)
+        if us is None:
+            us = getattr(ev, "self_cuda_time_total", 0)
+        if us > 0:
+            rows.append((us / 1e3, ev.count, ev.key))
+    rows.sort(reverse=True)
+    print(f"\nper kernel, one call ({what}); total {sum(r[0] for r in rows):.1f} ms")
+    print("| kernel | ms | launches |")
+    print("|---|---|---|")
+    for ms, count, name in rows[:12]:
+        print(f"| {name[:90]} | {ms:.2f} | {count} |")
+    return rows
+
+
+def inspect_sm90(configs, H=64, D=128, topk=2048, dump=None) -> int:
+    """No GPU needed: compile the fused row kernel for sm_90 at the op table's spec (bf16 q/k,
+    H heads over one key head, D, ``topk``) under each ``HYSCALE_VALUES_BWD_CONFIG`` value of
+    ``configs`` (";"-separated; "default": none) and print ptxas' registers and spills,
+    Triton's shared memory and whether the dots are wgmma."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("--inspect compiles for the GPU: unset TRITON_INTERPRET")
+    import triton
+    from triton.runtime import driver
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from inspect_hytopk import _Sm90, ptxas_report
+    from hyscale_compile.lowerings import triton_values_backward as tvb
+    from hyscale_compile.lowerings.spec import MaskTerm, ScoreSpec
+
+    driver.set_active(_Sm90())
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    spec = ScoreSpec(epilogue=(("relu",), ("mul", D**-0.5)), post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0, mode="fill"),))
+    ns, T = 64, 4096
+    q, k = torch.empty(ns, H, D, dtype=torch.bfloat16), torch.empty(T, 1, D, dtype=torch.bfloat16)
+    w, gy, keys = torch.empty(ns, H), torch.empty(ns, topk), torch.zeros(ns, topk, dtype=torch.int64)
+    dest = torch.zeros(ns * topk, dtype=torch.int32)
+    for cfg in configs.split(";"):
+        os.environ["HYSCALE_VALUES_BWD_CONFIG"] = "" if cfg == "default" else cfg
+        for d in (None, dest):
+            ck = tvb.rows_backward_fused(gy, q, k, w, keys, spec, (True, True, True), dest=d,
+                                         _launcher=lambda kern, args, kw: kern.warmup(*args, grid=(1,), **kw))
+            rep = ptxas_report(ck.asm["ptx"], bindir)
+            print(f"inspect kernel=values_backward_kernel H={H} D={D} config={cfg} dest={d is not None} "
+                  f"regs={rep.get('regs', 0)} spill={rep.get('spill_st', 0) + rep.get('spill_ld', 0)} "
+                  f"smem={ck.metadata.shared} wgmma={int('wgmma' in ck.asm['ptx'])}", flush=True)
+            if dump:
+                os.makedirs(dump, exist_ok=True)
+                for ext in ("ttgir", "ptx"):
+                    with open(os.path.join(dump, f"values_bwd.{cfg}.{int(d is not None)}.{ext}"), "w") as f:
+                        f.write(ck.asm[ext])
+    # the key sum over the sorted layout (attention_backward.sorted_segment_sum_'s launch)
+    from hyscale_compile.lowerings import attention_backward as ab
+
+    N, src = ns * topk, torch.empty(1, ns * topk, D)
+    ck = ab._sorted_runs_kernel.warmup(src, torch.empty(N, dtype=torch.int32), torch.empty(T + 1, dtype=torch.int64),
+                                       torch.empty(T, 1, D), N, D, 1, BLOCK_F=min(ab._BLOCK_F, D), UNROLL=16, grid=(1,))
+    rep = ptxas_report(ck.asm["ptx"], bindir)
+    print(f"inspect kernel=_sorted_runs_kernel D={D} regs={rep.get('regs', 0)} "
+          f"spill={rep.get('spill_st', 0) + rep.get('spill_ld', 0)} smem={ck.metadata.shared}", flush=True)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -134,7 +217,17 @@ def main(argv=None) -> int:
     ap.add_argument("--op-heads", default="16", help="indexer heads for the values_backward table ('' skips it)")
     ap.add_argument("--op-dims", default="64", help="indexer head dims for the values_backward table")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ways", default="index_add,segment_sum,fused",
+                    help="the values_backward table's key-gradient ways (index_add, segment_sum, fused)")
+    ap.add_argument("--profile", action="store_true", help="also one fused call under torch.profiler: GPU time "
+                    "per kernel")
+    ap.add_argument("--inspect", default=None, metavar="CONFIGS",
+                    help="no GPU: compile the fused row kernel for sm_90 under these HYSCALE_VALUES_BWD_CONFIG "
+                         "values (';'-separated, 'default') and report registers, spills, shared memory")
+    ap.add_argument("--dump", default=None, help="with --inspect: write the kernel's TTGIR and PTX to this folder")
     args = ap.parse_args(argv)
+    if args.inspect is not None:
+        return inspect_sm90(args.inspect, dump=args.dump)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     from hyscale_compile.lowerings import ops as hy_ops
@@ -165,7 +258,8 @@ def main(argv=None) -> int:
     for S in [int(s) for s in args.seqs.split(",")]:
         for H in [int(h) for h in args.op_heads.split(",") if h]:
             for D in [int(d) for d in args.op_dims.split(",") if d]:
-                for way, ms, same, diff in op_rows(S, H, D, args.topk, args.repeats):
+                for way, ms, same, diff in op_rows(S, H, D, args.topk, args.repeats, args.ways.split(","),
+                                                   args.profile):
                     op.append((S, H, D, way, ms, same, diff))
                     print(S, H, D, way, ms, same, diff, file=sys.stderr, flush=True)
     if op:

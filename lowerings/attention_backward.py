@@ -120,6 +120,32 @@ def _segment_runs_kernel(SRC, ORDER, SKEYS, END, STARTS, NRUNS, OUT, N, F, HK, B
         _run_sum(SRC, ORDER, OUT, tl.load(SKEYS + i), i, tl.load(END + i), offs, ok, h, N, F, HK, UNROLL)
 
 
+@triton.jit
+def _sorted_runs_kernel(SRC, SKEYS, BOUNDS, OUT, N, F, HK, BLOCK_F: tl.constexpr, UNROLL: tl.constexpr):
+    # Program (j, f, h): the j-th run of sorted keys, positions [BOUNDS[j], BOUNDS[j + 1]), whose
+    # rows of SRC[h] are already in sorted order (``key_runs``' dest layout): it streams the
+    # contiguous run, adds it in order onto OUT[key, h] (as _run_sum adds the gathered rows)
+    # and stores it. No program past the last run does anything.
+    j = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    h = tl.program_id(2).to(tl.int64)
+    ok = offs < F
+    i = tl.load(BOUNDS + j)
+    end = tl.load(BOUNDS + j + 1)
+    if i < end:
+        key = tl.load(SKEYS + i)
+        dst = OUT + (key.to(tl.int64) * HK + h) * F + offs
+        src = SRC + h * N * F + offs
+        acc = tl.load(dst, mask=ok, other=0.0)
+        for p0 in range(i.to(tl.int64), end, UNROLL):
+            for u in tl.static_range(UNROLL):
+                live = p0 + u < end
+                x = tl.load(src + (p0 + u) * F, mask=ok & live, other=0.0)
+                acc = tl.where(live, acc + x, acc)  # (no add past the end: -0.0 stays -0.0)
+            # (the run's loads are contiguous, so UNROLL of them stream one block of SRC)
+        tl.store(dst, acc, mask=ok)
+
+
 def key_order(keys: torch.Tensor, bound: int = None):
     """The key-major inversion of flattened (row, slot) -> key indices ``keys`` [N]:
     (sorted keys, order: sorted position -> (row, slot) position, end: each sorted
@@ -144,6 +170,42 @@ def run_starts(skeys: torch.Tensor, most: int):
     run = torch.cumsum(first, 0) - 1  # each sorted position's run, non-decreasing
     starts = torch.searchsorted(run, torch.arange(min(most, N), device=skeys.device))
     return starts, run[-1:] + 1
+
+
+def key_runs(keys: torch.Tensor, bound: int):
+    """The key-sorted layout of flattened (row, slot) -> key indices ``keys`` [N] in [0, bound):
+    (sorted keys, dest: each (row, slot) position's sorted position (the inverse of
+    ``key_order``'s stable order), bounds [min(bound, N) + 1]: bounds[j] the first sorted
+    position of the j-th run of equal keys, N past the last run). A producer that writes
+    position i's row at dest[i] lets ``sorted_segment_sum_`` read each key's run contiguously,
+    in the order ``segment_sum_`` gathers it. No host synchronization."""
+    skeys, order = torch.sort(keys.int() if bound <= 2 ** 31 - 1 else keys, stable=True)
+    N = keys.numel()
+    itype = torch.int32 if N <= 2 ** 31 - 1 else torch.int64
+    dest = torch.empty(N, dtype=itype, device=keys.device)
+    dest.scatter_(0, order, torch.arange(N, dtype=itype, device=keys.device))
+    first = torch.ones(N, dtype=torch.bool, device=keys.device)
+    torch.ne(skeys[1:], skeys[:-1], out=first[1:])
+    run = torch.cumsum(first, 0) - 1  # each sorted position's run, non-decreasing
+    bounds = torch.searchsorted(run, torch.arange(min(bound, N) + 1, device=keys.device))
+    return skeys, dest, bounds
+
+
+def sorted_segment_sum_(out: torch.Tensor, skeys: torch.Tensor, bounds: torch.Tensor, src: torch.Tensor,
+                        unroll: int = 16) -> torch.Tensor:
+    """``segment_sum_`` over contributions already in key-sorted order: out[skeys[p], h] +=
+    src[h, p] for p = 0, 1, ... (``key_runs``' skeys and bounds; src [Hk, N, F] fp32, row i of
+    the unsorted layout at dest[i]). The same additions in the same order as ``segment_sum_``
+    of the unsorted rows, so the same bits; each key's run is one contiguous read."""
+    Hk, N, F = src.shape
+    if N == 0 or F == 0 or Hk == 0:
+        return out
+    assert out.is_contiguous() and out.dtype == torch.float32 and tuple(out.shape[1:]) == (Hk, F)
+    assert src.is_contiguous() and skeys.numel() == N
+    block = min(_BLOCK_F, triton.next_power_of_2(F))
+    _sorted_runs_kernel[(bounds.numel() - 1, triton.cdiv(F, block), Hk)](src, skeys, bounds, out, N, F, Hk,
+                                                                       BLOCK_F=block, UNROLL=unroll)
+    return out
 
 
 def segment_sum_(out: torch.Tensor, keys: torch.Tensor, src: torch.Tensor, use_kernel: bool = None) -> torch.Tensor:

@@ -31,9 +31,11 @@ loop follows the same order.
 
 ``triton_values_backward`` fuses the per-row part (gather, rebuilt steps, derivatives, gq,
 gw and the per-slot key contributions) into one Triton kernel for the specs it covers; on
-CUDA it is the default (``HYSCALE_BWD_FUSED=0`` keeps the chunked PyTorch row part): 2.4x
-faster at the DSA indexer's shape (docs/performance.md, "Sparse backward"), with the same
-deterministic key sum.
+CUDA it is the default (``HYSCALE_BWD_FUSED=0`` keeps the chunked PyTorch row part)
+(docs/performance.md, "Sparse backward"). It writes each slot's key contribution at its
+key-sorted position (``attention_backward.key_runs``, sorted before the kernel), so that
+the key sum (``sorted_segment_sum_``) reads each key's run contiguously instead of gathering
+it row by row: the same additions in the same order, so the same bits as the gathered sum.
 """
 from __future__ import annotations
 
@@ -220,13 +222,14 @@ def values_backward(
     if fused is None:
         fused = q.device.type == "cuda" and os.environ.get("HYSCALE_BWD_FUSED", "1") != "0"
     if fused:
+        from . import attention_backward as ab  # (it imports this module)
         from . import triton_values_backward as tvb
 
         fused = tvb.supported(spec)
     if topk > 0 and (need_q or need_k or need_w):
         per_row = 4 * topk * (2 * Hk * D + 4 * H)  # gathered keys + their grad, logits + temporaries
-        if fused:  # the per-slot key contributions and [rows, k] temporaries only
-            per_row = 4 * topk * (Hk * D + 4)
+        if fused:  # the per-slot key contributions, [rows, k] temporaries and the key sort's
+            per_row = topk * (4 * Hk * D + 64)
         rows = max(1, chunk_bytes // per_row)
         for b in range(B):
             kb = k[b if k.shape[0] == B else 0]  # [T, Hk, D]
@@ -236,15 +239,15 @@ def values_backward(
                 if fused:
                     gy = tvb.post_backward(grad[b : b + 1, s0:s1].to(f32), masks, spec, keys, b, b + 1, s0, s1,
                                            B, S, T)
+                    if need_k:  # the kernel writes each slot's key row at its key-sorted position
+                        skeys, dest, bounds = ab.key_runs(keys.flatten(), T)
                     g_q, contrib, g_w = tvb.rows_backward_fused(
                         gy[0], q[b, s0:s1], kb, w[b, s0:s1] if w is not None else None, keys[0], spec,
-                        (need_q, need_k, need_w))
+                        (need_q, need_k, need_w), dest=dest if need_k else None)
                     if need_q:
                         gq[b, s0:s1] = g_q
                     if need_k:
-                        from .attention_backward import segment_sum_
-
-                        segment_sum_(gk[b if k.shape[0] == B else 0], keys.flatten(), contrib)
+                        ab.sorted_segment_sum_(gk[b if k.shape[0] == B else 0], skeys, bounds, contrib)
                     if need_w:
                         gw[b, s0:s1] = g_w
                     continue

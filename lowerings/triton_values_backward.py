@@ -9,9 +9,11 @@ like the forward kernel), runs the steps' derivatives in reverse and gives
     C[hk, (s, j)]  = sum_h gx[h, j] q[s, h]       (the per-slot key contributions)
 
 where gy is d loss / d (reduced score), from the post steps' derivatives (computed on the
-[rows, k] gradient in PyTorch: they act on the reduced score, so they are cheap). The key
-gradient is then ``attention_backward.segment_sum_`` over C, in (row, slot) order. Nothing
-reduces across rows inside the kernel, so the results do not depend on the chunking.
+[rows, k] gradient in PyTorch: they act on the reduced score, so they are cheap). Row (s, j)
+of C is stored at ``dest[s k + j]``, its key-sorted position (``attention_backward.key_runs``),
+and the key gradient is then ``attention_backward.sorted_segment_sum_`` over C: each key's
+run read contiguously, in (row, slot) order. Nothing reduces across rows inside the kernel, so
+the results do not depend on the chunking.
 
 Covered specs (``supported``): epilogue steps mul / add / div / relu (all spellings) / neg /
 sigmoid / round, any logit dtype, and post steps whose derivative does not read the score
@@ -22,10 +24,14 @@ split of the fp32 gradient (the forward kernel's scheme), on the tensor cores.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+from typing import Optional
 
 import torch
 import triton
 
+from .config_text import parse_fields
 from .spec import ScoreSpec
 from .triton_codegen import _interpreting, _lit, _round_expr, import_source
 
@@ -122,11 +128,33 @@ def _dot_split(a, b16, b, SPLIT: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def values_backward_kernel(Q, K, W, GY, IDX, GQ, GW, C, NS, N, G, D, HK,
+def _split_dot(a16, a, b, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    # a [M, K] @ b [K, N] fp32, _dot_split with the split operand on the right (a holds bf16
+    # values, a16 in bf16): the key contributions as [D, slots], so that the dot's M is the
+    # head dim (a wgmma) rather than the slot block
+    if SPLIT:
+        hi = _round_bf16(b)
+        r = b - hi
+        mid = _round_bf16(r)
+        lo = _round_bf16(r - mid)
+        if INTERP:
+            out = tl.dot(a, hi, input_precision="ieee") + (tl.dot(a, mid, input_precision="ieee")
+                                                          + tl.dot(a, lo, input_precision="ieee"))
+        else:
+            out = tl.dot(a16, hi.to(tl.bfloat16)) + (tl.dot(a16, mid.to(tl.bfloat16))
+                                                     + tl.dot(a16, lo.to(tl.bfloat16)))
+    else:
+        out = tl.dot(a, b, input_precision="ieee")
+    return out
+
+
+@triton.jit
+def values_backward_kernel(Q, K, W, GY, IDX, DEST, GQ, GW, C, NS, N, G, D, HK,
                            sq_s, sq_h, sk_t, sk_h, sw_s, sg_s, si_s,
-                           HAS_W: tl.constexpr, NEED_Q: tl.constexpr, NEED_K: tl.constexpr, NEED_W: tl.constexpr,
+                           HAS_W: tl.constexpr, HAS_DEST: tl.constexpr, NEED_Q: tl.constexpr, NEED_K: tl.constexpr, NEED_W: tl.constexpr,
                            SPLIT: tl.constexpr, INTERP: tl.constexpr, TC16: tl.constexpr,
-                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                           C_T: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
     offs_g = tl.arange(0, BLOCK_G)
@@ -164,9 +192,18 @@ def values_backward_kernel(Q, K, W, GY, IDX, GQ, GW, C, NS, N, G, D, HK,
         if NEED_Q:
             gq += _dot_split(gx, k16, kt, SPLIT, INTERP)
         if NEED_K:
-            c = _dot_split(tl.trans(gx), q16, qd, SPLIT, INTERP)  # [BLOCK_N, BLOCK_D]
-            dst = C + ((hk * NS + r) * N + offs_n)[:, None] * D + offs_d[None, :]
-            tl.store(dst, c, mask=mn[:, None] & md[None, :])
+            if HAS_DEST:  # slot (r, j)'s row at its key-sorted position: the key sum then streams
+                pos = tl.load(DEST + r * N + offs_n, mask=mn, other=0).to(tl.int64)
+            else:
+                pos = r * N + offs_n
+            if C_T:  # [BLOCK_D, BLOCK_N]
+                c = _split_dot(tl.trans(q16), tl.trans(qd), gx, SPLIT, INTERP)
+                dst = C + (hk * NS * N + pos)[None, :] * D + offs_d[:, None]
+                tl.store(dst, c, mask=md[:, None] & mn[None, :])
+            else:  # [BLOCK_N, BLOCK_D]
+                c = _dot_split(tl.trans(gx), q16, qd, SPLIT, INTERP)
+                dst = C + (hk * NS * N + pos)[:, None] * D + offs_d[None, :]
+                tl.store(dst, c, mask=mn[:, None] & md[None, :])
     if NEED_Q:
         tl.store(GQ + (r * G * HK + heads)[:, None] * D + offs_d[None, :], gq, mask=mg[:, None] & md[None, :])
     if NEED_W:
@@ -189,9 +226,38 @@ def load_kernel(spec: ScoreSpec):
     return import_source(render_source(spec)).values_backward_kernel
 
 
-def rows_backward_fused(gy, q, kb, w, keys, spec: ScoreSpec, needs):
+@dataclasses.dataclass(frozen=True)
+class ValuesBackwardConfig:
+    """The row kernel's launch. q and gq are [BLOCK_G, BLOCK_D] tiles, each step a
+    [BLOCK_G, block_n] one and a few [block_n, BLOCK_D] ones."""
+
+    block_n: int = 64  # slots a step
+    num_warps: int = 4
+    num_stages: Optional[int] = None  # Triton's default
+    # The key contributions as q^T gx ([D, slots]: the dot's M is D) instead of gx^T q (M =
+    # block_n: at 32, below a wgmma's 64, so mma.sync). At 64 x 128 all seven dots are then
+    # wgmma (sm_90 build: 247 registers, no spills, 49.5 KB shared against 252 and 57.7 KB).
+    # The same parts and products; the dot instruction may round the fp32 sums differently.
+    # Off until a GPU A/B measures it.
+    c_trans: bool = False
+
+
+def default_config(G: int, D: int) -> ValuesBackwardConfig:
+    """At G query heads per key head and head dim D: 8 warps and 32 slots a step once q's tile
+    is large (64 x 128 heads). ``HYSCALE_VALUES_BWD_CONFIG`` ("block_n=64,num_stages=2,c_trans=1",
+    ``config_text`` syntax) overrides fields, for sweeps."""
+    bg = max(16, triton.next_power_of_2(G))
+    bd = max(16, triton.next_power_of_2(D))
+    cfg = ValuesBackwardConfig(block_n=32, num_warps=8) if bg * bd >= 4096 else ValuesBackwardConfig()
+    text = os.environ.get("HYSCALE_VALUES_BWD_CONFIG", "")
+    return dataclasses.replace(cfg, **parse_fields(text, ValuesBackwardConfig)) if text else cfg
+
+
+def rows_backward_fused(gy, q, kb, w, keys, spec: ScoreSpec, needs, dest=None, _launcher=None):
     """The per-row part for one chunk: gy [ns, n] (d loss / d reduced score, fp32), q [ns, H, D],
     kb [T, Hk, D] (the batch's keys, any float dtype), w [ns, H] or None, keys [ns, n].
+    ``dest`` [ns * n] (int32 or int64): where slot (s, j)'s contribution row goes (a permutation
+    of the slots, ``attention_backward.key_runs``' key-sorted positions); default (s, j)'s own.
     -> (gq [ns, H, D] fp32 or None, contributions [Hk, ns * n, D] fp32 or None, gw [ns, H] or None)"""
     ns, H, D = q.shape
     Hk = kb.shape[1]
@@ -201,24 +267,28 @@ def rows_backward_fused(gy, q, kb, w, keys, spec: ScoreSpec, needs):
     kb = kb if kb.stride(-1) == 1 else kb.contiguous()
     gy, keys = gy.contiguous(), keys.contiguous()
     w = w.contiguous() if w is not None else None
+    if dest is not None and (dest.numel() != ns * n or not dest.is_contiguous()):
+        raise ValueError(f"dest must be a contiguous [{ns * n}] permutation of the slots, got {tuple(dest.shape)}")
     need_q, need_k, need_w = needs[0], needs[1], needs[2] and w is not None
     gq = torch.empty(ns, H, D, dtype=torch.float32, device=dev) if need_q else gy
     gw = torch.empty(ns, H, dtype=torch.float32, device=dev) if need_w else gy
     contrib = torch.empty(Hk, ns * n, D, dtype=torch.float32, device=dev) if need_k else gy
     bg = max(16, triton.next_power_of_2(G))
     bd = max(16, triton.next_power_of_2(D))
-    # q and gq [BLOCK_G, BLOCK_D], a [BLOCK_G, BLOCK_N] tile per step and a few [BLOCK_N,
-    # BLOCK_D] ones: 8 warps and 32 slots a step once q's tile is large (64 x 128 heads)
-    big = bg * bd >= 4096
+    cfg = default_config(G, D)
     split, interp = q.dtype == torch.bfloat16 and kb.dtype == torch.bfloat16, _interpreting()
-    bn = 32 if big else 64
-    load_kernel(spec)[(ns, Hk)](
-        q, kb, w if w is not None else gy, gy, keys, gq, gw, contrib, ns, n, G, D, Hk,
-        q.stride(0), q.stride(1), kb.stride(0), kb.stride(1), w.stride(0) if w is not None else 0,
-        gy.stride(0), keys.stride(0),
-        HAS_W=spec.reduce == "weighted_sum", NEED_Q=need_q, NEED_K=need_k, NEED_W=need_w,
-        SPLIT=split, INTERP=interp, TC16=split and not interp,
-        BLOCK_G=bg, BLOCK_D=bd, BLOCK_N=bn, num_warps=8 if big else 4)
+    launch = dict(HAS_W=spec.reduce == "weighted_sum", HAS_DEST=dest is not None, NEED_Q=need_q, NEED_K=need_k,
+                  NEED_W=need_w, SPLIT=split, INTERP=interp, TC16=split and not interp,
+                  BLOCK_G=bg, BLOCK_D=bd, BLOCK_N=cfg.block_n, C_T=cfg.c_trans, num_warps=cfg.num_warps)
+    if cfg.num_stages is not None:
+        launch["num_stages"] = cfg.num_stages
+    args = (q, kb, w if w is not None else gy, gy, keys, dest if dest is not None else keys, gq, gw, contrib,
+            ns, n, G, D, Hk, q.stride(0), q.stride(1), kb.stride(0), kb.stride(1),
+            w.stride(0) if w is not None else 0, gy.stride(0), keys.stride(0))
+    kern = load_kernel(spec)
+    if _launcher is not None:  # (benchmarks: compile for another target without launching)
+        return _launcher(kern, args, launch)
+    kern[(ns, Hk)](*args, **launch)
     return (gq if need_q else None, contrib if need_k else None, gw if need_w else None)
 
 

@@ -470,6 +470,55 @@ def test_segment_sum_is_sequential_in_row_slot_order():
     assert torch.equal(got3.cpu(), want3)
 
 
+def test_sorted_segment_sum_equals_the_gathered_sum():
+    """key_runs + sorted_segment_sum_ (contributions written at their key-sorted positions,
+    each run read contiguously; the kernel compiled on a GPU machine, interpreted on the CPU
+    elsewhere): dest is the inverse of the stable key order, bounds are the runs' starts, and
+    the sum is segment_sum_'s (the gathered one's) bit for bit, across chunks, with several
+    key heads, runs of every length around the unroll, and -0.0 sums that stay -0.0."""
+    gen = torch.Generator().manual_seed(fresh_seed("sorted-segment-sum"))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    N, Tk, F = 300, 9, 5
+    keys = torch.randint(0, 6, (N,), generator=gen)  # keys 6..8 get nothing
+    keys[:40] = 2  # one run longer than two unrolls
+    skeys, dest, bounds = ab.key_runs(keys.to(dev), Tk)
+    skeys, dest, bounds = skeys.cpu(), dest.cpu(), bounds.cpu()
+    order = torch.sort(keys, stable=True)[1]
+    assert torch.equal(dest[order].long(), torch.arange(N)) and torch.equal(skeys.long(), keys[order])
+    starts = [0] + [i for i in range(1, N) if skeys[i] != skeys[i - 1]]
+    assert bounds.tolist() == starts + [N] * (Tk + 1 - len(starts))
+    src3 = torch.randn(3, N, F, generator=gen) * torch.exp2(torch.randint(-20, 20, (1, N, 1), generator=gen).float())
+    base3 = torch.randn(Tk, 3, F, generator=gen)
+    want3 = ab.segment_sum_(base3.clone(), keys, src3, use_kernel=False)
+    gathered = ab.segment_sum_(base3.clone().to(dev), keys.to(dev), src3.to(dev), use_kernel=True).cpu()
+    assert torch.equal(gathered, want3)
+    placed = torch.empty_like(src3)
+    placed[:, dest.long()] = src3  # each (row, slot) row at its sorted position
+    for unroll in (16, 4):  # runs of length 1..40 straddle either
+        got = ab.sorted_segment_sum_(base3.clone().to(dev), skeys.to(dev), bounds.to(dev), placed.to(dev),
+                                     unroll=unroll)
+        assert torch.equal(got.cpu(), want3), unroll
+    # across chunks: each chunk's own key runs onto the running value
+    got = base3.clone().to(dev)
+    for c0 in range(0, N, 64):
+        kc = keys[c0:c0 + 64].to(dev)
+        sk, de, bo = ab.key_runs(kc, Tk)
+        pc = torch.empty(3, kc.numel(), F, device=dev)
+        pc[:, de.long()] = src3[:, c0:c0 + 64].to(dev)
+        ab.sorted_segment_sum_(got, sk, bo, pc)
+    assert torch.equal(got.cpu(), want3)
+    # -0.0 contributions onto -0.0: index_add_'s loop keeps the sign, so does the kernel
+    zeros = torch.full((3, N, F), -0.0)
+    neg = ab.sorted_segment_sum_(torch.full((Tk, 3, F), -0.0, device=dev), skeys.to(dev), bounds.to(dev),
+                                 zeros.to(dev)).cpu()
+    assert torch.equal(torch.signbit(neg), torch.ones(Tk, 3, F, dtype=torch.bool))
+    # keys past 2^31 - 1 (no int32 sort), and a bound below N: one run per distinct key
+    sk, de, bo = ab.key_runs(torch.tensor([2 ** 33, 5, 2 ** 33, 5, 1]), 2 ** 34)
+    assert sk.tolist() == [1, 5, 5, 2 ** 33, 2 ** 33] and de.tolist() == [3, 1, 4, 2, 0]
+    assert bo.tolist() == [0, 1, 3, 5, 5, 5]
+    assert ab.key_runs(torch.tensor([1, 0, 1, 1]), 2)[2].tolist() == [0, 1, 4]
+
+
 def _backward_bits(device, S_, T_, K_, H, Hk, Dq, Dv, chunk_bytes=None, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, S_, H, Dq, generator=gen).to(device)

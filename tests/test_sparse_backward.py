@@ -533,6 +533,70 @@ def test_fused_rows_kernel_bits_do_not_depend_on_the_chunking():
             assert all(torch.equal(a, b) for a, b in zip(got, want)), (kw, chunk_bytes)
 
 
+def test_fused_key_sum_at_sorted_positions_equals_the_gathered_sum():
+    """The fused path writes each slot's key contribution at its key-sorted position and sums
+    each key's run contiguously: the same bits as the kernel's contributions in (row, slot)
+    layout gathered by segment_sum_ (the Triton kernel, interpreted here), with rows that
+    have fewer than k valid keys (a causal fill: -inf values, no gradient at those slots),
+    several key heads, and against float64."""
+    from hyscale_compile.lowerings import attention_backward as ab
+    from hyscale_compile.lowerings import backward as bwd
+    from hyscale_compile.lowerings import triton_values_backward as tvb
+
+    torch.manual_seed(fresh_seed("fused-sorted-keys"))
+    S_, T_, K_, D_ = 10, 10, 6, 16
+    spec = ScoreSpec(epilogue=(("relu",), ("mul", 0.25)), post=(("mask", 0),),
+                     masks=(MaskTerm(kind="range", hi=0, mode="fill"),))
+    hi = (torch.arange(S_) + 1).view(1, S_)  # rows 0..4 see fewer than k keys
+    for H_, Hk_ in ((4, 1), (4, 2)):
+        q, k, w = torch.randn(1, S_, H_, D_), torch.randn(1, T_, Hk_, D_), torch.rand(1, S_, H_) + 0.1
+        vals, idx = torch.ops.hyscale.hytopk_values(q, k, w, [hi], K_, spec.to_json())
+        assert bool((vals[0, :K_ - 1] == -math.inf).any())
+        g = torch.randn(1, S_, K_)
+        got = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=True)
+        keys = idx.long()
+        gy = tvb.post_backward(g, [hi], spec, keys, 0, 1, 0, S_, 1, S_, T_)
+        gq, contrib, gw = tvb.rows_backward_fused(gy[0], q[0], k[0], w[0], keys[0], spec, (True, True, True))
+        gk = ab.segment_sum_(torch.zeros(T_, Hk_, D_), keys.flatten(), contrib, use_kernel=True)
+        for a, b, what in zip(got, (gq, gk, gw), "qkw"):
+            assert torch.equal(a[0], b), f"d/d{what}"
+        # the sorted layout is the same rows, permuted
+        skeys, dest, bounds = ab.key_runs(keys.flatten(), T_)
+        placed = tvb.rows_backward_fused(gy[0], q[0], k[0], w[0], keys[0], spec, (True, True, True), dest=dest)
+        assert torch.equal(placed[1][:, dest.long()], contrib)
+        leaves = [t.double().requires_grad_(True) for t in (q, k, w)]
+        picked = ref.dense_scores(*leaves, [hi], spec, dtype=torch.float64).gather(-1, idx.long())
+        (picked * g.double()).masked_fill(vals == -math.inf, 0).sum().backward()
+        for a, b, what in zip(got, [t.grad for t in leaves], "qkw"):
+            torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=1e-5, msg=f"d/d{what}")
+    with pytest.raises(ValueError, match="dest"):
+        tvb.rows_backward_fused(gy[0], q[0], k[0], w[0], keys[0], spec, (True, True, True), dest=dest[:-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rows_kernel_contribution_layouts_agree(monkeypatch, dtype):
+    """The key contributions as gx^T q (the default) or as q^T gx (c_trans=1), and
+    HYSCALE_VALUES_BWD_CONFIG's other fields: exact-product inputs with heavy key sharing give
+    the same bits either way (bf16: the three-part split on either side of the dot); an
+    unknown field is an error that names the fields."""
+    from hyscale_compile.lowerings import backward as bwd
+    from hyscale_compile.lowerings import triton_values_backward as tvb
+
+    case = _shared_key_case("cpu", seed="fused-layouts", H_=4, Hk_=2)
+    (g, q, k, w, idx, hi), spec = case
+    q, k = q.to(dtype), k.to(dtype)
+    outs = {}
+    for cfg in ("", "c_trans=1", "c_trans=1,block_n=16,num_warps=2", "block_n=16,num_stages=2"):
+        monkeypatch.setenv("HYSCALE_VALUES_BWD_CONFIG", cfg)
+        outs[cfg] = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=True)
+    want = bwd.values_backward(g, q, k, w, [hi], idx, spec, fused=False)
+    for cfg, got in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), cfg
+    monkeypatch.setenv("HYSCALE_VALUES_BWD_CONFIG", "blocks=3")
+    with pytest.raises(ValueError, match="block_n"):
+        tvb.default_config(4, 16)
+
+
 def test_fused_rows_kernel_needs_and_uncovered_specs():
     """needs=(q only): no key or weight gradient is computed; a spec the kernel does not
     cover (a relu after the head reduction reads the score in its derivative) keeps the
