@@ -16,6 +16,10 @@ generated kernels and the key-major segment sum, per chunk of query rows:
            dP = dO . v[t]^T;  dS' = P' (dP - delta), then the post steps' derivatives
            dQ' += dS' . k[t];           P', dS' stored to the chunk's [n, H, K] buffers
        l = sum_j P';  dQ = dQ' / l     (stored once), 1 / l stored per head
+   Launch options (``BackwardConfig``, for benchmarks): dO straight to the dP dot's shared
+   operand (``do_smem``), the keys gathered to registers a tile ahead (``prefetch_keys``),
+   the scores' dots in the other order (``db_first``), or the scores and dP as loops over
+   feature chunks of q, dO and the keys, none resident (``inner_k``: BLOCK_H = 128 fits).
    ``P' / l`` is the softmax renormalized over the slots, exactly as the forward's e / sum e:
    where a finite fill hides every slot (y = finfo.min), fp32 lse = m + log(l) rounds log(l)
    away and exp(y - lse) is 1 per slot; the correction is a per-head factor, so it applies
@@ -114,6 +118,25 @@ class BackwardConfig:
     # kernel 1: each tile's key indices loaded one iteration ahead (a loop-carried value), so
     # the gather's addresses do not wait on a load issued in the same iteration
     prefetch_idx: bool = False
+    # kernel 1 (16-bit operands): dO loaded straight to the dP dot's shared-memory operand,
+    # not masked and converted in registers first (a register operand is read back from
+    # shared memory every tile; at 4 warps it spills). A dead head's dO may then be NaN: its
+    # P' is 0, and dS' = 0 where P' is 0, so nothing of it is stored
+    do_smem: bool = False
+    # kernel 1: each tile's keys gathered to registers one iteration ahead (the indices two
+    # ahead), for num_stages = 1: the gather's latency then overlaps the tile before's dots
+    prefetch_keys: bool = False
+    # kernel 1: the scores' DB-wide dot first, the DA-wide one accumulating onto it
+    # (``_bwd_scores_of``): at 8 warps the large dot then splits its slots between the
+    # warpgroups; another order of the fp32 sum, so other low bits than the default's
+    db_first: bool = False
+    # kernel 1: the scores and dP of a slot tile as loops over ``block_d``-wide feature
+    # chunks of q, dO and the gathered keys (``_bwd_scores_dp_chunked``), none resident: a
+    # pipelined GEMM in little shared memory, so BLOCK_H = 128 fits (each warpgroup its own
+    # 64 heads, the row's keys gathered once). Where v is a view of k, 16-bit operands, dQ
+    # apart (``fused_dq`` off)
+    inner_k: bool = False
+    block_d: int = 64
 
 
 def smem_estimate(cfg: BackwardConfig, Dqk: int, Dv: int, elem_bytes: int) -> tuple:
@@ -395,6 +418,9 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     # fp32 operands with IEEE dots: delta from the slots' own P' and dP, a first pass over the
     # keys (see the module docstring); 16-bit operands and TF32 dots: the ``delta`` operand, one pass
     exact_delta = {q.dtype, k.dtype, v.dtype} == {f32} and spec.fp32_precision != "tf32"
+    if cfg.inner_k and (fused_dq or exact_delta or not v_from_k):
+        raise SpecError("the backward's inner_k configuration needs v a view of k's first columns, 16-bit or TF32 "
+                        "operands and dQ apart (fused_dq off)")
     built = []
 
     def launch(fn, grid, args, kw):
@@ -411,7 +437,9 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
             *lse.stride(), *dq_arg.stride(), r0, S, G, Hk, K, D, Dv],
             dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DA=da, DB=db, DBQ=max(db, 16), BLOCK_DV=block_dv,
                  V_FROM_K=v_from_k, NEED_DQ=bool(fused_dq), PREFETCH_IDX=cfg.prefetch_idx,
-                 EXACT_DELTA=exact_delta, num_warps=cfg.num_warps,
+                 EXACT_DELTA=exact_delta, DO_SMEM=cfg.do_smem and not upcast,
+                 PREFETCH_KEYS=cfg.prefetch_keys, DB_FIRST=cfg.db_first, INNER_K=cfg.inner_k,
+                 BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
                  num_stages=cfg.num_stages, **prec_consts))
         if needs[0] and not fused_dq:
             nf = -(-D // cfg.dq_block_f)
@@ -493,25 +521,87 @@ def _post_grad(g, t, slot_ok, b, s, {{MASK_PARAMS}}):
 
 
 @triton.jit
-def _bwd_scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
-                BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, UPCAST: tl.constexpr):
-    # the forward's scores y [BLOCK_H, BLOCK_N] (-inf at padding slots) and the key tiles
+def _bwd_gather(kbase, t, slot_ok, DQK, stride_kt, stride_kd, DA: tl.constexpr, DB: tl.constexpr,
+                UPCAST: tl.constexpr):
+    # the key tiles [BLOCK_N, DA] and [BLOCK_N, DB] of slots t (ka again where DB is 0)
     rows = kbase + t[:, None] * stride_kt
     offs_a = tl.arange(0, DA)
     ka = tl.load(rows + offs_a[None, :] * stride_kd, mask=slot_ok[:, None] & (offs_a < DQK)[None, :], other=0.0)
     if UPCAST:
         ka = ka.to(tl.float32)
-    x = tl.dot(qa, tl.trans(ka), input_precision="{{PRECISION}}", out_dtype=tl.float32)
     if DB > 0:
         offs_b = DA + tl.arange(0, DB)
         kb = tl.load(rows + offs_b[None, :] * stride_kd, mask=slot_ok[:, None] & (offs_b < DQK)[None, :], other=0.0)
         if UPCAST:
             kb = kb.to(tl.float32)
-        x = tl.dot(qb, tl.trans(kb), acc=x, input_precision="{{PRECISION}}", out_dtype=tl.float32)
     else:
         kb = ka  # (unused)
+    return ka, kb
+
+
+@triton.jit
+def _bwd_scores_of(qa, qb, ka, kb, t, slot_ok, b, s, {{MASK_PARAMS}}DB: tl.constexpr, DB_FIRST: tl.constexpr):
+    # the forward's scores y [BLOCK_H, BLOCK_N] (-inf at padding slots) of gathered key tiles.
+    # DB_FIRST: the DB chunk's dot first, the DA chunk's accumulating onto it (a dot whose
+    # result feeds another dot gets all its warps along M, at BLOCK_H = 64 and 8 warps the
+    # same product on both warpgroups: the small dot then, not the large one)
+    if DB > 0 and DB_FIRST:
+        x = tl.dot(qb, tl.trans(kb), input_precision="{{PRECISION}}", out_dtype=tl.float32)
+        x = tl.dot(qa, tl.trans(ka), acc=x, input_precision="{{PRECISION}}", out_dtype=tl.float32)
+    else:
+        x = tl.dot(qa, tl.trans(ka), input_precision="{{PRECISION}}", out_dtype=tl.float32)
+        if DB > 0:
+            x = tl.dot(qb, tl.trans(kb), acc=x, input_precision="{{PRECISION}}", out_dtype=tl.float32)
     y = _post(x, t, slot_ok, b, s, {{MASK_PARAMS}})
-    return tl.where(slot_ok[None, :], y, float("-inf")), ka, kb
+    return tl.where(slot_ok[None, :], y, float("-inf"))
+
+
+@triton.jit
+def _bwd_scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
+                BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, UPCAST: tl.constexpr,
+                DB_FIRST: tl.constexpr):
+    # the forward's scores y [BLOCK_H, BLOCK_N] (-inf at padding slots) and the key tiles
+    ka, kb = _bwd_gather(kbase, t, slot_ok, DQK, stride_kt, stride_kd, DA, DB, UPCAST)
+    return _bwd_scores_of(qa, qb, ka, kb, t, slot_ok, b, s, {{MASK_PARAMS}}DB, DB_FIRST), ka, kb
+
+
+@triton.jit
+def _bwd_scores_dp_chunked(qbase, dobase, kbase, t, slot_ok, h_ok, b, s, DQK, DV, stride_qh, stride_qd,
+                           stride_gh, stride_gd, stride_kt, stride_kd, {{MASK_PARAMS}}BLOCK_H: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    # the scores y and dP [BLOCK_H, BLOCK_N] of slots t (v the keys' first DV columns) as
+    # loops over BLOCK_D-wide feature chunks: each step loads a q, a dO and a gathered key
+    # chunk (q and dO from L2, not resident), so the loop pipelines within a slot tile in
+    # little shared memory; dO unmasked (a dead head's P' is 0, and its dS' with it)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = kbase + t[:, None] * stride_kt
+    x = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    dp = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    for d0 in range(0, DV, BLOCK_D):
+        cols = d0 + offs_d
+        kc = tl.load(rows + cols[None, :] * stride_kd, mask=slot_ok[:, None] & (cols < DQK)[None, :], other=0.0)
+        qc = tl.load(qbase + offs_h[:, None] * stride_qh + cols[None, :] * stride_qd,
+                     mask=h_ok[:, None] & (cols < DQK)[None, :], other=0.0)
+        dc = tl.load(dobase + offs_h[:, None] * stride_gh + cols[None, :] * stride_gd,
+                     mask=h_ok[:, None] & (cols < DV)[None, :], other=0.0)
+        if UPCAST:
+            kc = kc.to(tl.float32)
+            qc = qc.to(tl.float32)
+            dc = dc.to(tl.float32)
+        x = tl.dot(qc, tl.trans(kc), acc=x, input_precision="{{PRECISION}}", out_dtype=tl.float32)
+        dp = tl.dot(dc, tl.trans(kc), acc=dp, input_precision="{{PRECISION}}", out_dtype=tl.float32)
+    for d0 in range(tl.cdiv(DV, BLOCK_D) * BLOCK_D, DQK, BLOCK_D):  # the keys' columns past v's
+        cols = d0 + offs_d
+        kc = tl.load(rows + cols[None, :] * stride_kd, mask=slot_ok[:, None] & (cols < DQK)[None, :], other=0.0)
+        qc = tl.load(qbase + offs_h[:, None] * stride_qh + cols[None, :] * stride_qd,
+                     mask=h_ok[:, None] & (cols < DQK)[None, :], other=0.0)
+        if UPCAST:
+            kc = kc.to(tl.float32)
+            qc = qc.to(tl.float32)
+        x = tl.dot(qc, tl.trans(kc), acc=x, input_precision="{{PRECISION}}", out_dtype=tl.float32)
+    y = _post(x, t, slot_ok, b, s, {{MASK_PARAMS}})
+    return tl.where(slot_ok[None, :], y, float("-inf")), dp
 
 
 @triton.jit
@@ -533,7 +623,7 @@ def _bwd_dp(do_c, vbase, t, slot_ok, ka, DV, stride_vt, stride_vd, BLOCK_DV: tl.
 def _bwd_delta(qa, qb, do_c, kbase, vbase, ibase, live, lse_use, b, s, DQK, DV, TOPK, stride_kt, stride_kd,
                stride_vt, stride_vd, stride_ij, {{MASK_PARAMS}}BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                DA: tl.constexpr, DB: tl.constexpr, BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr,
-               UPCAST: tl.constexpr):
+               UPCAST: tl.constexpr, DB_FIRST: tl.constexpr):
     # delta = sum_j P'_j dP_j / sum_j P'_j [BLOCK_H]: a pass over the slots with the main
     # loop's own P' and dP (the same tiles and ops, so the same bits)
     offs_n = tl.arange(0, BLOCK_N)
@@ -544,7 +634,7 @@ def _bwd_delta(qa, qb, do_c, kbase, vbase, ibase, live, lse_use, b, s, DQK, DV, 
         slot_ok = slots < TOPK
         t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
         y, ka, kb = _bwd_scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
-                                BLOCK_N, DA, DB, UPCAST)
+                                BLOCK_N, DA, DB, UPCAST, DB_FIRST)
         p = tl.where(live[:, None], tl.exp(y - lse_use[:, None]), 0.0)
         dp = _bwd_dp(do_c, vbase, t, slot_ok, ka, DV, stride_vt, stride_vd, BLOCK_DV, V_FROM_K, UPCAST)
         num += tl.sum(tl.where(p > 0.0, p * dp, 0.0), axis=1)
@@ -566,7 +656,8 @@ def attn_bwd_rows(
     R0, S, G, HK, TOPK, DQK, DV,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, DBQ: tl.constexpr,
     BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr, NEED_DQ: tl.constexpr,
-    PREFETCH_IDX: tl.constexpr, EXACT_DELTA: tl.constexpr,
+    PREFETCH_IDX: tl.constexpr, EXACT_DELTA: tl.constexpr, DO_SMEM: tl.constexpr, PREFETCH_KEYS: tl.constexpr,
+    DB_FIRST: tl.constexpr, INNER_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # program: row R0 + lrow of the flattened (b, s), kv head hk, heads g0 .. g0 + BLOCK_H of
     # its G; writes dQ of those heads, P' and dS' [BLOCK_H, TOPK] to PB / GB (the chunk's
@@ -585,45 +676,70 @@ def attn_bwd_rows(
 {{ROW_BOUNDS}}
     qa, qb = _load_q(Q, b, s, hk, g0, G, DQK, stride_qb, stride_qs, stride_qh, stride_qd, BLOCK_H, DA, DB, UPCAST)
     gbase = DO + b * stride_gb + s * stride_gs + (hk * G) * stride_gh
-    do = tl.load(tl.make_block_ptr(gbase, (G, DV), (stride_gh, stride_gd), (g0, 0), (BLOCK_H, BLOCK_DV), (1, 0)),
-                 boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    do_ptr = tl.make_block_ptr(gbase, (G, DV), (stride_gh, stride_gd), (g0, 0), (BLOCK_H, BLOCK_DV), (1, 0))
     lse = tl.load(LSE + b * stride_lb + s * stride_ls + (hk * G + g0 + offs_h) * stride_lh, mask=h_ok,
                   other=float("-inf"))
     # a head with no visible slot (lse -inf, out NaN) passes nothing: its dO reads as 0
+    # (DO_SMEM: unmasked, its P' and dS' are 0 whatever its dP)
     live = lse > float("-inf")
     lse_use = tl.where(live, lse, 0.0)
-    do = tl.where(live[:, None], do, 0.0)
+    if DO_SMEM:
+        do_c = tl.load(do_ptr, boundary_check=(0, 1), padding_option="zero")
+    else:
+        do = tl.load(do_ptr, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+        do_c = tl.where(live[:, None], do, 0.0).to(qa.dtype)
     if not EXACT_DELTA:
         delta = tl.load(DELTA + b * stride_eb + s * stride_es + (hk * G + g0 + offs_h) * stride_eh,
                         mask=h_ok & live, other=0.0)
-    do_c = do.to(qa.dtype)
     kbase = K + b * stride_kb + hk * stride_kh
     vbase = V + b * stride_vb + hk * stride_vh
     ibase = IDX + b * stride_ib + s * stride_is
     if EXACT_DELTA:  # (the module docstring: fp32 operands)
         delta = _bwd_delta(qa, qb, do_c, kbase, vbase, ibase, live, lse_use, b, s, DQK, DV, TOPK, stride_kt,
                            stride_kd, stride_vt, stride_vd, stride_ij, {{MASK_PARAMS}}BLOCK_H, BLOCK_N, DA, DB,
-                           BLOCK_DV, V_FROM_K, UPCAST)
+                           BLOCK_DV, V_FROM_K, UPCAST, DB_FIRST)
     pg = (lrow * (HK * G) + hk * G + g0 + offs_h) * TOPK
+    qrow = Q + b * stride_qb + s * stride_qs + (hk * G + g0) * stride_qh
     dqa = tl.zeros([BLOCK_H, DA], dtype=tl.float32)
     dqb = tl.zeros([BLOCK_H, DBQ], dtype=tl.float32)
     lsum = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if PREFETCH_IDX:
+    if PREFETCH_IDX or PREFETCH_KEYS:
         t_next = tl.load(ibase + offs_n * stride_ij, mask=offs_n < TOPK, other=0).to(tl.int64)
+    if PREFETCH_KEYS:
+        # the next tile's keys gathered to registers one iteration ahead (their loads in
+        # flight through this tile's dots), the indices two ahead
+        ka_next, kb_next = _bwd_gather(kbase, t_next, offs_n < TOPK, DQK, stride_kt, stride_kd, DA, DB, UPCAST)
+        t_next = tl.load(ibase + (BLOCK_N + offs_n) * stride_ij, mask=BLOCK_N + offs_n < TOPK, other=0).to(tl.int64)
     for n0 in range(0, TOPK, BLOCK_N):
         slots = n0 + offs_n
         slot_ok = slots < TOPK
-        if PREFETCH_IDX:
-            t = t_next
-            ahead = slots + BLOCK_N
-            t_next = tl.load(ibase + ahead * stride_ij, mask=ahead < TOPK, other=0).to(tl.int64)
-        else:
+        if INNER_K:
             t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
-        y, ka, kb = _bwd_scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
-                                BLOCK_N, DA, DB, UPCAST)
+            y, dp = _bwd_scores_dp_chunked(qrow, gbase + g0 * stride_gh, kbase, t, slot_ok, h_ok, b, s, DQK, DV,
+                                           stride_qh, stride_qd, stride_gh, stride_gd, stride_kt, stride_kd,
+                                           {{MASK_PARAMS}}BLOCK_H, BLOCK_N, BLOCK_D, UPCAST)
+        elif PREFETCH_KEYS:
+            ka = ka_next
+            kb = kb_next
+            t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
+            ahead = slots + BLOCK_N
+            ka_next, kb_next = _bwd_gather(kbase, t_next, ahead < TOPK, DQK, stride_kt, stride_kd, DA, DB, UPCAST)
+            ahead2 = ahead + BLOCK_N
+            t_next = tl.load(ibase + ahead2 * stride_ij, mask=ahead2 < TOPK, other=0).to(tl.int64)
+            y = _bwd_scores_of(qa, qb, ka, kb, t, slot_ok, b, s, {{MASK_PARAMS}}DB, DB_FIRST)
+        else:
+            if PREFETCH_IDX:
+                t = t_next
+                ahead = slots + BLOCK_N
+                t_next = tl.load(ibase + ahead * stride_ij, mask=ahead < TOPK, other=0).to(tl.int64)
+            else:
+                t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
+            y, ka, kb = _bwd_scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
+                                    BLOCK_N, DA, DB, UPCAST, DB_FIRST)
         p = tl.where(live[:, None], tl.exp(y - lse_use[:, None]), 0.0)
         lsum += tl.sum(p, axis=1)
-        dp = _bwd_dp(do_c, vbase, t, slot_ok, ka, DV, stride_vt, stride_vd, BLOCK_DV, V_FROM_K, UPCAST)
+        if not INNER_K:
+            dp = _bwd_dp(do_c, vbase, t, slot_ok, ka, DV, stride_vt, stride_vd, BLOCK_DV, V_FROM_K, UPCAST)
         g = tl.where(p > 0.0, p * (dp - delta[:, None]), 0.0)
         g = _post_grad(g, t, slot_ok, b, s, {{MASK_PARAMS}})
         ok = h_ok[:, None] & slot_ok[None, :]

@@ -363,6 +363,59 @@ def test_grid_order_and_index_prefetch_keep_the_bits():
                 assert all(torch.equal(a, b) for a, b in zip(runs[0], got))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel1_dout_operand_and_key_prefetch_keep_the_bits(dtype):
+    # do_smem (dO straight to the dot, unmasked) and prefetch_keys (the keys one tile ahead
+    # in registers) change loads, not arithmetic: the same bits; db_first sums the scores in
+    # another order: within the rule. A dead row's dO (NaN here) changes no bit of any
+    # configuration. K = 20 leaves the last tile partial
+    H, Hk, D, Dv, _ = FORMS["mqa"]
+    B, S, T, K = 1, 3, 24, 20
+    seed = fresh_seed(f"bwd kernel-1 options {dtype}")
+    q, k, v, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, dtype, v_of_k=True)
+    hi = _causal(B, S, T)  # row 0 sees nothing: its heads are dead
+    spec = _spec(D, dtype, [MaskTerm(kind="range", hi=0)])
+    base = default_config(H, Hk, D, Dv, interpret=True)
+    got, (go, out, lse) = check(q, k, v, idx, [hi], spec, seed, fold_v=True,
+                                config=dataclasses.replace(base, db_first=True, do_smem=True, prefetch_keys=True))
+    nan_go = go.clone()
+    nan_go[0, 0] = float("nan")
+
+    def grads(config, g):
+        return attention_backward_triton(g, q, k, v, idx, [hi], bwd.attention_delta(g, out, lse), lse, spec,
+                                         fold_v=True, config=config)
+
+    configs = [dataclasses.replace(base, do_smem=ds, prefetch_keys=pk)
+               for ds, pk in ((False, False), (True, False), (False, True), (True, True))]
+    runs = [grads(c, nan_go) for c in configs]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], grads(base, go)))
+    for r in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], r))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel1_feature_chunks_within_the_rule(dtype):
+    # inner_k: the scores and dP over 16-wide feature chunks (D = 24 past v's 16: a partial
+    # chunk in each loop), dQ by its own kernel; a dead row's NaN dO changes no bit; the
+    # configurations it cannot run are refused
+    H, Hk, D, Dv, _ = FORMS["mqa"]
+    B, S, T, K = 1, 3, 24, 20
+    seed = fresh_seed(f"bwd kernel-1 chunks {dtype}")
+    q, k, v, idx, _ = _inputs(seed, B, S, T, H, Hk, D, Dv, K, dtype, v_of_k=True)
+    hi = _causal(B, S, T)
+    spec = _spec(D, dtype, [MaskTerm(kind="range", hi=0)])
+    cfg = dataclasses.replace(default_config(H, Hk, D, Dv, interpret=True), inner_k=True, fused_dq=False, block_d=16)
+    got, (go, out, lse) = check(q, k, v, idx, [hi], spec, seed, fold_v=True, config=cfg)
+    nan_go = go.clone()
+    nan_go[0, 0] = float("nan")
+    again = attention_backward_triton(nan_go, q, k, v, idx, [hi], bwd.attention_delta(nan_go, out, lse), lse, spec,
+                                      fold_v=True, config=cfg)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    with pytest.raises(SpecError, match="inner_k"):
+        attention_backward_triton(go, q, k, v, idx, [hi], bwd.attention_delta(go, out, lse), lse, spec, fold_v=True,
+                                  config=dataclasses.replace(cfg, fused_dq=True))
+
+
 def test_key_order_int32_and_run_starts():
     g = torch.Generator().manual_seed(fresh_seed("bwd run starts"))
     keys = torch.randint(0, 40, (300,), generator=g)
@@ -630,7 +683,8 @@ def test_gpu_key_side_passes_keep_the_bits_at_the_latent():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_grid_order_prefetch_and_run_grid_keep_the_bits():
     # the compiled kernels at the latent's H = 128: program order and index prefetch change
-    # no bits; the pipelined kernel-1 configuration (16-slot tiles, 3 stages) is within the rule
+    # no bits; the pipelined kernel-1 configuration (16-slot tiles, 3 stages) and the
+    # benchmark's kernel-1 candidates are within the rule
     H, Hk, D, Dv = 128, 1, 576, 512
     q, k, v, idx, hi, spec, out, lse, go = _latent_case_cuda("bwd gpu configs", H, 96, 256)
     delta = bwd.attention_delta(go, out, lse)
@@ -641,12 +695,39 @@ def test_gpu_grid_order_prefetch_and_run_grid_keep_the_bits():
             got = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=fold,
                                             config=dataclasses.replace(base, **change))
             assert all(torch.equal(a, b) for a, b in zip(got, want)), (fold, change)
-    piped = dataclasses.replace(base, block_n=16, num_stages=3, prefetch_idx=True)
-    got = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True, config=piped)
     orig = bwd.attention_backward(go, q, k, v, idx, [hi], delta, lse, spec, mode="pytorch", fold_v=True)
     r = grads64(go, q, k, v, idx, [hi], spec)
-    for name, x, o, want in zip(("gq", "gk"), got, orig, (r[0], folded(r[1], r[2]))):
-        assert_consumer_close(x, o, want.to(x.device), torch.bfloat16, what=f"{name} (pipelined kernel 1)")
+    for label, change in (("pipelined kernel 1", dict(block_n=16, num_stages=3, prefetch_idx=True)),
+                          *((f"kernel 1 {c}", c) for c in KERNEL1_CANDIDATES)):
+        got = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True,
+                                        config=dataclasses.replace(base, **change))
+        for name, x, o, want in zip(("gq", "gk"), got, orig, (r[0], folded(r[1], r[2]))):
+            assert_consumer_close(x, o, want.to(x.device), torch.bfloat16, what=f"{name} ({label})")
+
+
+# kernel 1's launch configurations at the latent's H = 128 that the benchmark times against
+# the default (``bench_attention_backward --impls deterministic@...``)
+KERNEL1_CANDIDATES = (dict(num_warps=4, do_smem=True), dict(num_warps=8, do_smem=True, db_first=True),
+                      dict(num_warps=8, do_smem=True, prefetch_keys=True, num_stages=1),
+                      dict(inner_k=True, block_h=128, block_n=64, num_warps=8, num_stages=3),
+                      dict(inner_k=True, block_h=64, block_n=64, num_warps=4, num_stages=4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_dout_operand_and_key_prefetch_keep_the_bits():
+    # at the latent's H = 128 (the default's 16 warps): dO straight to the dot and the keys
+    # gathered a tile ahead change loads, not the dots: the same bits
+    H, Hk, D, Dv = 128, 1, 576, 512
+    q, k, v, idx, hi, spec, out, lse, go = _latent_case_cuda("bwd gpu kernel-1 loads", H, 96, 256)
+    delta = bwd.attention_delta(go, out, lse)
+    base = default_config(H, Hk, D, Dv)
+    want = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True, config=base)
+    for change in (dict(do_smem=True), dict(prefetch_keys=True, num_stages=1),
+                   dict(do_smem=True, prefetch_keys=True, num_stages=1)):
+        got = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True,
+                                        config=dataclasses.replace(base, **change))
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), change
 
 
 @pytest.mark.gpu
