@@ -145,17 +145,22 @@ def smem_estimate(cfg: BackwardConfig, Dqk: int, Dv: int, elem_bytes: int) -> tu
     the whole slot loop and stages each gathered key tile [BLOCK_N, DA + DB] (and a separate
     value tile unless v is a view of k, counted here) num_stages deep, plus the [BLOCK_H,
     BLOCK_N] dS operand; kernel 2 stages a [BLOCK_G, BLOCK_N] weight tile and a [BLOCK_G,
-    BLOCK_F] operand tile."""
+    BLOCK_F] operand tile. With ``inner_k`` kernel 1 holds no q or dO: it stages [BLOCK_H,
+    BLOCK_D] chunks of both and a [BLOCK_N, BLOCK_D] key chunk, num_stages deep (the sm_90
+    builds at 128 and 64 heads report exactly those stages: 122,880 and 98,304 bytes)."""
     da, db = split_head_dim(Dqk)
     dv = max(16, _next_pow2(Dv))
-    k1 = elem_bytes * (cfg.block_h * (da + db) + cfg.block_h * dv + cfg.num_stages * cfg.block_n * (da + db)
-                       + cfg.block_h * cfg.block_n)
+    if cfg.inner_k:
+        k1 = elem_bytes * (cfg.num_stages * cfg.block_d * (2 * cfg.block_h + cfg.block_n) + cfg.block_h * cfg.block_n)
+    else:
+        k1 = elem_bytes * (cfg.block_h * (da + db) + cfg.block_h * dv + cfg.num_stages * cfg.block_n * (da + db)
+                           + cfg.block_h * cfg.block_n)
     k2 = elem_bytes * cfg.keys_num_stages * (cfg.keys_block_g * cfg.keys_block_n + cfg.keys_block_g * cfg.keys_block_f)
     return k1, k2
 
 
 def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
-                   elem_bytes: int = 2, v_from_k: bool = True) -> BackwardConfig:
+                   elem_bytes: int = 2, v_from_k: bool = True, same_dtype: bool = True) -> BackwardConfig:
     """The fixed configuration of a shape and operand width (``HYSCALE_ATTN_BWD_CONFIG``,
     e.g. "num_warps=8,block_n=16", overrides fields: benchmarks only).
 
@@ -175,7 +180,10 @@ def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
     256 + 16 x 128 + 2 x 64 x 256 halves = 76 KiB (55 KiB built, 210 registers)
     (``bench_attention_backward.py --inspect`` prints the build's numbers). With v its own
     tensor (``v_from_k`` False) kernel 1 gathers [block_n, 512] values beside the keys: at
-    BLOCK_H = 64, 16 slots per tile (208 KiB built; 32 need 280 KiB)."""
+    BLOCK_H = 64, 16 slots per tile (208 KiB built; 32 need 280 KiB). At 64 or more heads
+    over the latent, with v a view of it and one operand dtype (``same_dtype``), kernel 1
+    instead streams q, dO and the keys in 64-wide feature chunks (``inner_k``; at 128 heads
+    one program a row, 8 warps, 3 stages: 252 registers, no spills, 120 KiB built)."""
     G = H // Hk
     block_h = max(16, min(64, _next_pow2(G)))
     keys_g = max(16, min(64, _next_pow2(G)))
@@ -185,6 +193,14 @@ def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
     elif elem_bytes > 2 and max(Dqk, Dv) > 256:
         # (q, dO and O fp32 [16, 512] tiles: 8 warps and dQ apart, else the build spills heavily)
         cfg = BackwardConfig(16, 16, 8, 2, keys_g, 64, 64, 4, 2, fused_dq=False)
+    elif form_of(H, Hk) == "mqa" and wide and block_h >= 64 and v_from_k and same_dtype:
+        # kernel 1's scores and dP as pipelined loops over 64-wide feature chunks (inner_k):
+        # nothing of q or dO resident, so 128 heads fit in one program (keys gathered once a
+        # row). H200, S = 32K, H = 128, one call: 342.0 ms against 565.5 for the resident
+        # tiles (kernel 1 91.0 against 308.5 ms); 64 heads x 4 warps x 4 stages took 344.1
+        big = G >= 128
+        cfg = BackwardConfig(128 if big else 64, 64, 8 if big else 4, 3 if big else 4, keys_g, 128, 64, 4, 2,
+                             fused_dq=False, inner_k=True)
     elif form_of(H, Hk) == "mqa" and wide:
         big = block_h >= 64
         cfg = BackwardConfig(block_h, 16 if big and not v_from_k else 32, 16 if big else 8, 2, keys_g, 128, 64, 4, 2,
@@ -370,7 +386,7 @@ def attention_backward_triton(grad_out, q, k, v, idx, masks: Sequence[torch.Tens
     block_dv = max(16, _next_pow2(Dv))
     v_from_k = reads_v_from_k(k, v)
     cfg = config or default_config(H, Hk, D, Dv, interpret=interp, elem_bytes=max(k.element_size(), v.element_size()),
-                                   v_from_k=v_from_k)
+                                   v_from_k=v_from_k, same_dtype=not upcast)
     fold = fold_v and needs[1] and needs[2] and v_is_view_of_k(k, v)
     gq = torch.zeros(q.shape, dtype=q.dtype, device=device) if needs[0] else q.new_empty(0)
     rows = B * S

@@ -238,17 +238,20 @@ class ValuesBackwardConfig:
     # block_n: at 32, below a wgmma's 64, so mma.sync). At 64 x 128 all seven dots are then
     # wgmma (sm_90 build: 247 registers, no spills, 49.5 KB shared against 252 and 57.7 KB).
     # The same parts and products; the dot instruction may round the fp32 sums differently.
-    # Off until a GPU A/B measures it.
     c_trans: bool = False
 
 
 def default_config(G: int, D: int) -> ValuesBackwardConfig:
-    """At G query heads per key head and head dim D: 8 warps and 32 slots a step once q's tile
-    is large (64 x 128 heads). ``HYSCALE_VALUES_BWD_CONFIG`` ("block_n=64,num_stages=2,c_trans=1",
-    ``config_text`` syntax) overrides fields, for sweeps."""
+    """At G query heads per key head and head dim D: once q's tile is large (64 x 128 heads),
+    8 warps, 32 slots a step, 2 stages and the q^T gx contributions (H200, S = 32K, k = 2,048,
+    one call: 82.7 ms against 90.4 with mma.sync contributions and Triton's default stages;
+    64 slots were faster, 76.8 ms, but spill 236 B in the sm_90 build: docs/performance.md).
+    ``HYSCALE_VALUES_BWD_CONFIG`` ("block_n=64,num_stages=2,c_trans=1", ``config_text``
+    syntax) overrides fields, for sweeps."""
     bg = max(16, triton.next_power_of_2(G))
     bd = max(16, triton.next_power_of_2(D))
-    cfg = ValuesBackwardConfig(block_n=32, num_warps=8) if bg * bd >= 4096 else ValuesBackwardConfig()
+    cfg = ValuesBackwardConfig(block_n=32, num_warps=8, num_stages=2, c_trans=True) if bg * bd >= 4096 \
+        else ValuesBackwardConfig()
     text = os.environ.get("HYSCALE_VALUES_BWD_CONFIG", "")
     return dataclasses.replace(cfg, **parse_fields(text, ValuesBackwardConfig)) if text else cfg
 

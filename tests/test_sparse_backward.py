@@ -575,7 +575,7 @@ def test_fused_key_sum_at_sorted_positions_equals_the_gathered_sum():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rows_kernel_contribution_layouts_agree(monkeypatch, dtype):
-    """The key contributions as gx^T q (the default) or as q^T gx (c_trans=1), and
+    """The key contributions as gx^T q (the default below 64 x 128 heads) or as q^T gx (c_trans=1), and
     HYSCALE_VALUES_BWD_CONFIG's other fields: exact-product inputs with heavy key sharing give
     the same bits either way (bf16: the three-part split on either side of the dot); an
     unknown field is an error that names the fields."""
