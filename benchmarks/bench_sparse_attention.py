@@ -271,7 +271,8 @@ def inspect_sm90(configs=None, shapes=None) -> int:
     ``configs`` (``parse_configs``): the same kernels for each configuration at every shape
     (the return_probs path at the configuration's own tile; ``shapes``: only these of the
     inspected shapes, e.g. ["mla128", "mla16"]).
-    ``inflight`` is the largest ``num`` of an async_wait in the TTGIR: 0 where every gathered
+    ``wgmma``: whether the PTX has a wgmma.mma_async instruction (the word alone also
+    matches a source path in its .file lines). ``inflight`` is the largest ``num`` of an async_wait in the TTGIR: 0 where every gathered
     tile is waited for before the next one is issued, more where tiles stay in flight."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("--inspect compiles for the GPU: unset TRITON_INTERPRET")
@@ -337,7 +338,7 @@ def inspect_sm90(configs=None, shapes=None) -> int:
                 print(f"inspect shape={name} kernel={kname} config={label} dtype={str(dtype).split('.')[-1]} "
                       f"block_h={launch['BLOCK_H']} block_n={launch['BLOCK_N']} warps={launch['num_warps']} "
                       f"stages={launch['num_stages']} regs={rep.get('regs', 0)} spill={spill} "
-                      f"smem={ck.metadata.shared} wgmma={int('wgmma' in ck.asm['ptx'])} "
+                      f"smem={ck.metadata.shared} wgmma={int('wgmma.mma_async' in ck.asm['ptx'])} "
                       f"inflight={max(waits, default=0)}", flush=True)
     return 1 if failed and configs is None else 0
 
