@@ -212,9 +212,8 @@ class MaskKind(abc.ABC):
         return []
 
     @abc.abstractmethod
-    def slot_lines(self, keys: str = "t", ok: str = "slot_ok", per_slot: str = "[None, :]") -> List[str]:
-        """Lines applying the term to ``y`` [heads, slots] at the slots' keys ``keys`` [slots]
-        (``per_slot``: how a [slots] value broadcasts to y; "[:, None]" for y [slots, heads])."""
+    def slot_lines(self, keys: str = "t", ok: str = "slot_ok") -> List[str]:
+        """Lines applying the term to ``y`` [heads, slots] at the slots' keys ``keys`` [slots]."""
 
     def slot_grad_lines(self, keys: str = "t", ok: str = "slot_ok") -> List[str]:
         """Lines taking the gradient ``g`` [heads, slots] of the term's output back to its
@@ -281,15 +280,14 @@ class TableMask(MaskKind):
     def tile_apply_line(self) -> str:
         """The line applying the loaded ``m{j}`` [keys, rows] to ``y``."""
 
-    def slot_lines(self, keys: str = "t", ok: str = "slot_ok", per_slot: str = "[None, :]") -> List[str]:
+    def slot_lines(self, keys: str = "t", ok: str = "slot_ok") -> List[str]:
         j = self.j
         return [f"m{j} = tl.load(M{j} + b * stride_m{j}_b + s * stride_m{j}_s + {keys} * stride_m{j}_t, "
-                f"mask={ok}, other=0)", self.slot_apply_line(per_slot)]
+                f"mask={ok}, other=0)", self.slot_apply_line()]
 
     @abc.abstractmethod
-    def slot_apply_line(self, per_slot: str = "[None, :]") -> str:
-        """The line applying the loaded ``m{j}`` [slots] to ``y`` [heads, slots] (broadcast as
-        ``per_slot``)."""
+    def slot_apply_line(self) -> str:
+        """The line applying the loaded ``m{j}`` [slots] to ``y`` [heads, slots]."""
 
     def launch_args(self, masks, B, S, T, device, rows=slice(None), float_adds: bool = False) -> list:
         i = self.term.operand
@@ -341,8 +339,8 @@ class AddMask(TableMask):
     def tile_apply_line(self) -> str:
         return f"y = y + m{self.j}.to(tl.float32)  # fp32 + bf16/fp16 mask: exact upcast, as torch promotes"
 
-    def slot_apply_line(self, per_slot: str = "[None, :]") -> str:
-        return f"y = y + m{self.j}.to(tl.float32){per_slot}  # fp32 + a 16-bit mask: exact upcast, as torch"
+    def slot_apply_line(self) -> str:
+        return f"y = y + m{self.j}.to(tl.float32)[None, :]  # fp32 + a 16-bit mask: exact upcast, as torch"
 
     def check_kernel_dtype(self, m, float_adds):
         i = self.term.operand
@@ -396,8 +394,8 @@ class FillMask(TableMask):
     def tile_apply_line(self) -> str:
         return f"y = tl.where({self._cond()}, {triton_literal(self.term.value)}, y)"
 
-    def slot_apply_line(self, per_slot: str = "[None, :]") -> str:
-        return f"y = tl.where(({self._cond()}){per_slot}, {triton_literal(self.term.value)}, y)"
+    def slot_apply_line(self) -> str:
+        return f"y = tl.where(({self._cond()})[None, :], {triton_literal(self.term.value)}, y)"
 
     def slot_grad_lines(self, keys: str = "t", ok: str = "slot_ok") -> List[str]:
         load = TableMask.slot_lines(self, keys, ok)[0]  # the forward's load of m{j} at the slots
@@ -530,15 +528,15 @@ class RangeMask(MaskKind):
         return [f"{role}{j} = tl.load({ptr} + b * stride_{role}{j}_b + s * stride_{role}{j}_s).to(tl.int64)"
                 for role, ptr, _ in self._bounds()]
 
-    def slot_lines(self, keys: str = "t", ok: str = "slot_ok", per_slot: str = "[None, :]") -> List[str]:
+    def slot_lines(self, keys: str = "t", ok: str = "slot_ok") -> List[str]:
         j, term = self.j, self.term
         hidden = self._hidden_expr(keys, "")
         if hidden is None:
             return [f"# mask term {j}: a range with neither bound hides nothing"]
         v = triton_literal(term.value)
         if term.mode == "fill":
-            return [f"hidden{j} = {hidden}", f"y = tl.where(hidden{j}{per_slot}, {v}, y)"]
-        return [f"hidden{j} = {hidden}", f"y = y + tl.where(hidden{j}, {v}, 0.0){per_slot}"]
+            return [f"hidden{j} = {hidden}", f"y = tl.where(hidden{j}[None, :], {v}, y)"]
+        return [f"hidden{j} = {hidden}", f"y = y + tl.where(hidden{j}, {v}, 0.0)[None, :]"]
 
     def slot_grad_lines(self, keys: str = "t", ok: str = "slot_ok") -> List[str]:
         hidden = self._hidden_expr(keys, "")

@@ -23,11 +23,6 @@ not a power of two runs as two chunks (576 = 512 + 64, 192 = 128 + 64; a short t
 padded and masked); a value that is a view of the key (``k[..., :Dv]``, MQA over a latent)
 is read from the key tile already loaded (``V_FROM_K``), never copied.
 
-``AttentionConfig.keys_major`` runs the same loop transposed (``_scores_t``, ``_post_t``):
-y^T [BLOCK_N, BLOCK_H] = k[b, t] . q^T and acc^T [BLOCK_DV, BLOCK_H] += v^T . P^T, so the
-dots' M dimension is the slots, then the value dim, instead of the heads: at 16 heads per kv
-head sm_90 builds it with wgmma, where M = 16 leaves the heads-major loop on mma.sync.
-
 ``probs`` (``return_probs``: sum over heads of P at each slot) needs each head's final
 softmax statistics, so it is a second kernel over the slots, run after the first: it scores
 the slots again (one more QK product) and sums exp(y - m) / l over the heads in a fixed
@@ -102,11 +97,6 @@ class AttentionConfig:
     # picks, no probs: 74.0 against 81.0 ms at the absorbed H = 128, 14.6 against 15.1 at
     # H = 16 (docs/performance.md); opt-in until the default path with it has passed the GPU tests
     exp2: bool = False
-    # keys as the dots' M dimension (the forward only): scores as y^T [BLOCK_N slots, BLOCK_H
-    # heads] = K . Q^T and the output as O^T [Dv, BLOCK_H] += V^T . P^T, so a few heads per
-    # kv head (MQA at H = 16) still give sm_90's wgmma an M of 64 or more (block_h = 16 as M
-    # leaves it mma.sync); the softmax statistics reduce over the slots (axis 0)
-    keys_major: bool = False
 
 
 def reads_v_from_k(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -195,18 +185,16 @@ def log2_post(spec: AttentionSpec):
     return spec.post[:last] + (folded,) + spec.post[last + 1:]
 
 
-def _render_post(spec: AttentionSpec, post=None, keys_major: bool = False) -> List[str]:
+def _render_post(spec: AttentionSpec, post=None) -> List[str]:
     """The post steps on y [BLOCK_H, BLOCK_N] (heads x slots) at the slots' keys t [BLOCK_N]
-    (``post``: these steps instead of the spec's, e.g. ``log2_post``; ``keys_major``: on y
-    [BLOCK_N, BLOCK_H], slots x heads)."""
+    (``post``: these steps instead of the spec's, e.g. ``log2_post``)."""
     lines = []
     pieces = mask_kinds(spec.masks)
-    per_slot = "[:, None]" if keys_major else "[None, :]"
     for step in (spec.post if post is None else post):
         if step[0] != "mask":
             lines += _elementwise_lines("y", step)
             continue
-        lines += pieces[step[1]].slot_lines(keys="t", ok="slot_ok", per_slot=per_slot)
+        lines += pieces[step[1]].slot_lines(keys="t", ok="slot_ok")
     return lines
 
 
@@ -229,14 +217,11 @@ def render_kernel_source(spec: AttentionSpec, num_masks: int) -> str:
         "PRECISION": "tf32" if spec.fp32_precision == "tf32" else "ieee",
         "POST": _indent(_render_post(spec), 4) or "    pass",
         "POST_LOG2": _indent(_render_post(spec, log2_post(spec) or spec.post), 4) or "    pass",
-        "POST_T": _indent(_render_post(spec, keys_major=True), 4) or "    pass",
-        "POST_LOG2_T": _indent(_render_post(spec, log2_post(spec) or spec.post, keys_major=True), 4) or "    pass",
         "MASK_PARAMS": "".join(f"{a}, " for a in params),
         "MASK_ARGS_DEF": "".join(f"    {a},\n" for a in _mask_args_def(spec)),
         "ROW_BOUNDS": _indent(_render_row_bounds(spec), 4) or "    pass",
         # empty_row="zero": a head with no visible slot gives 0 (its lse stays -inf)
-        "EMPTY_ROW_OUT": '        out = tl.where((l_i == 0.0)[:, None], 0.0, out)' if spec.empty_row == "zero" else "",
-        "EMPTY_ROW_OUT_T": '        out_t = tl.where((l_i == 0.0)[None, :], 0.0, out_t)' if spec.empty_row == "zero" else "",
+        "EMPTY_ROW_OUT": '    out = tl.where((l_i == 0.0)[:, None], 0.0, out)' if spec.empty_row == "zero" else "",
         "EMPTY_ROW_PROBS": '                p = tl.where((l == 0.0)[:, None], 0.0, p)' if spec.empty_row == "zero" else "",
     }
     src = _TEMPLATE
@@ -328,8 +313,7 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
             *out.stride(), *lse.stride(), S, G, Hk, K, Dqk, Dv]
     grid = (B * S * Hk * -(-G // cfg.block_h),)
     fwd_launch = dict(consts, BLOCK_DV=block_dv, V_FROM_K=v_from_k, WRITE_STATS=return_probs and K > 0,
-                      PREFETCH_IDX=cfg.prefetch_idx, EXP2=cfg.exp2 and log2_post(spec) is not None,
-                      KEYS_MAJOR=cfg.keys_major, **launch)
+                      PREFETCH_IDX=cfg.prefetch_idx, EXP2=cfg.exp2 and log2_post(spec) is not None, **launch)
     pconsts = dict(consts, BLOCK_N=cfg.probs_block_n or cfg.block_n)
     pargs = [q, k, idx, stat_m, stat_l, probs, *mask_args, *q.stride(), *k.stride(), *idx.stride(), *lse.stride(),
              *probs.stride(), S, G, Hk, K, Dqk]
@@ -380,20 +364,6 @@ def _post_log2(y, t, slot_ok, b, s, {{MASK_PARAMS}}):
 
 
 @triton.jit
-def _post_t(y, t, slot_ok, b, s, {{MASK_PARAMS}}):
-    # _post on y^T [BLOCK_N, BLOCK_H] (slots x heads), for the keys-major forward
-{{POST_T}}
-    return y
-
-
-@triton.jit
-def _post_log2_t(y, t, slot_ok, b, s, {{MASK_PARAMS}}):
-    # _post_log2 on y^T [BLOCK_N, BLOCK_H]
-{{POST_LOG2_T}}
-    return y
-
-
-@triton.jit
 def _load_q(Q, b, s, hk, g0, G, DQK, stride_qb, stride_qs, stride_qh, stride_qd,
             BLOCK_H: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, UPCAST: tl.constexpr):
     # The program's query heads as [BLOCK_H, DA] (and [BLOCK_H, DB]): block pointers over kv
@@ -439,31 +409,6 @@ def _scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_P
 
 
 @triton.jit
-def _scores_t(qa_t, qb_t, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
-              BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, UPCAST: tl.constexpr,
-              LOG2: tl.constexpr):
-    # _scores transposed: y^T [BLOCK_N, BLOCK_H] = K . Q^T from q^T's chunks qa_t [DA, BLOCK_H]
-    # (and qb_t [DB, BLOCK_H]), the slots in the dot's M dimension; and the key chunk ka
-    rows = kbase + t[:, None] * stride_kt
-    offs_a = tl.arange(0, DA)
-    ka = tl.load(rows + offs_a[None, :] * stride_kd, mask=slot_ok[:, None] & (offs_a < DQK)[None, :], other=0.0)
-    if UPCAST:
-        ka = ka.to(tl.float32)
-    x = tl.dot(ka, qa_t, input_precision="{{PRECISION}}", out_dtype=tl.float32)
-    if DB > 0:
-        offs_b = DA + tl.arange(0, DB)
-        kb = tl.load(rows + offs_b[None, :] * stride_kd, mask=slot_ok[:, None] & (offs_b < DQK)[None, :], other=0.0)
-        if UPCAST:
-            kb = kb.to(tl.float32)
-        x = tl.dot(kb, qb_t, acc=x, input_precision="{{PRECISION}}", out_dtype=tl.float32)
-    if LOG2:
-        y = _post_log2_t(x, t, slot_ok, b, s, {{MASK_PARAMS}})
-    else:
-        y = _post_t(x, t, slot_ok, b, s, {{MASK_PARAMS}})
-    return tl.where(slot_ok[:, None], y, float("-inf")), ka
-
-
-@triton.jit
 def attn_fwd(
     Q, K, V, IDX, OUT, LSE, STAT_M, STAT_L,
 {{MASK_ARGS_DEF}}    stride_qb, stride_qs, stride_qh, stride_qd,
@@ -475,7 +420,7 @@ def attn_fwd(
     S, G, HK, TOPK, DQK, DV,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr, WRITE_STATS: tl.constexpr,
-    PREFETCH_IDX: tl.constexpr, EXP2: tl.constexpr, KEYS_MAJOR: tl.constexpr,
+    PREFETCH_IDX: tl.constexpr, EXP2: tl.constexpr,
 ):
     # a row's head blocks are consecutive programs (they gather the same key positions, so
     # they run together and share the lines in L2); a 1-d grid, as B x S exceeds grid dim 1
@@ -496,90 +441,48 @@ def attn_fwd(
     ibase = IDX + b * stride_ib + s * stride_is
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     if PREFETCH_IDX:
         # the first tile's key positions; each iteration then loads the next tile's, so the
         # gather's addresses are known an iteration before it is issued
         t_next = tl.load(ibase + offs_n * stride_ij, mask=offs_n < TOPK, other=0).to(tl.int64)
-    if KEYS_MAJOR:
-        acc_t = tl.zeros([BLOCK_DV, BLOCK_H], dtype=tl.float32)  # O^T: the value dim in M
-        qa_t = tl.trans(qa)
-        qb_t = tl.trans(qb)
-        for n0 in range(0, TOPK, BLOCK_N):
-            slots = n0 + offs_n
-            slot_ok = slots < TOPK
-            if PREFETCH_IDX:
-                t = t_next
-                t_next = tl.load(ibase + (slots + BLOCK_N) * stride_ij, mask=slots + BLOCK_N < TOPK, other=0).to(tl.int64)
-            else:
-                t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
-            y_t, ka = _scores_t(qa_t, qb_t, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
-                                BLOCK_N, DA, DB, UPCAST, EXP2)
-            # the same online softmax, each head's statistics over the slots (axis 0)
-            m_new = tl.maximum(m_i, tl.max(y_t, axis=0))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            if EXP2:
-                alpha = tl.exp2(m_i - m_use)
-                p_t = tl.exp2(y_t - m_use[None, :])
-            else:
-                alpha = tl.exp(m_i - m_use)
-                p_t = tl.exp(y_t - m_use[None, :])
-            l_i = l_i * alpha + tl.sum(p_t, axis=0)
-            if V_FROM_K:
-                vt = ka  # v is a view of k's first columns: the tile already on chip
-            else:
-                vt = tl.load(vbase + t[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-                             mask=slot_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-                if UPCAST:
-                    vt = vt.to(tl.float32)
-            acc_t = acc_t * alpha[None, :]
-            acc_t = tl.dot(tl.trans(vt), p_t.to(vt.dtype), acc=acc_t, input_precision="{{PRECISION}}",
-                           out_dtype=tl.float32)
-            m_i = m_new
-        out_t = acc_t / l_i[None, :]
-{{EMPTY_ROW_OUT_T}}
-        obase = OUT + b * stride_ob + s * stride_os + (hk * G) * stride_oh
-        # stored transposed through the block pointer (no layout change of the accumulator)
-        tl.store(tl.make_block_ptr(obase, (DV, G), (stride_od, stride_oh), (0, g0), (BLOCK_DV, BLOCK_H), (0, 1)),
-                 out_t.to(OUT.dtype.element_ty), boundary_check=(0, 1))
-    else:
-        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-        for n0 in range(0, TOPK, BLOCK_N):
-            slots = n0 + offs_n
-            slot_ok = slots < TOPK
-            if PREFETCH_IDX:
-                t = t_next
-                t_next = tl.load(ibase + (slots + BLOCK_N) * stride_ij, mask=slots + BLOCK_N < TOPK, other=0).to(tl.int64)
-            else:
-                t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
-            y, ka = _scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
-                            BLOCK_N, DA, DB, UPCAST, EXP2)
-            # online softmax; a head whose slots are all -inf so far keeps m = -inf and takes
-            # exp(y - 0) = 0 for them (no -inf - -inf). With EXP2, y and m are in log2 units.
-            m_new = tl.maximum(m_i, tl.max(y, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            if EXP2:
-                alpha = tl.exp2(m_i - m_use)
-                p = tl.exp2(y - m_use[:, None])
-            else:
-                alpha = tl.exp(m_i - m_use)
-                p = tl.exp(y - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if V_FROM_K:
-                vt = ka  # v is a view of k's first columns: the tile already on chip
-            else:
-                vt = tl.load(vbase + t[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-                             mask=slot_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-                if UPCAST:
-                    vt = vt.to(tl.float32)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(vt.dtype), vt, acc=acc, input_precision="{{PRECISION}}", out_dtype=tl.float32)
-            m_i = m_new
-        # a head with no visible slot: l = 0, so out = 0 / 0 = NaN and lse = -inf, as the reference
-        out = acc / l_i[:, None]
+    for n0 in range(0, TOPK, BLOCK_N):
+        slots = n0 + offs_n
+        slot_ok = slots < TOPK
+        if PREFETCH_IDX:
+            t = t_next
+            t_next = tl.load(ibase + (slots + BLOCK_N) * stride_ij, mask=slots + BLOCK_N < TOPK, other=0).to(tl.int64)
+        else:
+            t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
+        y, ka = _scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
+                        BLOCK_N, DA, DB, UPCAST, EXP2)
+        # online softmax; a head whose slots are all -inf so far keeps m = -inf and takes
+        # exp(y - 0) = 0 for them (no -inf - -inf). With EXP2, y and m are in log2 units.
+        m_new = tl.maximum(m_i, tl.max(y, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if EXP2:
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(y - m_use[:, None])
+        else:
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(y - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if V_FROM_K:
+            vt = ka  # v is a view of k's first columns: the tile already on chip
+        else:
+            vt = tl.load(vbase + t[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
+                         mask=slot_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+            if UPCAST:
+                vt = vt.to(tl.float32)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(vt.dtype), vt, acc=acc, input_precision="{{PRECISION}}", out_dtype=tl.float32)
+        m_i = m_new
+    # a head with no visible slot: l = 0, so out = 0 / 0 = NaN and lse = -inf, as the reference
+    out = acc / l_i[:, None]
 {{EMPTY_ROW_OUT}}
-        obase = OUT + b * stride_ob + s * stride_os + (hk * G) * stride_oh
-        tl.store(tl.make_block_ptr(obase, (G, DV), (stride_oh, stride_od), (g0, 0), (BLOCK_H, BLOCK_DV), (1, 0)),
-                 out.to(OUT.dtype.element_ty), boundary_check=(0, 1))
+    obase = OUT + b * stride_ob + s * stride_os + (hk * G) * stride_oh
+    tl.store(tl.make_block_ptr(obase, (G, DV), (stride_oh, stride_od), (g0, 0), (BLOCK_H, BLOCK_DV), (1, 0)),
+             out.to(OUT.dtype.element_ty), boundary_check=(0, 1))
     if EXP2:
         m_i = m_i * 0.6931471805599453  # back to natural log: lse and the statistics are in e units
     lse = m_i + tl.log(l_i)

@@ -142,100 +142,40 @@ def test_hidden_slots_contribute_exactly_nothing():
         assert torch.equal(out[:, s:s + 1], o1) and torch.equal(lse[:, s:s + 1], l1)
 
 
-MASK_KINDS = ["add_neg_inf", "add_finfo_min", "add_finite", "fill", "fill_false", "range_add", "range_lo_hi"]
-
-
-def _mask_case(kind, seed, B, S, T):
-    """(term, operands) of one mask kind on fresh inputs, with a row that sees no key
-    (``(0, 1)``; ``(0, 0)`` for "range_add", the causal range)."""
-    g = torch.Generator().manual_seed(seed + 1)
-    hidden = torch.rand(B, S, T, generator=g) < 0.5
-    hidden[0, 1] = True  # a row with no visible key
-    if kind.startswith("add"):
-        fill = {"add_neg_inf": -math.inf, "add_finfo_min": torch.finfo(torch.float32).min, "add_finite": -3.0}[kind]
-        m = torch.where(hidden, fill, 0.0)
-        if kind == "add_finite":
-            m = m + 0.25 * torch.randn(1, S, T, generator=g)  # broadcast over the batch
-        return MaskTerm(kind="add", operand=0), [m]
-    if kind.startswith("fill"):
-        where = kind == "fill"
-        return MaskTerm(kind="fill", operand=0, where=where), [hidden if where else ~hidden]
-    if kind == "range_add":
-        return MaskTerm(kind="range", hi=0, mode="add", value=-math.inf), [_causal(B, S, T)]
-    lo = torch.randint(0, T // 2, (B, 1), generator=g)  # broadcast over the rows
-    hi = torch.randint(T // 2, T + 1, (B, S), generator=g)
-    hi[0, 1] = 0
-    return MaskTerm(kind="range", lo=0, hi=1), [lo, hi]
-
-
-def _check_mask_case(kind, out, lse):
-    if kind in ("add_neg_inf", "fill", "range_add", "range_lo_hi"):
-        # the row with no visible key: NaN out, -inf lse, as the reference
-        row = (0, 1) if kind != "range_add" else (0, 0)
-        assert torch.isnan(out[row]).all() and torch.isneginf(lse[row]).all()
-    if kind == "add_finfo_min":  # finfo.min hides nothing from a row with no other key
-        assert torch.isfinite(out).all()
-
-
-@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("kind", ["add_neg_inf", "add_finfo_min", "add_finite", "fill", "fill_false", "range_add",
+                                  "range_lo_hi"])
 def test_mask_kinds(kind):
     B, S, T, H, Hk, D, K = 2, 4, 24, 4, 2, 16, 12
     for i in range(CPU_SEEDS):
         seed = fresh_seed(f"mask {kind} #{i}")
         q, k, v, idx = _inputs(seed, B, S, T, H, Hk, D, D, K, idx_dtype=torch.int32 if i % 2 else torch.int64)
-        term, operands = _mask_case(kind, seed, B, S, T)
+        g = torch.Generator().manual_seed(seed + 1)
+        hidden = torch.rand(B, S, T, generator=g) < 0.5
+        hidden[0, 1] = True  # a row with no visible key
+        if kind.startswith("add"):
+            fill = {"add_neg_inf": -math.inf, "add_finfo_min": torch.finfo(torch.float32).min, "add_finite": -3.0}[kind]
+            m = torch.where(hidden, fill, 0.0)
+            if kind == "add_finite":
+                m = m + 0.25 * torch.randn(1, S, T, generator=g)  # broadcast over the batch
+            term, operands = MaskTerm(kind="add", operand=0), [m]
+        elif kind.startswith("fill"):
+            where = kind == "fill"
+            term, operands = MaskTerm(kind="fill", operand=0, where=where), [hidden if where else ~hidden]
+        elif kind == "range_add":
+            term = MaskTerm(kind="range", hi=0, mode="add", value=-math.inf)
+            operands = [_causal(B, S, T)]
+        else:
+            lo = torch.randint(0, T // 2, (B, 1), generator=g)  # broadcast over the rows
+            hi = torch.randint(T // 2, T + 1, (B, S), generator=g)
+            hi[0, 1] = 0
+            term, operands = MaskTerm(kind="range", lo=0, hi=1), [lo, hi]
         out, lse, probs = check(q, k, v, idx, operands, _spec(D, torch.float32, ("mask", 0), masks=(term,)))
-        _check_mask_case(kind, out, lse)
-
-
-@pytest.mark.parametrize("kind", MASK_KINDS)
-def test_keys_major_mask_kinds(kind):
-    # the keys-major forward (scores as [slots, heads], the mask lines broadcast over the
-    # heads' axis 1) on every mask kind: MQA with its own value tensor, a 24-wide key in two
-    # chunks (16 + 8 padded), 20 slots in tiles of 16, probs; fp16 on the even seeds
-    B, S, T, H, Dqk, Dv, K = 2, 4, 24, 4, 24, 16, 20
-    cfg = AttentionConfig(block_h=16, block_n=16, keys_major=True)
-    for i in range(CPU_SEEDS):
-        dtype = torch.float16 if i % 2 == 0 else torch.float32
-        seed = fresh_seed(f"keys major mask {kind} {dtype} #{i}")
-        q, k, v, idx = _inputs(seed, B, S, T, H, 1, Dqk, Dv, K, dtype, idx_dtype=torch.int32 if i % 2 else torch.int64)
-        term, operands = _mask_case(kind, seed, B, S, T)
-        out, lse, probs = check(q, k, v, idx, operands, _spec(Dqk, dtype, ("mask", 0), masks=(term,)), config=cfg)
-        _check_mask_case(kind, out, lse)
-
-
-def test_keys_major_rows_steps_and_mods():
-    # keys-major: empty_row="zero" (out 0, lse -inf, probs 0 at a row with no visible key),
-    # a rounding step, a division and two mask terms in the graph's order, and a registered
-    # score mod; each against the reference, as the heads-major kernel's tests
-    import hyscale_compile
-
-    cfg = AttentionConfig(block_h=16, block_n=16, keys_major=True)
-    B, S, T, H, D, K = 2, 4, 24, 4, 16, 20
-    for i in range(CPU_SEEDS):
-        seed = fresh_seed(f"keys major rows #{i}")
-        q, k, v, idx = _inputs(seed, B, S, T, H, 2, D, D, K)
-        hi = _causal(B, S, T)
-        hi[1, 2] = 0
-        spec = dataclasses.replace(_spec(D, torch.float32, CAUSAL["post_masks"][0], masks=CAUSAL["masks"]),
-                                   empty_row="zero")
-        out, lse, probs = check(q, k, v, idx, [hi], spec, config=cfg)
-        for row in ((0, 0), (1, 2)):
-            assert (out[row] == 0).all() and torch.isneginf(lse[row]).all() and (probs[row] == 0).all()
-        assert torch.isfinite(out).all() and torch.isfinite(probs).all()
-        q, k, v, idx = _inputs(seed, 1, S, 20, 2, 1, D, D, 10, torch.float16)
-        bias = torch.randn(1, S, 20, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
-        spec = AttentionSpec(post=(("round", "float16"), ("div", 3.0), ("mask", 0), ("mask", 1)),
-                             masks=(MaskTerm(kind="add", operand=0), MaskTerm(kind="range", hi=1)),
-                             out_dtype="float16")
-        check(q, k, v, idx, [bias, _causal(1, S, 20)], spec, config=cfg)
-    hyscale_compile.register_score_mod("attn_softcap5", lambda s: 5.0 * torch.tanh(s / 5.0), replace=True)
-    try:
-        q, k, v, idx = _inputs(fresh_seed("keys major score mod"), 1, 3, 16, 2, 1, D, D, 8)
-        spec = AttentionSpec(post=(("mod", "attn_softcap5"), ("mask", 0)), masks=CAUSAL["masks"])
-        check(3 * q, k, v, idx, [_causal(1, 3, 16)], spec, config=cfg)
-    finally:
-        hyscale_compile.unregister_score_mod("attn_softcap5")
+        if kind in ("add_neg_inf", "fill", "range_add", "range_lo_hi"):
+            # the row with no visible key: NaN out, -inf lse, as the reference
+            row = (0, 1) if kind != "range_add" else (0, 0)
+            assert torch.isnan(out[row]).all() and torch.isneginf(lse[row]).all()
+        if kind == "add_finfo_min":  # finfo.min hides nothing from a row with no other key
+            assert torch.isfinite(out).all()
 
 
 def test_two_mask_terms_and_elementwise_steps():
@@ -284,8 +224,7 @@ def test_value_view_of_key_and_odd_head_dims(Dqk, Dv, dtype):
 
 
 LOOP_OPTIONS = {"prefetch_idx": dict(prefetch_idx=True), "exp2": dict(exp2=True),
-                "prefetch_idx+exp2": dict(prefetch_idx=True, exp2=True), "keys_major": dict(keys_major=True),
-                "keys_major+prefetch_idx+exp2": dict(keys_major=True, prefetch_idx=True, exp2=True)}
+                "prefetch_idx+exp2": dict(prefetch_idx=True, exp2=True)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -397,8 +336,6 @@ def test_generated_source_inlines_the_spec():
     src = render_kernel_source(spec, 3)
     assert "y = y * 0.125" in src and "hidden0 = (t < lo0) | (t >= hi0)" in src
     assert "tl.where((m1 != 0)[None, :], -10000.0, y)" in src and 'input_precision="tf32"' in src
-    # the keys-major forward's copy of the steps: a [slots] mask value broadcast over axis 1
-    assert "tl.where((m1 != 0)[:, None], -10000.0, y)" in src and "tl.where(hidden0[:, None]" in src
     # the static form rule: the same template, the heads of one kv head as the dot's M
     assert default_config(128, 1, 576, 512).block_h == 64 and default_config(16, 16, 192, 128).block_h == 16
 
@@ -415,27 +352,6 @@ def test_op_on_cpu_runs_the_reference(monkeypatch):
     got = torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec.to_json(), True)
     want = R.attention_forward(q, k, v, idx, [hi], spec, return_probs=True)
     assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(got, want))
-
-
-@needs_ptxas
-def test_keys_major_builds_wgmma_for_sm90_offline(tmp_path):
-    # keys-major's point: at 16 heads per kv head (mla16, hf) the heads-major forward's dots
-    # have M = 16 and sm_90 builds them as mma.sync; with the slots, then d_v, as M they are
-    # wgmma. At 8 warps neither spills and both fit the 227 KiB of shared memory
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_sparse_attention.py"), "--inspect",
-                        "--shapes", "mla16,hf", "--config", "default;keys_major=1,num_warps=8"],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    rows = [dict(kv.split("=", 1) for kv in ln.split()[1:] if "=" in kv)
-            for ln in r.stdout.splitlines() if ln.startswith("inspect ") and " kernel=fwd " in ln]
-    assert sorted((f["shape"], f["config"]) for f in rows) == [
-        ("hf", "default"), ("hf", "keys_major=1,num_warps=8"), ("mla16", "default"), ("mla16", "keys_major=1,num_warps=8")]
-    for f in rows:
-        assert f["wgmma"] == ("1" if f["config"] != "default" else "0"), f
-        assert 0 < int(f["regs"]) <= 255 and int(f["spill"]) == 0 and int(f["smem"]) <= 227 * 1024, f
 
 
 @needs_ptxas
@@ -570,33 +486,4 @@ def test_gpu_loop_options_absorbed_bf16(fields):
             spec = _spec(576, torch.bfloat16, ("mask", 0), masks=CAUSAL["masks"])
             got = check(q, k, v, idx, [hi], spec, return_probs=False, config=cfg)
             again = sparse_attention_triton(q, k, v, idx, [hi], spec, config=cfg)
-            assert all(torch.equal(a, b) for a, b in zip(got, again))
-
-
-KEYS_MAJOR_GPU = {"keys_major": dict(keys_major=True), "keys_major_exp2": dict(keys_major=True, exp2=True),
-                  "keys_major_w8": dict(keys_major=True, num_warps=8),
-                  "keys_major_w8_exp2_prefetch": dict(keys_major=True, num_warps=8, exp2=True, prefetch_idx=True),
-                  "keys_major_bn32": dict(keys_major=True, block_n=32)}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(KEYS_MAJOR_GPU))
-def test_gpu_keys_major_absorbed_bf16(name):
-    # the keys-major forward (sm_90: wgmma with the slots, then the value dim, as M) at the
-    # absorbed shape scaled down in S and T (H = 16 and 128, d_qk 576, d_v 512, v =
-    # k[..., :512]), bf16, probs too, a row with no visible key, under the numerics rule; two
-    # launches give the same bits
-    for H in (16, 128):
-        cfg = dataclasses.replace(default_config(H, 1, 576, 512), **KEYS_MAJOR_GPU[name])
-        for i in range(SEEDS):
-            seed = fresh_seed(f"gpu keys major {name} H={H} #{i}")
-            B, S, T, K = 1, 64, 512, 160  # 160 slots: a partial last tile at 64 per tile
-            q, k, _, idx = (x.cuda() for x in _inputs(seed, B, S, T, H, 1, 576, 512, K, torch.bfloat16,
-                                                      torch.int32, v_of_k=True))
-            v = k[..., :512]  # (a view of the latent on the device too: .cuda() copies a view apart)
-            hi = _causal(B, S, T).cuda()
-            spec = _spec(576, torch.bfloat16, ("mask", 0), masks=CAUSAL["masks"])
-            got = check(q, k, v, idx, [hi], spec, return_probs=True, config=cfg)
-            assert torch.isnan(got[0][0, 0]).all() and torch.isfinite(got[0][0, 1:]).all()
-            again = sparse_attention_triton(q, k, v, idx, [hi], spec, return_probs=True, config=cfg)
             assert all(torch.equal(a, b) for a, b in zip(got, again))
