@@ -95,7 +95,42 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+# The suite's longest tests (tens of seconds each on the 2-core CI machine: offline sm_90
+# builds, fresh processes, full Inductor compiles), most expensive first. They are run first,
+# so that under pytest-xdist the short tests fill the workers' ends instead of one worker
+# finishing a long test alone; the order of everything else is the collection's.
+_LONGEST_FIRST = (
+    "tests/test_train_example.py::test_train_dsa_meets_the_targets",
+    "tests/test_kernel_compiles.py::test_mask_kernels",
+    "tests/test_kernel_compiles.py::test_sort_rows",
+    "tests/test_registry.py::test_a_cached_graph_in_a_fresh_process",
+    "tests/test_triton_attention.py::test_kernels_compile_for_sm90_offline",
+    "tests/test_kernel_compiles.py::test_fp32",
+    "tests/test_inductor_e2e.py::test_hf_models_through_inductor",
+    "tests/test_kernel_compiles.py::",
+    "tests/test_examples.py::test_demo_quick",
+    "tests/test_triton_attention.py::test_prefetch_idx_pipelines_the_gather",
+    "tests/test_backend.py::test_entry_point_hyscale_without_import",
+    "tests/test_distributed.py::",
+    "tests/test_triton_attention_backward.py::test_latent_kernels_compile",
+    "tests/test_hf_models.py::test_hf_model_rewritten_and_equal[deepseek_v4",
+    "tests/test_attention_models.py::test_v32_dynamic_training_step",
+    "tests/test_triton_hytopk.py::test_sort_after_same_bits",
+    "tests/test_megatron.py::test_megatron_indexer_is_fused",
+    "tests/test_triton_hytopk.py::test_presample",
+    "tests/test_inductor_e2e.py::",
+    "tests/test_mla.py::test_inductor",
+    "tests/test_triton_hytopk.py::test_sliding_window_and_tile_skipping",
+)
+
+
+def _cost_rank(item) -> int:
+    nodeid = item.nodeid.replace("\\", "/")
+    return next((i for i, p in enumerate(_LONGEST_FIRST) if nodeid.startswith(p)), len(_LONGEST_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_cost_rank)  # (stable: the rest keep their order)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on a GPU machine)")

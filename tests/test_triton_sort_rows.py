@@ -415,3 +415,29 @@ def test_sort_rows_rows_per_program_bad_input():
         sort_rows_(idx[:0], vals[:0], rows_per_program=3)
     with pytest.raises(ValueError, match=r"got 'minmax' \(the default network for 4 keys\)"):
         sort_rows_(idx, vals, rows_per_program=2)
+
+
+@pytest.mark.parametrize("k,rows,bound,warps,rpp,interpret,want", [
+    # the compiled launch's defaults: at 2,048 keys f64 where the bound allows it, 4 warps per
+    # row and two rows per program when there are several rows; transpose, one row, otherwise
+    (2048, 3, 1 << 20, None, None, False, ("f64", 8, 2)),
+    (2048, 1, 2048, None, None, False, ("f64", 4, 1)),
+    (2048, 3, None, None, None, False, ("transpose", 4, 1)),
+    (1500, 3, (1 << 20) + 1, None, None, False, ("transpose", 4, 1)),
+    # below 2,048 keys minmax at 2 warps, and 1 below 256 keys
+    (512, 3, 512, None, None, False, ("minmax", 2, 1)),
+    (100, 3, None, None, None, False, ("minmax", 1, 1)),
+    # a caller's num_warps alone: one row per program, its warps kept
+    (2048, 3, 2048, 2, None, False, ("f64", 2, 1)),
+    # rows per program given: that many rows' warps; the interpreter takes one warp per row
+    (2048, 8, None, None, 4, False, ("transpose", 16, 4)),
+    (2048, 3, 2048, None, None, True, ("f64", 2, 2)),
+    (300, 3, None, None, None, True, ("minmax", 1, 1)),
+])
+def test_sort_rows_launch_defaults(k, rows, bound, warps, rpp, interpret, want):
+    # sort_rows_'s launch choice on its own (the GPU's warps, which interpreter launches ignore)
+    from hyscale_compile.lowerings.triton_sort_rows import sort_rows_launch
+
+    assert sort_rows_launch(k, rows, None, bound, warps, rpp, interpret) == want
+    # a network named by the caller is kept, with the same warps and rows
+    assert sort_rows_launch(k, rows, want[0], bound, warps, rpp, interpret) == want
