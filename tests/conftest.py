@@ -98,7 +98,9 @@ import torch  # noqa: E402
 # The suite's longest tests (tens of seconds each on the 2-core CI machine: offline sm_90
 # builds, fresh processes, full Inductor compiles), most expensive first. They are run first,
 # so that under pytest-xdist the short tests fill the workers' ends instead of one worker
-# finishing a long test alone; the order of everything else is the collection's.
+# finishing a long test alone; the order of everything else is the collection's. The suite's
+# command (README.md, .ci/run) adds --dist worksteal, so an idle worker takes queued tests
+# from the other: on a quiet 2-core machine 651 s against 800 s with the default scheduling.
 _LONGEST_FIRST = (
     "tests/test_train_example.py::test_train_dsa_meets_the_targets",
     "tests/test_kernel_compiles.py::test_mask_kernels",
