@@ -73,16 +73,21 @@ _UNROLL = 8
 
 
 @triton.jit
-def _run_sum(SRC, ORDER, OUT, key, i, end, offs, ok, h, N, F, HK, UNROLL: tl.constexpr):
+def _run_sum(SRC, ORDER, OUT, key, i, end, offs, ok, h, N, F, HK, UNROLL: tl.constexpr,
+             GATHER: tl.constexpr = True):
     # the run [i, end) of sorted positions: its rows of SRC[h], in sorted order, added onto
-    # OUT[key, h]
+    # OUT[key, h]. GATHER: sorted position p is row ORDER[p] of SRC; otherwise SRC is already
+    # in sorted order (``key_runs``' dest layout) and the run is one contiguous read
     dst = OUT + (key.to(tl.int64) * HK + h) * F + offs
     src = SRC + h * N * F + offs
     acc = tl.load(dst, mask=ok, other=0.0)
     for p0 in range(i.to(tl.int64), end, UNROLL):
         for u in tl.static_range(UNROLL):
             live = p0 + u < end
-            r = tl.load(ORDER + p0 + u, mask=live, other=0).to(tl.int64)
+            if GATHER:
+                r = tl.load(ORDER + p0 + u, mask=live, other=0).to(tl.int64)
+            else:
+                r = p0 + u
             x = tl.load(src + r * F, mask=ok & live, other=0.0)
             # past the run's end: no add at all (acc + 0.0 would turn a -0.0 into +0.0)
             acc = tl.where(live, acc + x, acc)
@@ -123,9 +128,8 @@ def _segment_runs_kernel(SRC, ORDER, SKEYS, END, STARTS, NRUNS, OUT, N, F, HK, B
 @triton.jit
 def _sorted_runs_kernel(SRC, SKEYS, BOUNDS, OUT, N, F, HK, BLOCK_F: tl.constexpr, UNROLL: tl.constexpr):
     # Program (j, f, h): the j-th run of sorted keys, positions [BOUNDS[j], BOUNDS[j + 1]), whose
-    # rows of SRC[h] are already in sorted order (``key_runs``' dest layout): it streams the
-    # contiguous run, adds it in order onto OUT[key, h] (as _run_sum adds the gathered rows)
-    # and stores it. No program past the last run does anything.
+    # rows of SRC[h] are already in sorted order (``key_runs``' dest layout): _run_sum over
+    # the contiguous run. No program past the last run does anything.
     j = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     h = tl.program_id(2).to(tl.int64)
@@ -133,17 +137,7 @@ def _sorted_runs_kernel(SRC, SKEYS, BOUNDS, OUT, N, F, HK, BLOCK_F: tl.constexpr
     i = tl.load(BOUNDS + j)
     end = tl.load(BOUNDS + j + 1)
     if i < end:
-        key = tl.load(SKEYS + i)
-        dst = OUT + (key.to(tl.int64) * HK + h) * F + offs
-        src = SRC + h * N * F + offs
-        acc = tl.load(dst, mask=ok, other=0.0)
-        for p0 in range(i.to(tl.int64), end, UNROLL):
-            for u in tl.static_range(UNROLL):
-                live = p0 + u < end
-                x = tl.load(src + (p0 + u) * F, mask=ok & live, other=0.0)
-                acc = tl.where(live, acc + x, acc)  # (no add past the end: -0.0 stays -0.0)
-            # (the run's loads are contiguous, so UNROLL of them stream one block of SRC)
-        tl.store(dst, acc, mask=ok)
+        _run_sum(SRC, SKEYS, OUT, tl.load(SKEYS + i), i, end, offs, ok, h, N, F, HK, UNROLL, False)
 
 
 def key_order(keys: torch.Tensor, bound: int = None):
