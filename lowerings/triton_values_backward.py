@@ -106,16 +106,22 @@ def _round_bf16(x):
 
 
 @triton.jit
+def _split3(x):
+    # fp32 x = hi + mid + lo exactly, three values each exact in bf16
+    hi = _round_bf16(x)
+    r = x - hi
+    mid = _round_bf16(r)
+    return hi, mid, _round_bf16(r - mid)
+
+
+@triton.jit
 def _dot_split(a, b16, b, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     # a [M, K] fp32 @ b [K, N]. SPLIT (b holds bf16 values, b16 in bf16): a = hi + mid + lo
     # exactly, three bf16 parts, so three tensor-core dots of exact products give an fp32
     # dot's accuracy (the forward kernel's split); the interpreter, which has no bf16 dot,
     # runs the same parts in fp32 dots. Otherwise one IEEE fp32 dot.
     if SPLIT:
-        hi = _round_bf16(a)
-        r = a - hi
-        mid = _round_bf16(r)
-        lo = _round_bf16(r - mid)
+        hi, mid, lo = _split3(a)
         if INTERP:
             out = tl.dot(hi, b, input_precision="ieee") + (tl.dot(mid, b, input_precision="ieee")
                                                           + tl.dot(lo, b, input_precision="ieee"))
@@ -133,10 +139,7 @@ def _split_dot(a16, a, b, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     # values, a16 in bf16): the key contributions as [D, slots], so that the dot's M is the
     # head dim (a wgmma) rather than the slot block
     if SPLIT:
-        hi = _round_bf16(b)
-        r = b - hi
-        mid = _round_bf16(r)
-        lo = _round_bf16(r - mid)
+        hi, mid, lo = _split3(b)
         if INTERP:
             out = tl.dot(a, hi, input_precision="ieee") + (tl.dot(a, mid, input_precision="ieee")
                                                           + tl.dot(a, lo, input_precision="ieee"))
