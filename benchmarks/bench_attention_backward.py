@@ -250,7 +250,7 @@ def inspect_sm90(shapes, dump: str = None, fold: bool = True) -> int:
                 pipe = pipeline_report(ck.asm["ttgir"])
                 print(f"inspect shape={shape} kernel={kname}{' atomic' if atomic else ''} {cfg} "
                       f"regs={rep.get('regs', 0)} spill={rep.get('spill_st', 0) + rep.get('spill_ld', 0)} "
-                      f"smem={ck.metadata.shared} wgmma={int('wgmma' in ck.asm['ptx'])} "
+                      f"smem={ck.metadata.shared} wgmma={int('wgmma.mma_async' in ck.asm['ptx'])} "
                       + " ".join(f"{a}={b}" for a, b in pipe.items()), flush=True)
                 if dump:
                     os.makedirs(dump, exist_ok=True)

@@ -191,7 +191,7 @@ def inspect_sm90(a) -> int:
                 print(f"inspect config={config_name(fields)} kernel={name} dtype={str(dtype).split('.')[-1]} "
                       f"block_m={bm} block_n={bn} warps={ck.metadata.num_warps} stages={cfg.num_stages} "
                       f"regs={rep.get('regs', 0)} spill={spill} smem={ck.metadata.shared} "
-                      f"wgmma={int('wgmma' in ck.asm['ptx'])}", flush=True)
+                      f"wgmma={int('wgmma.mma_async' in ck.asm['ptx'])}", flush=True)
     return 0
 
 

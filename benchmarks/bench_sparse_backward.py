@@ -189,7 +189,7 @@ def inspect_sm90(configs, H=64, D=128, topk=2048, dump=None) -> int:
             rep = ptxas_report(ck.asm["ptx"], bindir)
             print(f"inspect kernel=values_backward_kernel H={H} D={D} config={cfg} dest={d is not None} "
                   f"regs={rep.get('regs', 0)} spill={rep.get('spill_st', 0) + rep.get('spill_ld', 0)} "
-                  f"smem={ck.metadata.shared} wgmma={int('wgmma' in ck.asm['ptx'])}", flush=True)
+                  f"smem={ck.metadata.shared} wgmma={int('wgmma.mma_async' in ck.asm['ptx'])}", flush=True)
             if dump:
                 os.makedirs(dump, exist_ok=True)
                 for ext in ("ttgir", "ptx"):
