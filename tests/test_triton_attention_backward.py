@@ -717,9 +717,10 @@ KERNEL1_CANDIDATES = (dict(num_warps=4, do_smem=True), dict(num_warps=8, do_smem
 # rows kernel's dots have M = 16, mma.sync) that the benchmark times against the default:
 # kernel 1 with 64-slot tiles over 8 warps (each warp its own 8 slots of the scores and dP;
 # at 32 slots half the warps repeat the other half's), or the feature-chunked loop (dQ by its
-# own kernel); kernel 2 with more programs resident per SM
+# own kernel, three tilings); kernel 2 with more programs resident per SM
 KERNEL1_CANDIDATES_H16 = (dict(block_n=64, num_warps=8),
                           dict(inner_k=True, fused_dq=False, block_n=64, num_warps=4, num_stages=3),
+                          dict(inner_k=True, fused_dq=False, block_n=64, num_warps=4, num_stages=4),
                           dict(inner_k=True, fused_dq=False, block_n=128, num_warps=8, num_stages=3))
 KEYS_CANDIDATES_H16 = (dict(keys_block_n=64), dict(keys_num_warps=8))
 
