@@ -713,6 +713,49 @@ KERNEL1_CANDIDATES = (dict(num_warps=4, do_smem=True), dict(num_warps=8, do_smem
                       dict(inner_k=True, block_h=64, block_n=64, num_warps=4, num_stages=4))
 
 
+# the launch configurations at the latent's H = 16 (one query row's 16 heads a program: the
+# rows kernel's dots have M = 16, mma.sync) that the benchmark times against the default:
+# kernel 1 with 64-slot tiles over 8 warps (each warp its own 8 slots of the scores and dP;
+# at 32 slots half the warps repeat the other half's), or the feature-chunked loop (dQ by its
+# own kernel, three tilings); kernel 2 with more programs resident per SM
+KERNEL1_CANDIDATES_H16 = (dict(block_n=64, num_warps=8),
+                          dict(inner_k=True, fused_dq=False, block_n=64, num_warps=4, num_stages=3),
+                          dict(inner_k=True, fused_dq=False, block_n=64, num_warps=4, num_stages=4),
+                          dict(inner_k=True, fused_dq=False, block_n=128, num_warps=8, num_stages=3))
+KEYS_CANDIDATES_H16 = (dict(keys_block_n=64), dict(keys_num_warps=8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_h16_candidates_within_the_rule_and_key_tilings_keep_the_bits():
+    # the compiled kernels at the HF V3.2 latent (H = 16, v = k[..., :512]): each kernel-1
+    # candidate within the rule; kernel 2's other slot blocks and warp counts compute each
+    # slot's contribution by the same one-step dot over the 16 heads (then the values' part
+    # onto it), so the same bits
+    H, Hk, D, Dv = 16, 1, 576, 512
+    q, k, v, idx, hi, spec, out, lse, go = _latent_case_cuda("bwd gpu h16 configs", H, 96, 256)
+    delta = bwd.attention_delta(go, out, lse)
+    base = default_config(H, Hk, D, Dv)
+    orig = bwd.attention_backward(go, q, k, v, idx, [hi], delta, lse, spec, mode="pytorch", fold_v=True)
+    r = grads64(go, q, k, v, idx, [hi], spec)
+    for change in KERNEL1_CANDIDATES_H16:
+        got = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True,
+                                        config=dataclasses.replace(base, **change))
+        for name, x, o, want in zip(("gq", "gk"), got, orig, (r[0], folded(r[1], r[2]))):
+            assert_consumer_close(x, o, want.to(x.device), torch.bfloat16, what=f"{name} (kernel 1 {change})")
+    for atomic in (False, True):
+        want = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True, config=base,
+                                         atomic=atomic)
+        for change in KEYS_CANDIDATES_H16:
+            got = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True, atomic=atomic,
+                                            config=dataclasses.replace(base, **change))
+            if atomic:  # (fp32 atomics: the rule, not the bits)
+                for name, x, o, w in zip(("gq", "gk"), got, orig, (r[0], folded(r[1], r[2]))):
+                    assert_consumer_close(x, o, w.to(x.device), torch.bfloat16, what=f"{name} (atomic {change})")
+            else:
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), change
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_dout_operand_and_key_prefetch_keep_the_bits():
