@@ -173,7 +173,8 @@ def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
     also held in registers (136 per thread over 8 warps), so a [64, 576] fp32 dQ accumulator
     (144 more) does not fit: dQ is ``attn_bwd_dq``'s, and kernel 1 runs 16 warps (128
     registers, no spills; at 8 warps it spills 168 bytes). H = 16 (BLOCK_H = 16) keeps dQ in
-    kernel 1 at 8 warps (231 registers, 72 KiB). Kernel 2 (128 slots x 64 features, 64 heads
+    kernel 1 at 8 warps and 64 slots a tile (255 registers, 113 KiB; 32 slots with v its own
+    tensor or mixed dtypes). Kernel 2 (128 slots x 64 features, 64 heads
     per step): 2 x (64 x 128 + 64 x 64) x 2 = 48 KiB (32 KiB built). fp32 operands at the
     latent's widths: 16 heads x 16 slots, as the forward, 8 warps, dQ apart (106 KiB; 516
     bytes of spills remain). Per head (Dqk 192, Dv 128): 16 x
@@ -203,8 +204,11 @@ def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
                              fused_dq=False, inner_k=True)
     elif form_of(H, Hk) == "mqa" and wide:
         big = block_h >= 64
-        cfg = BackwardConfig(block_h, 16 if big and not v_from_k else 32, 16 if big else 8, 2, keys_g, 128, 64, 4, 2,
-                             fused_dq=not big)
+        # below 64 heads, 32 slots leave half of the 8 warps repeating the others' [16, 32]
+        # score and dP tiles; 64 slots cover them: H200, S = 32K, H = 16, kernel 1 33.7 against
+        # 53.5 ms, the backward 138.0 against 157.4 (255 registers, no spills, 113 KiB built)
+        block_n = 16 if big and not v_from_k else 64 if not big and v_from_k and same_dtype else 32
+        cfg = BackwardConfig(block_h, block_n, 16 if big else 8, 2, keys_g, 128, 64, 4, 2, fused_dq=not big)
     elif form_of(H, Hk) == "mqa":
         cfg = BackwardConfig(block_h, 64, 8 if block_h >= 64 else 4, 2, keys_g, 128, 64, 4, 2)
     else:
