@@ -262,15 +262,29 @@ def run_shape(name, S, selections, peers, quick, rate, rows, configs=None):
         torch.cuda.empty_cache()
 
 
+def _first_dot_warps(ttgir: str) -> str:
+    """warpsPerCTA of the first wgmma's result layout in the TTGIR (the score dot's), as
+    'MxN' ('-' without wgmma): 8x1 at 64 heads and 8 warps means both warpgroups compute
+    the whole score tile, 4x2 that each computes half of its slots."""
+    import re
+
+    dot = re.search(r"ttng\.warp_group_dot [^\n]*-> tensor<[^,]*, (#[\w]+)>", ttgir)
+    if dot is None:
+        return "-"
+    lay = re.search(re.escape(dot.group(1)) + r" = [^\n]*warpsPerCTA = \[(\d+), (\d+)\]", ttgir)
+    return f"{lay.group(1)}x{lay.group(2)}" if lay else "?"
+
+
 def inspect_sm90(configs=None, shapes=None) -> int:
     """Compile for sm_90 on any machine and print ptxas' report, one line per kernel:
     'inspect shape=... kernel=... config=... block_n=... regs=... spill=... smem=... wgmma=0|1
-    inflight=N'. Without ``configs``: each shape's default forward as the benchmark launches
+    inflight=N qk_warps=MxN'. Without ``configs``: each shape's default forward as the benchmark launches
     it (kernel=fwd), and for the bf16 shapes also the return_probs path (kernel=fwd_stats:
     the forward writing its softmax statistics, at probs_block_n; kernel=probs). With
     ``configs`` (``parse_configs``): the same kernels for each configuration at every shape
     (the return_probs path at the configuration's own tile; ``shapes``: only these of the
     inspected shapes, e.g. ["mla128", "mla16"]).
+    ``qk_warps``: the score dot's warp layout (``_first_dot_warps``).
     ``wgmma``: whether the PTX has a wgmma.mma_async instruction (the word alone also
     matches a source path in its .file lines). ``inflight`` is the largest ``num`` of an async_wait in the TTGIR: 0 where every gathered
     tile is waited for before the next one is issued, more where tiles stay in flight."""
@@ -335,11 +349,12 @@ def inspect_sm90(configs=None, shapes=None) -> int:
                 rep = ptxas_report(ck.asm["ptx"], bindir)
                 spill = rep.get("spill_st", 0) + rep.get("spill_ld", 0)
                 waits = [int(n) for n in re.findall(r"ttg\.async_wait[^{]*\{num = (\d+)", ck.asm["ttgir"])]
+                qk_warps = _first_dot_warps(ck.asm["ttgir"])
                 print(f"inspect shape={name} kernel={kname} config={label} dtype={str(dtype).split('.')[-1]} "
                       f"block_h={launch['BLOCK_H']} block_n={launch['BLOCK_N']} warps={launch['num_warps']} "
                       f"stages={launch['num_stages']} regs={rep.get('regs', 0)} spill={spill} "
                       f"smem={ck.metadata.shared} wgmma={int('wgmma.mma_async' in ck.asm['ptx'])} "
-                      f"inflight={max(waits, default=0)}", flush=True)
+                      f"inflight={max(waits, default=0)} qk_warps={qk_warps}", flush=True)
     return 1 if failed and configs is None else 0
 
 

@@ -54,7 +54,7 @@ from .spec import SpecError, dtype_of
 # the kernel cache's file writer.
 from .triton_codegen import _elementwise_lines, _interpreting, _mod_bodies, check_interpreter_mode, import_source
 
-TEMPLATE_VERSION = 2
+TEMPLATE_VERSION = 3
 
 _FN_CACHE: Dict[tuple, object] = {}
 
@@ -93,10 +93,18 @@ class AttentionConfig:
     # the next iteration; ``bench_sparse_attention.py --inspect`` reports it as inflight)
     prefetch_idx: bool = False
     # log2(e) folded into the last scale step (``log2_post``), exp2 in the loop: one multiply
-    # per score less; ignored where the spec does not allow the fold. H200, S = 32K, random
-    # picks, no probs: 74.0 against 81.0 ms at the absorbed H = 128, 14.6 against 15.1 at
-    # H = 16 (docs/performance.md); opt-in until the default path with it has passed the GPU tests
-    exp2: bool = False
+    # per score less; ignored where the spec does not allow the fold (the loop then runs on
+    # exp). On by default: H200, S = 32K, random picks, no probs: 74.0 against 81.0 ms at the
+    # absorbed H = 128, 14.6 against 15.1 at H = 16 (docs/performance.md)
+    exp2: bool = True
+    # the score dot's result taken through a run-time branch that is always taken: Triton
+    # then lays the score dot out as a lone dot (the slots split across the warpgroups)
+    # instead of as a dot that feeds another (every warp on the heads: at 64 heads and 8
+    # warps both warpgroups compute the whole [64, BLOCK_N] score tile); the softmax's row
+    # reductions and P then cross the warpgroups through shared memory. Off until measured:
+    # its sm_90 build at H = 128 has no spills and needs 229.6 KiB of shared memory (the
+    # default's: 160 B spilled, 221.4 KiB; ``bench_sparse_attention.py --inspect``)
+    split_qk: bool = False
 
 
 def reads_v_from_k(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -168,8 +176,8 @@ def log2_post(spec: AttentionSpec):
     exact up to rounding: no scale step, a step after it other than a -inf-only mask term,
     or an additive / finite mask term anywhere (scaled by log2(e) > 1, a value near
     finfo.min would overflow to -inf, and a row of them would no longer be a mean). A
-    scaled score beyond finfo.max / log2(e) (about 2.4e38) would also overflow: no real
-    score is that large, but that is why the option is opt-in."""
+    scaled score beyond finfo.max / log2(e) (about 2.4e38) would also overflow (docs/contract.md,
+    "The selection's consumers", Numerics); ``AttentionConfig(exp2=False)`` runs the loop on exp."""
     scales = [i for i, st in enumerate(spec.post) if st[0] in ("mul", "div")]
     if not scales:
         return None
@@ -313,7 +321,8 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
             *out.stride(), *lse.stride(), S, G, Hk, K, Dqk, Dv]
     grid = (B * S * Hk * -(-G // cfg.block_h),)
     fwd_launch = dict(consts, BLOCK_DV=block_dv, V_FROM_K=v_from_k, WRITE_STATS=return_probs and K > 0,
-                      PREFETCH_IDX=cfg.prefetch_idx, EXP2=cfg.exp2 and log2_post(spec) is not None, **launch)
+                      PREFETCH_IDX=cfg.prefetch_idx, EXP2=cfg.exp2 and log2_post(spec) is not None,
+                      SPLIT_QK=cfg.split_qk, **launch)
     pconsts = dict(consts, BLOCK_N=cfg.probs_block_n or cfg.block_n)
     pargs = [q, k, idx, stat_m, stat_l, probs, *mask_args, *q.stride(), *k.stride(), *idx.stride(), *lse.stride(),
              *probs.stride(), S, G, Hk, K, Dqk]
@@ -385,7 +394,7 @@ def _load_q(Q, b, s, hk, g0, G, DQK, stride_qb, stride_qs, stride_qh, stride_qd,
 @triton.jit
 def _scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
             BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, UPCAST: tl.constexpr,
-            LOG2: tl.constexpr):
+            LOG2: tl.constexpr, SPLIT: tl.constexpr):
     # y [BLOCK_H, BLOCK_N]: the scores of the gathered keys (fp32 accumulation, post steps
     # applied, in log2 units with LOG2; -inf at padding slots); and the keys' first chunk ka
     # [BLOCK_N, DA], which is the value tile when v is a view of k
@@ -400,7 +409,13 @@ def _scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_P
         kb = tl.load(rows + offs_b[None, :] * stride_kd, mask=slot_ok[:, None] & (offs_b < DQK)[None, :], other=0.0)
         if UPCAST:
             kb = kb.to(tl.float32)
-        x = tl.dot(qb, tl.trans(kb), acc=x, input_precision="{{PRECISION}}", out_dtype=tl.float32)
+        if SPLIT:
+            # a dot accumulating onto another's result is a chain too: two dots and a sum
+            # (x - (0 - xb), which Triton does not fold back into the dot's accumulator)
+            xb = tl.dot(qb, tl.trans(kb), input_precision="{{PRECISION}}", out_dtype=tl.float32)
+            x = x - (0.0 - xb)
+        else:
+            x = tl.dot(qb, tl.trans(kb), acc=x, input_precision="{{PRECISION}}", out_dtype=tl.float32)
     if LOG2:
         y = _post_log2(x, t, slot_ok, b, s, {{MASK_PARAMS}})
     else:
@@ -420,7 +435,7 @@ def attn_fwd(
     S, G, HK, TOPK, DQK, DV,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr, WRITE_STATS: tl.constexpr,
-    PREFETCH_IDX: tl.constexpr, EXP2: tl.constexpr,
+    PREFETCH_IDX: tl.constexpr, EXP2: tl.constexpr, SPLIT_QK: tl.constexpr,
 ):
     # a row's head blocks are consecutive programs (they gather the same key positions, so
     # they run together and share the lines in L2); a 1-d grid, as B x S exceeds grid dim 1
@@ -455,7 +470,7 @@ def attn_fwd(
         else:
             t = tl.load(ibase + slots * stride_ij, mask=slot_ok, other=0).to(tl.int64)
         y, ka = _scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
-                        BLOCK_N, DA, DB, UPCAST, EXP2)
+                        BLOCK_N, DA, DB, UPCAST, EXP2, SPLIT_QK)
         # online softmax; a head whose slots are all -inf so far keeps m = -inf and takes
         # exp(y - 0) = 0 for them (no -inf - -inf). With EXP2, y and m are in log2 units.
         m_new = tl.maximum(m_i, tl.max(y, axis=1))
@@ -474,8 +489,18 @@ def attn_fwd(
                          mask=slot_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
             if UPCAST:
                 vt = vt.to(tl.float32)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(vt.dtype), vt, acc=acc, input_precision="{{PRECISION}}", out_dtype=tl.float32)
+        if SPLIT_QK:
+            # DQK >= 1 always: the branch only ends the score dot's forward slice (P and
+            # alpha reach the value dot through it)
+            if DQK > 0:
+                pv = p.to(vt.dtype)
+                acc = acc * alpha[:, None]
+            else:  # (never taken; P, not a constant tile, which would take shared memory of its own)
+                pv = p.to(vt.dtype)
+        else:
+            pv = p.to(vt.dtype)
+            acc = acc * alpha[:, None]
+        acc = tl.dot(pv, vt, acc=acc, input_precision="{{PRECISION}}", out_dtype=tl.float32)
         m_i = m_new
     # a head with no visible slot: l = 0, so out = 0 / 0 = NaN and lse = -inf, as the reference
     out = acc / l_i[:, None]
@@ -525,7 +550,7 @@ def attn_probs(
                 qa, qb = _load_q(Q, b, s, hk64, g0, G, DQK, stride_qb, stride_qs, stride_qh, stride_qd,
                                  BLOCK_H, DA, DB, UPCAST)
                 y, ka = _scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
-                                BLOCK_N, DA, DB, UPCAST, False)
+                                BLOCK_N, DA, DB, UPCAST, False, False)
                 h_ok = g0 + offs_h < G
                 stat = b * stride_lb + s * stride_ls + (hk64 * G + g0 + offs_h) * stride_lh
                 m = tl.load(STAT_M + stat, mask=h_ok, other=0.0)

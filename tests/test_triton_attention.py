@@ -223,15 +223,17 @@ def test_value_view_of_key_and_odd_head_dims(Dqk, Dv, dtype):
     check(q, k, v, idx, [_causal(B, S, T)], _spec(Dqk, dtype, ("mask", 0), masks=CAUSAL["masks"]))
 
 
-LOOP_OPTIONS = {"prefetch_idx": dict(prefetch_idx=True), "exp2": dict(exp2=True),
-                "prefetch_idx+exp2": dict(prefetch_idx=True, exp2=True)}
+LOOP_OPTIONS = {"prefetch_idx": dict(prefetch_idx=True), "exp": dict(exp2=False),
+                "prefetch_idx+exp": dict(prefetch_idx=True, exp2=False), "split_qk": dict(split_qk=True),
+                "split_qk+exp": dict(split_qk=True, exp2=False)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("H,Hk,v_of_k", [(4, 1, True), (4, 2, False)], ids=["mqa_latent", "gqa"])
 @pytest.mark.parametrize("option", list(LOOP_OPTIONS))
 def test_forward_loop_options_match_reference(option, H, Hk, v_of_k, dtype):
-    # AttentionConfig's forward-loop options (off by default) under the numerics rule: 40
+    # AttentionConfig's forward-loop options (prefetch_idx and split_qk on, and exp2 off: the
+    # loop on exp, as where log2_post does not apply) under the numerics rule: 40
     # slots in tiles of 16 (the prefetch's last load is partial, then past the end), a causal
     # range with a row that sees no key, and at the MQA form v = k[..., :16] of a 24-wide key
     # (576 = 512 + 64 scaled down); probs too (the statistics exp2 converts back to e units).
@@ -239,7 +241,7 @@ def test_forward_loop_options_match_reference(option, H, Hk, v_of_k, dtype):
     B, S, T, K = 2, 2, 48, 40
     Dqk, Dv = (24, 16) if v_of_k else (16, 16)
     spec = _spec(Dqk, dtype, ("mask", 0), masks=CAUSAL["masks"])
-    assert log2_post(spec) is not None  # the fold applies: exp2 runs
+    assert log2_post(spec) is not None  # the fold applies: exp2 runs unless the option turns it off
     cfg = AttentionConfig(block_h=16, block_n=16, **LOOP_OPTIONS[option])
     for i in range(CPU_SEEDS):
         seed = fresh_seed(f"loop option {option} H={H} Hk={Hk} {dtype} #{i}")
@@ -247,6 +249,30 @@ def test_forward_loop_options_match_reference(option, H, Hk, v_of_k, dtype):
         out, lse, probs = check(q, k, v, idx, [_causal(B, S, T)], spec, config=cfg)
         assert torch.isnan(out[0, 0]).all() and torch.isneginf(lse[0, 0]).all() and torch.isnan(probs[0, 0]).all()
         assert torch.isfinite(out[1]).all()
+
+
+def test_exp2_is_the_default_where_the_fold_applies():
+    # every configuration default_config picks asks for exp2, and the launch takes it exactly
+    # where log2_post folds log2(e) into the scale (the causal -inf range: yes; an additive
+    # mask: no), so the GPU tests through the op run the exp2 loop at the absorbed shapes
+    for H, Hk, Dqk, Dv, esize, v_of_k in [(128, 1, 576, 512, 2, True), (16, 1, 576, 512, 2, True),
+                                          (16, 16, 192, 128, 2, False), (128, 1, 576, 512, 4, True),
+                                          (128, 1, 576, 512, 2, False), (8, 2, 96, 64, 2, False)]:
+        for interp in (False, True):
+            cfg = default_config(H, Hk, Dqk, Dv, interpret=interp, elem_bytes=esize, v_from_k=v_of_k)
+            assert cfg.exp2 and not cfg.split_qk and not cfg.prefetch_idx, cfg
+    B, S, T, H, D, K = 1, 2, 24, 4, 16, 8
+    q, k, v, idx = _inputs(fresh_seed("exp2 default launch"), B, S, T, H, 1, D, D, K)
+    launches = []
+
+    def launcher(kern, args, launch):
+        launches.append(launch)
+
+    causal = _spec(D, torch.float32, ("mask", 0), masks=CAUSAL["masks"])
+    additive = _spec(D, torch.float32, ("mask", 0), masks=(MaskTerm(kind="add", operand=0),))
+    sparse_attention_triton(q, k, v, idx, [_causal(B, S, T)], causal, _launcher=launcher)
+    sparse_attention_triton(q, k, v, idx, [torch.zeros(B, S, T)], additive, _launcher=launcher)
+    assert [la["EXP2"] for la in launches] == [True, False]
 
 
 def test_exp2_only_where_the_fold_is_exact():
@@ -409,6 +435,28 @@ def test_prefetch_idx_pipelines_the_gather_sm90(tmp_path):
             assert (int(f["inflight"]) > 0) == ("prefetch_idx" in f["config"]), f
 
 
+@needs_ptxas
+def test_split_qk_splits_the_score_dot_sm90(tmp_path):
+    # at the absorbed H = 128 shape (64 heads, 8 warps per program) Triton gives the score
+    # dot every warp on its 64 rows (8x1: both warpgroups compute the whole score tile), as
+    # for any dot whose result reaches another; split_qk ends that chain and the dot is laid
+    # out 4x2 (each warpgroup half the slots), with no spills and within shared memory
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["HYSCALE_KERNEL_CACHE"] = str(tmp_path / "kernels")
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_sparse_attention.py"), "--inspect",
+                        "--shapes", "mla128", "--config", "default;split_qk=1"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    rows = {(f["config"], f["kernel"]): f for f in
+            (dict(kv.split("=", 1) for kv in ln.split()[1:] if "=" in kv) for ln in r.stdout.splitlines()
+             if ln.startswith("inspect "))}
+    assert rows[("default", "fwd")]["qk_warps"] == "8x1", rows
+    for kernel in ("fwd", "fwd_stats"):
+        f = rows[("split_qk=1", kernel)]
+        assert f["qk_warps"] == "4x2" and int(f["spill"]) == 0 and int(f["smem"]) <= 227 * 1024, f
+
+
 # ---------------------------------------------------------------------------------------
 # GPU (the coordinator runs these on an H200)
 # ---------------------------------------------------------------------------------------
@@ -465,9 +513,10 @@ def test_gpu_per_head_shape_and_compile():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fields", [dict(exp2=True), dict(block_n=32, num_stages=3, prefetch_idx=True),
-                                    dict(block_n=32, num_stages=4, prefetch_idx=True, exp2=True)],
-                         ids=["exp2", "bn32_st3_prefetch", "bn32_st4_prefetch_exp2"])
+@pytest.mark.parametrize("fields", [dict(exp2=False), dict(block_n=32, num_stages=3, prefetch_idx=True),
+                                    dict(block_n=32, num_stages=4, prefetch_idx=True), dict(split_qk=True),
+                                    dict(split_qk=True, prefetch_idx=True)],
+                         ids=["exp", "bn32_st3_prefetch", "bn32_st4_prefetch", "split_qk", "split_qk_prefetch"])
 def test_gpu_loop_options_absorbed_bf16(fields):
     # the H200 sweep's candidate configurations at the absorbed shape (scaled down in S and
     # T; H = 16 and 128, d_qk 576, d_v 512, v = k[..., :512]), bf16, under the numerics rule;
