@@ -84,7 +84,7 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     probs_block_n: int = 0  # slots per tile of attn_probs (0: block_n); per-slot math, any tiling
-    # Forward-loop options, off by default until measured on the GPU:
+    # Forward-loop options (default_config turns them on where they were measured faster):
     # the next tile's key positions loaded one iteration ahead (a loop-carried value), so the
     # gather's addresses do not come from a load in the same iteration: only then does Triton's
     # pipeliner give the key gather num_stages buffers (num_stages - 1 where the dots are not
@@ -101,9 +101,9 @@ class AttentionConfig:
     # then lays the score dot out as a lone dot (the slots split across the warpgroups)
     # instead of as a dot that feeds another (every warp on the heads: at 64 heads and 8
     # warps both warpgroups compute the whole [64, BLOCK_N] score tile); the softmax's row
-    # reductions and P then cross the warpgroups through shared memory. Off until measured:
-    # its sm_90 build at H = 128 has no spills and needs 229.6 KiB of shared memory (the
-    # default's: 160 B spilled, 221.4 KiB; ``bench_sparse_attention.py --inspect``)
+    # reductions and P then cross the warpgroups through shared memory. Its sm_90 build at
+    # H = 128 has no spills and needs 229.6 KiB of shared memory (without: 160 B spilled,
+    # 221.4 KiB; ``bench_sparse_attention.py --inspect``); default_config turns it on there
     split_qk: bool = False
 
 
@@ -136,8 +136,13 @@ def default_config(H: int, Hk: int, Dqk: int, Dv: int, interpret: bool = False,
         # (v its own tensor at the latent's widths and 64 heads per program: two stages of
         # [64, 576] keys and [64, 512] values need 352 KiB of shared memory; 32 slots fit)
         block_n = 32 if wide and not v_from_k and block_h >= 64 else 64
+        # 64 heads of a row over a latent that is also the value: the score dot split across
+        # the warpgroups and the next tile's key positions loaded ahead. H200, S = 32K, H = 128,
+        # one call: 52.6 ms (47% of matmul) against 73.6 for neither, 58.5 for split_qk alone
+        # (sm_90: no spills, 224 KiB). Not at H = 16 (its split_qk build spills)
+        fast = wide and v_from_k and block_h >= 64
         return AttentionConfig(block_h=block_h, block_n=block_n, num_warps=8 if block_h >= 64 and wide else 4,
-                               num_stages=2, probs_block_n=32 if wide else 0)
+                               num_stages=2, probs_block_n=32 if wide else 0, prefetch_idx=fast, split_qk=fast)
     return AttentionConfig(block_h=block_h, block_n=32 if wide or elem_bytes > 2 else 64, num_warps=4, num_stages=2)
 
 
@@ -298,7 +303,7 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
         # with its softmax statistics written (WRITE_STATS) the forward at 64 slots per tile
         # needs more shared memory than an H200 has (352 KiB at H = 128): the probs path keeps
         # the tile it was verified with
-        cfg = dataclasses.replace(cfg, block_n=cfg.probs_block_n)
+        cfg = dataclasses.replace(cfg, block_n=cfg.probs_block_n, split_qk=False, prefetch_idx=False)
     if cfg.block_h < 16 or cfg.block_n < 16 or cfg.block_h & (cfg.block_h - 1) or cfg.block_n & (cfg.block_n - 1):
         raise SpecError(f"{cfg}: block_h and block_n must be powers of two >= 16 (tl.dot)")
     # the interpreter has no bf16 dot; mixed q/k dtypes meet in fp32
