@@ -10,6 +10,15 @@ the issue's table). Method as there: compile, one warm-up call, the median of 3 
 scatter-gather / other (``bucket``). ``attn op calls`` counts ``hyscale::sparse_attention`` calls
 per step: 0 means the dense attention ran (the rewrite off, or not matched).
 
+``--indexer-loss sparse`` (train mode) also trains the indexers with the sparse-stage KL loss
+(DeepSeek-V3.2 section 2.1), written beside the HF model as a user would: the recipe of
+``tests/models/hf_indexer_loss.py`` (``attach_indexer_losses``: each layer's loss, the
+recipe's selection as the attention's); the step's loss is the LM loss plus the layers'
+losses. ``indexer loss`` says what the compiler did with them: ``sparse R/N`` for R of the N
+losses found rewritten to the k selected slots (``[indexer loss: sparse]`` in ``explain``),
+``DENSE`` when none was (then the loss ran over [S, T] tables). The rewritten loss's target is
+a ``hyscale::sparse_attention`` call with probs, counted in ``attn op calls``.
+
 One row is one process (the CUDA caching allocator and Dynamo caches start clean)::
 
     python benchmarks/bench_attention_step.py --seq 32768 --mode prefill --sparse on --append rows.jsonl
@@ -33,7 +42,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's hyscale_compile, not an older installed copy
 
-COLUMNS = ("S", "mode", "sparse", "backend", "step ms", "peak GiB", "first s", "attn op calls", "attention ms",
+COLUMNS = ("S", "mode", "sparse", "indexer loss", "backend", "step ms", "peak GiB", "first s", "attn op calls", "attention ms",
            "selection ms", "gemm ms", "scatter/gather ms", "other ms", "note")
 
 
@@ -72,7 +81,9 @@ def build(seq: int, heads: int, tiny: bool, device: str, attn: str = "sdpa", mod
     return DeepseekV32ForCausalLM(cfg).to(device, dtype).train(), cfg.vocab_size
 
 
-def step_fn(model, mode: str):
+def step_fn(model, mode: str, indexer_losses=None):
+    """The step; ``indexer_losses``: the list ``attach_indexer_losses`` returned, whose losses
+    (appended by the forward) join the LM loss."""
     import torch
 
     def step(ids):
@@ -80,9 +91,25 @@ def step_fn(model, mode: str):
             with torch.no_grad():
                 return model(ids, use_cache=False).logits[:, -1]
         out = model(ids, labels=ids, use_cache=False)
-        out.loss.backward()
-        return out.loss.detach()
+        loss = out.loss
+        if indexer_losses is not None:
+            loss = loss + sum(indexer_losses)
+            indexer_losses.clear()
+        loss.backward()
+        return loss.detach()
     return step
+
+
+def indexer_loss_state(records) -> str:
+    """The row's ``indexer loss``: what the compiler did with the losses it found (records of
+    ``passes/indexer_loss.loss_records``, one per loss and graph)."""
+    if not records:
+        return "DENSE (no loss found)"
+    done = sum(r.rewritten for r in records)
+    if not done:
+        return f"DENSE 0/{len(records)}: {records[0].reason}"
+    return f"sparse {done}/{len(records)}" + ("" if all(r.backward == "sparse" for r in records if r.rewritten)
+                                              else " (backward dense)")
 
 
 def bucket(name: str) -> str:
@@ -122,12 +149,14 @@ def run_row(args) -> dict:
     device = "cuda" if torch.cuda.is_available() and not (args.tiny and args.cpu) else "cpu"
     backend = args.backend or ("hyscale" if device == "cuda" else "hyscale_debug")
     sparse = args.sparse == "on"
-    row = {"S": args.seq, "mode": args.mode, "sparse": args.sparse, "backend": f"{backend}/{args.attn}/{args.model}"}
+    row = {"S": args.seq, "mode": args.mode, "sparse": args.sparse, "indexer loss": args.indexer_loss,
+           "backend": f"{backend}/{args.attn}/{args.model}"}
     options, note = _options(sparse)
     row["note"] = note
 
     def progress(msg):
-        print(f"[{args.mode} S={args.seq} sparse={args.sparse}] {msg}", flush=True)
+        loss = "" if args.indexer_loss == "none" else f" indexer-loss={args.indexer_loss}"
+        print(f"[{args.mode} S={args.seq} sparse={args.sparse}{loss}] {msg}", flush=True)
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     torch._dynamo.reset()
@@ -135,15 +164,29 @@ def run_row(args) -> dict:
     model, vocab = build(args.seq, args.heads, args.tiny, device, args.attn, args.model)
     if args.mode == "prefill":
         model.eval()
+    indexer_losses = None
+    if args.indexer_loss == "sparse":
+        from tests.models.hf_indexer_loss import attach_indexer_losses
+
+        indexer_losses = attach_indexer_losses(model)
     ids = torch.randint(0, vocab, (1, args.seq), device=device, generator=None)
     progress(f"built in {time.time() - t0:.1f} s on {device}")
-    compiled = torch.compile(step_fn(model, args.mode), backend=backend, options=options)
+    compiled = torch.compile(step_fn(model, args.mode, indexer_losses), backend=backend, options=options)
     try:
+        from hyscale_compile.passes import diagnostics
+        from hyscale_compile.passes.indexer_loss import loss_records
+
+        diagnostics.clear()
         t0 = time.time()
         compiled(ids)
         sync()
         row["first s"] = round(time.time() - t0, 1)
         progress(f"compiled and ran once in {row['first s']} s")
+        if indexer_losses is not None:
+            recs = loss_records()
+            row["indexer loss"] = indexer_loss_state(recs)
+            for r in recs:
+                progress(r.line()[:240])
         times = []
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -260,7 +303,7 @@ def sweep(args) -> int:
         for mode in args.modes.split(","):
             for sparse in ("on", "off"):
                 cmd = [sys.executable, os.path.abspath(__file__), "--seq", str(seq), "--mode", mode, "--sparse", sparse,
-                       "--heads", str(args.heads), "--attn", args.attn, "--model", args.model, "--iters", str(args.iters), "--append", path, "--quiet-table"]
+                       "--heads", str(args.heads), "--attn", args.attn, "--model", args.model, "--iters", str(args.iters), "--indexer-loss", args.indexer_loss, "--append", path, "--quiet-table"]
                 cmd += ["--tiny"] * args.tiny + ["--cpu"] * args.cpu + (["--backend", args.backend] if args.backend else [])
                 print("$", " ".join(cmd), flush=True)
                 try:
@@ -268,7 +311,8 @@ def sweep(args) -> int:
                 except subprocess.TimeoutExpired:
                     rc = "timeout"
                 if rc != 0:
-                    rows.append({"S": seq, "mode": mode, "sparse": sparse, "step ms": f"failed ({rc})"})
+                    rows.append({"S": seq, "mode": mode, "sparse": sparse, "indexer loss": args.indexer_loss,
+                                 "step ms": f"failed ({rc})"})
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()] + rows
     print(table(rows))
@@ -282,6 +326,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("prefill", "train"), default="prefill",
                     help="prefill: a no_grad forward; train: one forward + backward")
     ap.add_argument("--sparse", choices=("on", "off"), default="on", help="hyscale.sparse_attention")
+    ap.add_argument("--indexer-loss", choices=("none", "sparse"), default="none",
+                    help="train mode: also train the indexers with the sparse-stage KL loss (the HF recipe)")
     ap.add_argument("--heads", type=int, default=16, help="MLA attention heads (DeepSeek-V3.2 has 128)")
     ap.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
                     help="the model's attn_implementation (the issue's table: sdpa)")
@@ -302,6 +348,10 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="prefill,train", help="with --sweep")
     ap.add_argument("--row-timeout", type=int, default=1200, help="with --sweep: seconds per row")
     args = ap.parse_args(argv)
+    if args.indexer_loss != "none" and (args.mode != "train" and not args.sweep or args.sweep and "prefill" in args.modes):
+        ap.error("--indexer-loss sparse trains the indexer: it needs --mode train (with --sweep, --modes train)")
+    if args.indexer_loss != "none" and args.model != "deepseek_v32":
+        ap.error("--indexer-loss sparse: the recipe is written for --model deepseek_v32")
     if args.sweep:
         return sweep(args)
     if args.seq is None:

@@ -370,3 +370,45 @@ def test_hf_recipe_through_inductor():
     torch.testing.assert_close(out, orig)
     for a, b_ in zip(g_out, _param_grads(orig, params)):
         torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-6)
+
+
+def test_hf_recipe_attached_to_the_model():
+    """``attach_indexer_losses`` on a whole DeepseekV32 training step (the benchmark's
+    ``--indexer-loss sparse``): both layers' losses rewritten with their backward, one
+    selection a layer feeding the attention and the loss (the attention over it sparse), and
+    the step's loss and indexer gradients as eager's."""
+    pytest.importorskip("transformers")
+    from tests.models import hf_indexer_loss as R
+    from tests.models import hf_models as HF
+
+    if not HF.transformers_available():
+        pytest.skip("transformers without DeepseekV32")
+    model, kw = HF.build_deepseek_v32(6, seq=ST, batch=1)
+    model.train()
+    losses = R.attach_indexer_losses(model)
+    ids = kw["input_ids"]
+    params = [p for layer in model.model.layers for p in layer.self_attn.indexer.parameters()]
+
+    def step(ids):
+        out = model(ids, labels=ids, use_cache=False)
+        loss = out.loss + sum(losses)
+        losses.clear()
+        return loss
+
+    ref = step(ids)
+    g_ref = _param_grads(ref, params)
+    c, cap = _compiled(step)
+    out = c(ids)
+    g_out = _param_grads(out, params)
+    recs = loss_records()
+    assert len(recs) == 2 and all(r.rewritten and r.backward == "sparse" for r in recs), [r.line() for r in recs]
+    fwd = [g for k, g in cap if k == "forward"]
+    ops = [n for g in fwd for n in g.graph.nodes if n.op == "call_function"]
+    calls = [n for n in ops if n.target is torch.ops.hyscale.sparse_attention.default]
+    assert sum(n.target is torch.ops.hyscale.hytopk_values.default for n in ops) == 2
+    assert sorted(n.args[-1] is True for n in calls) == [False, False, True, True], calls  # attention, probs
+    # (the recipe's selection replaces HF's: the only top-ks left are the MoE router's)
+    assert sum(n.target is torch.ops.aten.topk.default for n in ops) == HF.EXPECTED_TOPK["deepseek_v32"][1]
+    torch.testing.assert_close(out, ref)
+    for a, b_ in zip(g_out, g_ref):
+        torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-6)

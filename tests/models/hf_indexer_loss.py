@@ -16,6 +16,10 @@ arithmetic (``log(x + 1e-10)``)::
 with the indexer's inputs detached (it learns only from this loss, the model only from the
 LM loss). Written over [B, S, T] tables, as a user would; ``backend="hyscale"`` rewrites it
 to the k selected slots (``passes/indexer_loss.py``).
+
+``attach_indexer_losses(model)`` wires it into a ``DeepseekV32ForCausalLM`` (every layer's
+loss, and the recipe's selection as the attention's): the training step adds the list it
+returns to the LM loss.
 """
 from __future__ import annotations
 
@@ -68,3 +72,66 @@ def sparse_indexer_loss(indexer, hidden_states, q_resid, position_embeddings, qu
     # input, whose value the pass cannot read (the loss then stays dense)
     kl = target * (torch.log(target + 1e-10) - torch.log(p + 1e-10))
     return kl.sum(-1).mean(), idx
+
+
+def _hand_over_inputs(hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None, cache=None,
+                      **kwargs):
+    """The HF indexer's forward, replaced: select nothing and hand its inputs on (as the
+    "indices" HF passes to the attention function), where the layer's loss selects."""
+    if cache is not None:
+        raise ValueError("attach_indexer_losses: call the model with use_cache=False (the recipe has no key cache)")
+    return hidden_states, q_resid, position_embeddings
+
+
+def _attention_with_loss(module, query, key, value, attention_mask, scaling, dropout=0.0, indices=None, **kwargs):
+    """The attention function of an ``attach_indexer_losses`` model: the layer's loss and its
+    selection from the indexer's inputs (``indices``: what its replaced forward handed on)
+    and this call's query and key, then the base implementation's attention under that
+    selection (with ``DeepseekV32Attention.forward``'s own index mask for eager and sdpa)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import eager_attention_forward
+
+    base, losses = module._indexer_loss_base, module._indexer_losses
+    hs, qr, pe = indices
+    loss, idx = sparse_indexer_loss(module.indexer, hs, qr, pe, query, key, scaling)
+    losses.append(loss)
+    B, S, T = idx.shape[0], idx.shape[1], key.shape[2]
+    hide = idx.new_ones((B, S, T), dtype=torch.bool).scatter(-1, idx, False).unsqueeze(1)  # True: not selected
+    if attention_mask.dtype == torch.bool:
+        attention_mask = attention_mask & ~hide
+    else:
+        attention_mask = attention_mask.masked_fill(hide, torch.finfo(query.dtype).min)
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(base, eager_attention_forward)
+    return attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def attach_indexer_losses(model) -> list:
+    """Train ``model``'s indexers (a ``DeepseekV32ForCausalLM``, attn_implementation "eager" or
+    "sdpa") with the sparse-stage loss: every layer's indexer hands its inputs on instead of
+    selecting, and the attention (registered as ``"<base>_indexer_loss"`` with HF's
+    ``AttentionInterface``, the base's mask function) computes the layer's loss and selection
+    with ``sparse_indexer_loss`` and attends to that selection. Returns the list each forward
+    appends the layers' losses to, in layer order: the step adds them to the LM loss and
+    clears it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    from transformers import DeepseekV32ForCausalLM
+
+    if not isinstance(model, DeepseekV32ForCausalLM):
+        raise TypeError(f"attach_indexer_losses: a DeepseekV32ForCausalLM, not {type(model).__name__}")
+    base = model.config._attn_implementation
+    if base not in ("eager", "sdpa"):
+        raise ValueError(f"attach_indexer_losses: attn_implementation must be 'eager' or 'sdpa', not {base!r}")
+    layers = [layer.self_attn for layer in model.model.layers if getattr(layer.self_attn, "indexer", None) is not None]
+    if not layers:
+        raise ValueError("attach_indexer_losses: the model has no indexer")
+    name = f"{base}_indexer_loss"
+    AttentionInterface.register(name, _attention_with_loss)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    losses = []
+    for att in layers:
+        att.indexer.forward = _hand_over_inputs
+        att._indexer_loss_base, att._indexer_losses = base, losses
+    model.set_attn_implementation(name)
+    return losses
