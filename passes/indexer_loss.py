@@ -380,11 +380,17 @@ def _emit_forward(em: Emitter, graph, tk, idx, m, kl: _KL, rec: LossRecord) -> D
         vals.meta = {k: v for k, v in idx.meta.items() if k != "val"}
         vals.meta["val"] = val(tk)[0]
     q, k = em.operand(m.q), em.operand(m.k)
-    try:  # MLA: the scores over the shared latent, the key up-projection absorbed (passes/mla.py)
-        absorbed = mla.absorb(em, q, k, None) if m.form == "per_head" else None
-    except Unsupported as e:
-        absorbed = None
-        rec.sizes["latent"] = str(e)
+    absorbed = None
+    if m.form == "per_head":
+        try:  # MLA: the scores over the shared latent, the key up-projection absorbed (passes/mla.py)
+            mla.find_latent(k, None, em.fake_mode)
+            if val(k).dtype not in (torch.bfloat16, torch.float16):
+                # the reassociated scores ((q W_kb) . latent) move the KL's value by up to ~3
+                # eps(fp32) where the original's own error can be far below it
+                raise Unsupported("fp32 keys: the absorbed scores' reassociation exceeds the numerics rule at the loss")
+            absorbed = mla.absorb(em, q, k, None)
+        except Unsupported as e:
+            rec.sizes["latent"] = str(e)
     if absorbed is not None:
         q, k, v = absorbed.q, absorbed.k, absorbed.v
         rec.sizes["form"] = mla.FORM
