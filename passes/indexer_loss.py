@@ -25,7 +25,9 @@ The rewrite (``hyscale_compile.losses.sparse_indexer_kl``'s arithmetic, in the g
   selection pass then emits ``hytopk_values``) and ``_softmax`` over the slots;
 * target: ``hyscale.sparse_attention(q, k, v[..., :1], idx, masks, spec, return_probs=True)``
   on the target chain's q and k (``probs`` is not differentiable: the target stays detached),
-  normalised over the slots;
+  normalised over the slots; keys that are MLA up-projections of a latent run over the latent,
+  the key up-projection absorbed into the query (``mla.absorb`` with no value: the op's output
+  is not read), as the attention pass does for the model's own attention;
 * in a joint graph, the term's backward (the backward nodes sharing a ``seq_nr`` with the
   loss's forward) is replaced by its derivative at the slots, scattered into the table's
   gradient as the top-k's own backward would (stamped with its ``seq_nr``): the selection
@@ -57,7 +59,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..lowerings import attention_ops  # noqa: F401  (registers torch.ops.hyscale.sparse_attention)
 from ..lowerings.attention_reference import check_attention_operands
 from ..lowerings.spec import SpecError
-from . import diagnostics
+from . import diagnostics, mla
 from .attention import MaskWalk, Region, _applications, _chain_back, _forward_users, _Reject, _softmax_of, analyse
 from .canonicalize import GraphFacts, OperandPlan, Unsupported, is_backward_node, shape_of, val
 from .rewrite import Emitter
@@ -359,7 +361,7 @@ def _rewrite_site(graph, facts, tk, idx, x, app_i, kl: _KL, apps, graph_kind, en
         if graph_kind == "joint":
             region_bw, g_in, g_out = _backward_region(graph, kl, x, app_i, index_sm)
         em = Emitter(graph, kl.rowsum)
-        fwd = _emit_forward(em, graph, tk, idx, m, kl)
+        fwd = _emit_forward(em, graph, tk, idx, m, kl, rec)
     finally:
         em_a.rollback()
         tmp.rollback()
@@ -370,14 +372,32 @@ def _rewrite_site(graph, facts, tk, idx, x, app_i, kl: _KL, apps, graph_kind, en
     rec.rewritten = True
 
 
-def _emit_forward(em: Emitter, graph, tk, idx, m, kl: _KL) -> Dict[str, fx.Node]:
+def _emit_forward(em: Emitter, graph, tk, idx, m, kl: _KL, rec: LossRecord) -> Dict[str, fx.Node]:
     vals = next((u for u in tk.users if u.target is operator.getitem and u.args[1] == 0), None)
     if vals is None:
         with graph.inserting_after(idx):
             vals = graph.call_function(operator.getitem, (tk, 0))
         vals.meta = {k: v for k, v in idx.meta.items() if k != "val"}
         vals.meta["val"] = val(tk)[0]
-    q, k, v = em.operand(m.q), em.operand(m.k), em.operand(m.v)
+    q, k = em.operand(m.q), em.operand(m.k)
+    absorbed = None
+    if m.form == "per_head":
+        try:  # MLA: the scores over the shared latent, the key up-projection absorbed (passes/mla.py)
+            mla.find_latent(k, None, em.fake_mode)
+            if val(k).dtype not in (torch.bfloat16, torch.float16):
+                # the reassociated scores ((q W_kb) . latent) move the KL's value by up to ~3
+                # eps(fp32) where the original's own error can be far below it
+                raise Unsupported("fp32 keys: the absorbed scores' reassociation exceeds the numerics rule at the loss")
+            absorbed = mla.absorb(em, q, k, None)
+        except Unsupported as e:
+            rec.sizes["latent"] = str(e)
+    if absorbed is not None:
+        q, k, v = absorbed.q, absorbed.k, absorbed.v
+        rec.sizes["form"] = mla.FORM
+        rec.sizes.update(absorbed.record())
+    else:
+        v = em.operand(m.v)  # (the stand-in value contraction's: the keys)
+        rec.sizes["form"] = m.form
     v = em.call(aten.slice.Tensor, [v, 3, 0, 1])  # the op's output is not read: one value channel
     masks = [em.operand(op) if isinstance(op, OperandPlan) else em.bound(op[1], op[2]) for op in m.mask_operands]
     try:

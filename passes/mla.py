@@ -45,6 +45,10 @@ known only at run time keeps the attention per head, with the reason.
 explain records the form as "mqa over the latent (absorbed)" with R, Dr and the rule's
 byte counts, or "per_head" with the reason under ``latent``.
 
+**Keys only** (``absorb(em, q, k, None)``: the indexer loss's target, ``passes/indexer_loss.py``,
+reads the op's probabilities, not its output): only the keys must be up-projections; the
+rule counts the keys' bytes alone, and the op's v is the latent view all the same.
+
 **Training** (``rewrite_backward``): the backward of the attention *and* of the per-head
 expansion (the slice writes, the split, the up-projection's mm) becomes the absorbed
 form's: dOut -> d out_lat (bmm with W_vb) and dW_vb; ``sparse_attention_backward`` -> d
@@ -320,12 +324,13 @@ def _check_rows(f: torch.Tensor, dims: List[Optional[int]], roles, C, E, what) -
     return o
 
 
-def find_latent(k: fx.Node, v: fx.Node, fake_mode) -> Latent:
+def find_latent(k: fx.Node, v: Optional[fx.Node], fake_mode) -> Latent:
     """Prove that the canonical ``k`` [B, T, H, Dqk] and ``v`` [B, T, H, Dv] are per-head
     up-projections of one latent by one weight, with the rest of k a per-token tensor
-    expanded over the heads; Unsupported (with the reason) otherwise."""
+    expanded over the heads; Unsupported (with the reason) otherwise. ``v=None``: the keys
+    only (an op whose output is not read: Dv = 0)."""
     B, T, H, Dqk = shape_of(k)
-    Dv = shape_of(v)[3]
+    Dv = shape_of(v)[3] if v is not None else 0
     if not isinstance(H, int) or H < 1:
         raise Unsupported("the number of heads is dynamic")
     factors: List[float] = []
@@ -365,21 +370,24 @@ def find_latent(k: fx.Node, v: fx.Node, fake_mode) -> Latent:
     roles = (B, T, H, None)
     o_k = _check_rows(fp, kmap, roles, C, E, "key's up-projected part")
     Dn = e - s
-    vsrc, fv = _trace(v, fake_mode)
-    if vsrc is not Y:
-        raise Unsupported("the values are not an up-projection by the keys' weight")
-    o_v = _check_rows(fv, [0, 1, 2, 3], roles, C, E, "values")
+    o_v = 0
+    if v is not None:
+        vsrc, fv = _trace(v, fake_mode)
+        if vsrc is not Y:
+            raise Unsupported("the values are not an up-projection by the keys' weight")
+        o_v = _check_rows(fv, [0, 1, 2, 3], roles, C, E, "values")
     if not (0 <= o_k and o_k + Dn <= E and 0 <= o_v and o_v + Dv <= E):
         raise Unsupported("a head's key or value columns leave its E columns")
     return Latent(rows=lat, weight=W, H=H, E=E, o_k=o_k, Dn=Dn, o_v=o_v, Dv=Dv, nope=(s, e), rot=rot[:2],
                   rot_node=rot[2], rot_dims=kmap, R=R, Dr=rot[1] - rot[0], scale=scale)
 
 
-def latent_is_cheaper(lt: Latent, k: fx.Node, v: fx.Node) -> Tuple[bool, str]:
-    """The static rule (module docstring): bytes read per query and selected key."""
+def latent_is_cheaper(lt: Latent, k: fx.Node, v: Optional[fx.Node]) -> Tuple[bool, str]:
+    """The static rule (module docstring): bytes read per query and selected key (the keys
+    only with ``v=None``)."""
     isz = lambda n: val(n).dtype.itemsize  # noqa: E731
     Dqk = lt.nope[1] - lt.nope[0] + lt.Dr
-    per_head = lt.H * (Dqk * isz(k) + lt.Dv * isz(v))
+    per_head = lt.H * (Dqk * isz(k) + (lt.Dv * isz(v) if v is not None else 0))
     latent = lt.R * isz(lt.rows) + lt.Dr * isz(lt.rot_node)
     why = f"latent {latent} B against per head {per_head} B per selected key"
     return latent < per_head, why
@@ -403,7 +411,7 @@ class Absorbed:
     q_canon: fx.Node  # the per-head form's canonical q [B, S, H, Dqk]
     q_heads: fx.Node  # q_pass per head [H, B*S, Dn]
     w_k: fx.Node  # [H, Dn, R]
-    w_v: fx.Node  # [H, R, Dv]
+    w_v: Optional[fx.Node]  # [H, R, Dv]; None for the keys only (``absorb(v=None)``)
     lat: fx.Node  # [B, T, R], a view of the latent rows
     rot: fx.Node  # [B, T, Dr]
     rot_src: Optional[fx.Node]  # the per-token tensor the expand over heads reads (rot views it)
@@ -420,6 +428,9 @@ class Absorbed:
     def output(self, em, out_lat: fx.Node) -> fx.Node:
         """The op's output over the latent [B, S, H, R] -> the attention's [B, S, H, Dv]."""
         lt = self.latent
+        if self.w_v is None:
+            raise Unsupported("absorbed without values (v=None): the op's output over the latent has no value "
+                              "projection")
         x, w = _common_dtype(em, out_lat, self.w_v)
         x = _per_head(em, x, lt.H, self.B, self.S)
         self.out_lat, self.out_heads = out_lat, x
@@ -466,9 +477,11 @@ def _head_weight(em, lt: Latent, o: int, width: int, perm) -> fx.Node:
     return em.call(aten.permute.default, [w, perm])
 
 
-def absorb(em, q: fx.Node, k: fx.Node, v: fx.Node) -> Absorbed:
+def absorb(em, q: fx.Node, k: fx.Node, v: Optional[fx.Node]) -> Absorbed:
     """The absorbed operands of the op (canonical q, k, v of the per-head form in), or
-    Unsupported with the reason the attention runs per head."""
+    Unsupported with the reason the attention runs per head. ``v=None``: an op whose output
+    is not read (the indexer loss's target, its probabilities only): the keys alone must be
+    up-projections of the latent, and the absorbed v is the latent view all the same."""
     if not _eq(shape_of(q)[2], shape_of(k)[2]):
         raise Unsupported("the query heads are grouped over fewer key heads")
     lt = find_latent(k, v, em.fake_mode)
@@ -505,7 +518,7 @@ def absorb(em, q: fx.Node, k: fx.Node, v: fx.Node) -> Absorbed:
     qp = em.call(aten.slice.Tensor, [qs, 3, lt.nope[0], lt.nope[1]])
     qr = em.call(aten.slice.Tensor, [qs, 3, lt.rot[0], lt.rot[1]])
     wk = _head_weight(em, lt, lt.o_k, lt.Dn, [1, 2, 0])  # [H, Dn, R]
-    wv = _head_weight(em, lt, lt.o_v, lt.Dv, [1, 0, 2])  # [H, R, Dv]
+    wv = _head_weight(em, lt, lt.o_v, lt.Dv, [1, 0, 2]) if v is not None else None  # [H, R, Dv]
     qp, wk = _common_dtype(em, qp, wk)
     qh = _per_head(em, qp, H, B, S)
     bmm = em.call(aten.bmm.default, [qh, wk])

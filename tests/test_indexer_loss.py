@@ -16,6 +16,7 @@ from hyscale_compile.losses import indexer_kl_reference, sparse_indexer_kl
 from hyscale_compile.passes import diagnostics
 from hyscale_compile.passes.indexer_loss import loss_records
 from hyscale_compile.testing import assert_consumer_close, square_tensors
+from hyscale_compile.passes.canonicalize import val
 from tests.contract import fresh_seed
 from tests.test_attention_pass import sequence_square_nodes
 
@@ -262,6 +263,64 @@ def test_hf_recipe_is_rewritten():
         assert_consumer_close(a, b_, r, torch.float32, f"hf indexer parameter {i}'s gradient")
     report = hyscale_compile.explain(fn, *args)
     assert any(r.rewritten for r in report.losses) and "[indexer loss: sparse]" in str(report), str(report)
+    # q and k are graph inputs here, not up-projections of a latent: the target runs per head, with the reason
+    (rec,) = [r for r in report.losses if r.rewritten]
+    assert rec.sizes["form"] == "per_head" and "up-projection" in rec.sizes["latent"], rec.line()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_hf_recipe_target_over_the_latent(dtype):
+    """The recipe's key is the attention's MLA key (HF ``expand_kv``: the latent's per-head
+    up-projection and the shared rope part): the target's probabilities run over the latent
+    (passes/mla.py's absorbed form, k [B, T, 1, R + Dr]) in bf16 and fp16, the up-projection
+    has no reader left, and the loss and the indexer's gradients keep the rule against float64
+    (the absorbed query q_pass W_kb rounds to the operands' dtype, as the model's own absorbed
+    attention does); fp32 keys stay per head (absorbed, the loss's error reached 2.7 eps(fp32)
+    against a bound of 2.2 at one seed in ten)."""
+    from tests.models import hf_indexer_loss as R
+    from tests.test_mla import expand_kv
+
+    att, (hs, qr, cos, sin, _, _) = _hf_inputs(fresh_seed(f"hf indexer loss latent {dtype}") % 10_000)
+    ix, cfg = att.indexer, att.config
+    H, Dn, Dr, Dv, Rk = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                         cfg.kv_lora_rank)
+    params = list(ix.parameters())
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, H, ST, Dn + Dr, generator=g).to(dtype)
+    k_pass, k_rot = torch.randn(B, 1, ST, Rk, generator=g).to(dtype), torch.randn(B, 1, ST, Dr, generator=g).to(dtype)
+    w = (torch.randn(H * (Dn + Dv), Rk, generator=g) * Rk ** -0.5).to(dtype)
+
+    def fn(hs, qr, cos, sin, q, k_pass, k_rot, w):
+        key = expand_kv(k_pass, k_rot, w, H, Dn, Dv)[0]
+        return R.sparse_indexer_loss(ix, hs, qr, (cos, sin), q, key, att.scaling)
+
+    args = (hs, qr, cos, sin, q, k_pass, k_rot, w)
+    orig, _ = fn(*args)
+    g_orig = _param_grads(orig, params)
+    c, cap = _compiled(fn)
+    out, idx_c = c(*args)
+    g_out = _param_grads(out, params)
+    _check_site(cap, f"hf recipe over the latent {dtype}")
+    (rec,) = loss_records()
+    ops = [n for k, gm in cap if k == "forward" for n in gm.graph.nodes if n.op == "call_function"]
+    (call,) = [n for n in ops if n.target is torch.ops.hyscale.sparse_attention.default]
+    if dtype == torch.float32:  # per head: the absorbed form's reassociation is beyond the rule at the loss
+        assert rec.sizes["form"] == "per_head" and "fp32" in rec.sizes["latent"], rec.line()
+        assert tuple(val(call.args[1]).shape) == (B, ST, H, Dn + Dr)
+    else:
+        assert rec.sizes["form"] == "mqa over the latent (absorbed)" and rec.sizes["R"] == Rk, rec.line()
+        assert tuple(val(call.args[0]).shape) == (B, ST, H, Rk + Dr) and val(call.args[1]).shape[2:] == (1, Rk + Dr)
+        assert val(call.args[1]).dtype == dtype
+        up = [n for n in ops if n.target is torch.ops.aten.mm.default and tuple(val(n).shape) == (B * ST, w.shape[0])]
+        assert not up, f"the per-head up-projection is still computed: {up}"
+    key64 = expand_kv(k_pass.double(), k_rot.double(), w.double(), H, Dn, Dv)[0]
+    scores = R.index_scores(ix, hs, qr, (cos, sin), R.causal_mask(ST, ST))
+    ref, g_ref = _ref_param_grads(scores, idx_c, q.double().transpose(1, 2), key64.transpose(1, 2), att.scaling,
+                                  R.causal_mask(ST, ST), params)
+    e_out, e_orig = assert_consumer_close(out, orig, ref, dtype, "loss over the latent")
+    print(f"{dtype}: loss err {e_out:.3g} (orig {e_orig:.3g})")
+    for i, (a, b_, r) in enumerate(zip(g_out, g_orig, g_ref)):
+        assert_consumer_close(a, b_, r, dtype, f"indexer parameter {i}'s gradient over the latent")
 
 
 def test_option_off_and_undetached_target_stay_dense():
@@ -407,8 +466,46 @@ def test_hf_recipe_attached_to_the_model():
     calls = [n for n in ops if n.target is torch.ops.hyscale.sparse_attention.default]
     assert sum(n.target is torch.ops.hyscale.hytopk_values.default for n in ops) == 2
     assert sorted(n.args[-1] is True for n in calls) == [False, False, True, True], calls  # attention, probs
+    # fp32: the target stays per head (the absorbed form's reassociation is beyond the rule at the loss)
+    assert all(r.sizes.get("form") == "per_head" and "fp32" in r.sizes["latent"] for r in recs), [r.line() for r in recs]
     # (the recipe's selection replaces HF's: the only top-ks left are the MoE router's)
     assert sum(n.target is torch.ops.aten.topk.default for n in ops) == HF.EXPECTED_TOPK["deepseek_v32"][1]
     torch.testing.assert_close(out, ref)
     for a, b_ in zip(g_out, g_ref):
         torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-6)
+
+
+def test_hf_model_loss_target_over_the_latent_bf16():
+    """The bf16 model with ``attach_indexer_losses`` (the benchmark's form): each loss's probs
+    call runs over the shared latent as the model's own attention does (passes/mla.py): MQA,
+    k [B, T, 1, kv_lora_rank + qk_rope_head_dim], where per head it is [B, T, H, qk_head_dim]."""
+    pytest.importorskip("transformers")
+    from tests.models import hf_indexer_loss as R
+    from tests.models import hf_models as HF
+
+    if not HF.transformers_available():
+        pytest.skip("transformers without DeepseekV32")
+    model, kw = HF.build_deepseek_v32(6, seq=ST, batch=1, dtype=torch.bfloat16, first_k_dense_replace=2)
+    model.train()
+    losses = R.attach_indexer_losses(model)
+
+    def step(ids):
+        out = model(ids, labels=ids, use_cache=False)
+        loss = out.loss + sum(losses)
+        losses.clear()
+        return loss
+
+    c, cap = _compiled(step)
+    c(kw["input_ids"]).backward()
+    recs = loss_records()
+    assert len(recs) == 2 and all(r.rewritten and r.sizes.get("form") == "mqa over the latent (absorbed)"
+                                  for r in recs), [r.line() for r in recs]
+    cfg = model.config
+    latent = (1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    calls = [n for k, g in cap if k == "forward" for n in g.graph.nodes
+             if n.op == "call_function" and n.target is torch.ops.hyscale.sparse_attention.default]
+    assert sorted(n.args[-1] is True for n in calls) == [False, False, True, True], calls
+    for n in calls:  # the model's attention and the loss's target alike
+        assert tuple(val(n.args[1]).shape[2:]) == latent, (n.name, n.args[-1], tuple(val(n.args[1]).shape))
+        assert tuple(val(n.args[0]).shape[2:]) == (cfg.num_attention_heads, latent[1])
+        assert val(n.args[1]).dtype == torch.bfloat16
