@@ -695,11 +695,18 @@ def test_gpu_grid_order_prefetch_and_run_grid_keep_the_bits():
             got = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=fold,
                                             config=dataclasses.replace(base, **change))
             assert all(torch.equal(a, b) for a, b in zip(got, want)), (fold, change)
+    _within_the_rule(go, q, k, v, idx, hi, delta, lse, spec, base,
+                     (("pipelined kernel 1", dict(block_n=16, num_stages=3, prefetch_idx=True)),
+                      *((f"kernel 1 {c}", c) for c in KERNEL1_CANDIDATES)))
+
+
+def _within_the_rule(go, q, k, v, idx, hi, delta, lse, spec, base, changes, atomic=False):
+    # each (label, config change) against the float64 gradients at the op's indices, by the
+    # consumers' rule against the PyTorch backward (bf16)
     orig = bwd.attention_backward(go, q, k, v, idx, [hi], delta, lse, spec, mode="pytorch", fold_v=True)
     r = grads64(go, q, k, v, idx, [hi], spec)
-    for label, change in (("pipelined kernel 1", dict(block_n=16, num_stages=3, prefetch_idx=True)),
-                          *((f"kernel 1 {c}", c) for c in KERNEL1_CANDIDATES)):
-        got = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True,
+    for label, change in changes:
+        got = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True, atomic=atomic,
                                         config=dataclasses.replace(base, **change))
         for name, x, o, want in zip(("gq", "gk"), got, orig, (r[0], folded(r[1], r[2]))):
             assert_consumer_close(x, o, want.to(x.device), torch.bfloat16, what=f"{name} ({label})")
@@ -736,24 +743,16 @@ def test_gpu_h16_candidates_within_the_rule_and_key_tilings_keep_the_bits():
     q, k, v, idx, hi, spec, out, lse, go = _latent_case_cuda("bwd gpu h16 configs", H, 96, 256)
     delta = bwd.attention_delta(go, out, lse)
     base = default_config(H, Hk, D, Dv)
-    orig = bwd.attention_backward(go, q, k, v, idx, [hi], delta, lse, spec, mode="pytorch", fold_v=True)
-    r = grads64(go, q, k, v, idx, [hi], spec)
-    for change in KERNEL1_CANDIDATES_H16:
+    _within_the_rule(go, q, k, v, idx, hi, delta, lse, spec, base,
+                     [(f"kernel 1 {c}", c) for c in KERNEL1_CANDIDATES_H16])
+    want = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True, config=base)
+    for change in KEYS_CANDIDATES_H16:
         got = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True,
                                         config=dataclasses.replace(base, **change))
-        for name, x, o, want in zip(("gq", "gk"), got, orig, (r[0], folded(r[1], r[2]))):
-            assert_consumer_close(x, o, want.to(x.device), torch.bfloat16, what=f"{name} (kernel 1 {change})")
-    for atomic in (False, True):
-        want = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True, config=base,
-                                         atomic=atomic)
-        for change in KEYS_CANDIDATES_H16:
-            got = attention_backward_triton(go, q, k, v, idx, [hi], delta, lse, spec, fold_v=True, atomic=atomic,
-                                            config=dataclasses.replace(base, **change))
-            if atomic:  # (fp32 atomics: the rule, not the bits)
-                for name, x, o, w in zip(("gq", "gk"), got, orig, (r[0], folded(r[1], r[2]))):
-                    assert_consumer_close(x, o, w.to(x.device), torch.bfloat16, what=f"{name} (atomic {change})")
-            else:
-                assert all(torch.equal(a, b) for a, b in zip(got, want)), change
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), change
+    # (fp32 atomics: the rule, not the bits)
+    _within_the_rule(go, q, k, v, idx, hi, delta, lse, spec, base,
+                     [(f"atomic {c}", c) for c in KEYS_CANDIDATES_H16], atomic=True)
 
 
 @pytest.mark.gpu
