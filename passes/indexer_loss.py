@@ -383,12 +383,12 @@ def _emit_forward(em: Emitter, graph, tk, idx, m, kl: _KL, rec: LossRecord) -> D
     absorbed = None
     if m.form == "per_head":
         try:  # MLA: the scores over the shared latent, the key up-projection absorbed (passes/mla.py)
-            mla.find_latent(k, None, em.fake_mode)
+            lt = mla.find_latent(k, None, em.fake_mode)
             if val(k).dtype not in (torch.bfloat16, torch.float16):
                 # the reassociated scores ((q W_kb) . latent) move the KL's value by up to ~3
                 # eps(fp32) where the original's own error can be far below it
                 raise Unsupported("fp32 keys: the absorbed scores' reassociation exceeds the numerics rule at the loss")
-            absorbed = mla.absorb(em, q, k, None)
+            absorbed = mla.absorb(em, q, k, None, latent=lt)
         except Unsupported as e:
             rec.sizes["latent"] = str(e)
     if absorbed is not None:

@@ -477,14 +477,15 @@ def _head_weight(em, lt: Latent, o: int, width: int, perm) -> fx.Node:
     return em.call(aten.permute.default, [w, perm])
 
 
-def absorb(em, q: fx.Node, k: fx.Node, v: Optional[fx.Node]) -> Absorbed:
+def absorb(em, q: fx.Node, k: fx.Node, v: Optional[fx.Node], latent: Optional[Latent] = None) -> Absorbed:
     """The absorbed operands of the op (canonical q, k, v of the per-head form in), or
     Unsupported with the reason the attention runs per head. ``v=None``: an op whose output
     is not read (the indexer loss's target, its probabilities only): the keys alone must be
-    up-projections of the latent, and the absorbed v is the latent view all the same."""
+    up-projections of the latent, and the absorbed v is the latent view all the same.
+    ``latent``: ``find_latent(k, v, ...)``'s result where the caller already has it."""
     if not _eq(shape_of(q)[2], shape_of(k)[2]):
         raise Unsupported("the query heads are grouped over fewer key heads")
-    lt = find_latent(k, v, em.fake_mode)
+    lt = latent if latent is not None else find_latent(k, v, em.fake_mode)
     cheaper, why = latent_is_cheaper(lt, k, v)
     if not cheaper:
         raise Unsupported(f"per head reads fewer bytes ({why})")
