@@ -179,7 +179,7 @@ def _plan_start(log_n, reg_bits, log_rows):
 
 
 @triton.constexpr_function
-def _transpose_plan(log_n, reg_bits, log_rows=0):
+def _transpose_plan(log_n, reg_bits, log_rows=0, _plans={}):
     # Per step t of the network (stage s = 1..log_n, bit j = s-1..0): (order, known). order,
     # where the step needs a move first: the flat bits as the dims of the moved hypercube,
     # register bits first, then warp bits, lane bits last (_move_bits); () where bit j is
@@ -191,7 +191,13 @@ def _transpose_plan(log_n, reg_bits, log_rows=0):
     # going to the bits used last, so that fewer moves cross warps (a barrier). log_rows:
     # 2^log_rows rows of 2^log_n keys, the row bits above the keys' (warp bits; no step
     # uses them, so they keep their slots, and orders list them too).
+    # _plans: asked at every step of every sort (tens of thousands of times in an interpreted
+    # test), a plan depends only on the three integers, so each is built once (a default
+    # argument: Triton's dependency hashing refuses a reference to a plain global function)
     log_n = int(log_n)
+    key = (log_n, int(reg_bits), int(log_rows))
+    if key in _plans:
+        return _plans[key]
     w, regs, others = _plan_start(log_n, reg_bits, log_rows)
     steps = [(s, s - 1 - i) for s in range(1, log_n + 1) for i in range(s)]
     plan = []
@@ -219,7 +225,8 @@ def _transpose_plan(log_n, reg_bits, log_rows=0):
         else:
             regs = [j] + [b for b in regs if b != j]  # (the step's join makes bit j basis 0)
         plan.append((order, s == log_n or s in regs))
-    return tuple(plan)
+    _plans[key] = tuple(plan)
+    return _plans[key]
 
 
 @triton.constexpr_function
