@@ -89,11 +89,114 @@ def _one_dtype_table_for_the_interpreter() -> None:
     ti._get_np_dtype = get_np_dtype
 
 
+def _xor_sum_by_numpy_in_the_interpreter() -> None:
+    """The interpreter runs a reduction whose combine function it does not know element by
+    element in Python (``generic_reduce``: about 20 ms a call); ``tl.xor_sum``, which the sort
+    networks' compare-and-swap steps use, is one of them (a fifth of an interpreted HyTopK
+    test's time). XOR is exact and associative, so numpy's ``bitwise_xor.reduce`` gives the
+    same integers; other reductions, and a reduction over all axes, go to the original."""
+    try:
+        import numpy as np
+        from triton.language import standard
+        from triton.runtime import interpreter as ti
+    except Exception:
+        return
+    xor = getattr(standard, "_xor_combine", None)
+    real = getattr(getattr(ti, "ReduceOps", None), "apply_impl", None)
+    if xor is None or real is None:
+        return
+
+    def apply_impl(self, input):
+        if self.combine_fn == xor and self.axis is not None and len(input) == 1:
+            x = input[0]
+            out = np.bitwise_xor.reduce(x.handle.data, axis=self.axis, keepdims=self.keep_dims)
+            return self.to_tensor(out, x.dtype)
+        return real(self, input)
+
+    ti.ReduceOps.apply_impl = apply_impl
+
+
+def _one_shape_per_block_shape_in_the_interpreter() -> None:
+    """Every value the interpreter computes is a new ``tl.tensor``, whose constructor builds its
+    shape as a ``tl.tuple`` of constexprs, and that tuple's type builds its name string: about a
+    fifth of an interpreted kernel test's time goes there (1.3 million tensors in two HyTopK
+    tests). The shape and element count depend only on the block shape, and nothing mutates
+    them, so each block shape's are built once and shared; the rest of the constructor is the
+    original's."""
+    try:
+        import math
+
+        from triton.language import core
+    except Exception:
+        return
+    src = getattr(core.tensor.__init__, "__code__", None)
+    # the constructor this replaces: handle, shape, numel, type, dtype
+    if src is None or src.co_varnames[:3] != ("self", "handle", "type") or not hasattr(core, "tuple"):
+        return
+    shapes: dict = {}
+
+    def shapes_of(dims):
+        return core.constexpr(math.prod(dims)), core.tuple([core.constexpr(s) for s in dims])
+
+    def __init__(self, handle, type):
+        self.handle = handle
+        dims = tuple(type.shape) if type.is_block() else ()
+        try:
+            got = shapes.get(dims)
+        except TypeError:  # an unhashable dimension: built as the original builds it
+            got = shapes_of(dims)
+        if got is None:
+            got = shapes[dims] = shapes_of(dims)
+        self.numel, self.shape = got
+        self.type = type
+        self.dtype = type.scalar
+
+    core.tensor.__init__ = __init__
+
+    # Each value's block type is new too, and builds the same tuple, name string and shape
+    # check: one per (element type, shape) is built by the original, the rest copy its fields.
+    # Unhashable element types go to the original.
+    block_init = core.block_type.__init__
+    blocks: dict = {}
+
+    def block_type_init(self, element_ty, shape):
+        try:
+            key = (element_ty, type(shape), tuple(s.value if type(s) is core.constexpr else s for s in shape))
+            got = blocks.get(key)
+        except TypeError:
+            return block_init(self, element_ty, shape)
+        if got is None:
+            block_init(self, element_ty, shape)
+            blocks[key] = (self.shape, self.numel, self.name)
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel, self.name = got
+
+    core.block_type.__init__ = block_type_init
+
+    # Called on every argument of every language function: the common cases (a constexpr, a
+    # tensor, a Python scalar) answered before the original's four isinstance tests.
+    unwrap = core._unwrap_if_constexpr
+    plain = (core.tensor, int, float, bool, str, type(None))
+
+    def unwrap_if_constexpr(o):
+        t = type(o)
+        if t is core.constexpr:
+            return o.value
+        if t in plain:
+            return o
+        return unwrap(o)
+
+    core._unwrap_if_constexpr = unwrap_if_constexpr
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     import inspect
 
     _patch_the_interpreter_once_per_launch()
     _one_dtype_table_for_the_interpreter()
+    _xor_sum_by_numpy_in_the_interpreter()
+    _one_shape_per_block_shape_in_the_interpreter()
 
 # Inductor's caches too, one per test process (each pytest-xdist worker): a compile that hits
 # a graph another run or worker cached skips the passes, so a test that reads the pass's
