@@ -54,7 +54,7 @@ from .spec import SpecError, dtype_of
 # the kernel cache's file writer.
 from .triton_codegen import _elementwise_lines, _interpreting, _mod_bodies, check_interpreter_mode, import_source
 
-TEMPLATE_VERSION = 3
+TEMPLATE_VERSION = 4
 
 _FN_CACHE: Dict[tuple, object] = {}
 
@@ -325,10 +325,10 @@ def sparse_attention_triton(q, k, v, idx, masks: Sequence[torch.Tensor], spec: A
     args = [q, k, v, idx, out, lse, stat_m, stat_l, *mask_args, *q.stride(), *k.stride(), *v.stride(), *idx.stride(),
             *out.stride(), *lse.stride(), S, G, Hk, K, Dqk, Dv]
     grid = (B * S * Hk * -(-G // cfg.block_h),)
+    exp2 = cfg.exp2 and log2_post(spec) is not None
     fwd_launch = dict(consts, BLOCK_DV=block_dv, V_FROM_K=v_from_k, WRITE_STATS=return_probs and K > 0,
-                      PREFETCH_IDX=cfg.prefetch_idx, EXP2=cfg.exp2 and log2_post(spec) is not None,
-                      SPLIT_QK=cfg.split_qk, **launch)
-    pconsts = dict(consts, BLOCK_N=cfg.probs_block_n or cfg.block_n)
+                      PREFETCH_IDX=cfg.prefetch_idx, EXP2=exp2, SPLIT_QK=cfg.split_qk, **launch)
+    pconsts = dict(consts, BLOCK_N=cfg.probs_block_n or cfg.block_n, EXP2=exp2)
     pargs = [q, k, idx, stat_m, stat_l, probs, *mask_args, *q.stride(), *k.stride(), *idx.stride(), *lse.stride(),
              *probs.stride(), S, G, Hk, K, Dqk]
     if _launcher is not None:  # the forward's result, and with return_probs also the probs kernel's
@@ -513,14 +513,15 @@ def attn_fwd(
     obase = OUT + b * stride_ob + s * stride_os + (hk * G) * stride_oh
     tl.store(tl.make_block_ptr(obase, (G, DV), (stride_oh, stride_od), (g0, 0), (BLOCK_H, BLOCK_DV), (1, 0)),
              out.to(OUT.dtype.element_ty), boundary_check=(0, 1))
-    if EXP2:
-        m_i = m_i * 0.6931471805599453  # back to natural log: lse and the statistics are in e units
-    lse = m_i + tl.log(l_i)
     stat = b * stride_lb + s * stride_ls + (hk * G + g0 + offs_h) * stride_lh
-    tl.store(LSE + stat, lse, mask=g0 + offs_h < G)
-    if WRITE_STATS:  # for attn_probs (STAT_M, STAT_L share LSE's layout)
+    if WRITE_STATS:  # for attn_probs (STAT_M, STAT_L share LSE's layout), m in the loop's units:
+        # l was summed against this m, and m converted back would be off by eps |m| (so would p)
         tl.store(STAT_M + stat, tl.where(m_i == float("-inf"), 0.0, m_i), mask=g0 + offs_h < G)
         tl.store(STAT_L + stat, l_i, mask=g0 + offs_h < G)
+    if EXP2:
+        m_i = m_i * 0.6931471805599453  # back to natural log: lse is in e units
+    lse = m_i + tl.log(l_i)
+    tl.store(LSE + stat, lse, mask=g0 + offs_h < G)
 
 
 @triton.jit
@@ -533,9 +534,11 @@ def attn_probs(
     stride_pb, stride_ps, stride_pj,
     S, G, HK, TOPK, DQK,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, UPCAST: tl.constexpr,
+    EXP2: tl.constexpr,
 ):
     # probs[b, s, j] = sum_h exp(y[h, j] - m[h]) / l[h] for one row per program, from attn_fwd's
-    # statistics: the slots scored again, the heads summed in a fixed order (kv head, then block)
+    # statistics: the slots scored again (in the forward's units: log2 with EXP2), the heads
+    # summed in a fixed order (kv head, then block)
     row = tl.program_id(0).to(tl.int64)
     b = row // S
     s = row % S
@@ -555,12 +558,16 @@ def attn_probs(
                 qa, qb = _load_q(Q, b, s, hk64, g0, G, DQK, stride_qb, stride_qs, stride_qh, stride_qd,
                                  BLOCK_H, DA, DB, UPCAST)
                 y, ka = _scores(qa, qb, kbase, t, slot_ok, b, s, DQK, stride_kt, stride_kd, {{MASK_PARAMS}}
-                                BLOCK_N, DA, DB, UPCAST, False, False)
+                                BLOCK_N, DA, DB, UPCAST, EXP2, False)
                 h_ok = g0 + offs_h < G
                 stat = b * stride_lb + s * stride_ls + (hk64 * G + g0 + offs_h) * stride_lh
                 m = tl.load(STAT_M + stat, mask=h_ok, other=0.0)
                 l = tl.load(STAT_L + stat, mask=h_ok, other=1.0)
-                p = tl.exp(y - m[:, None]) / l[:, None]  # 0 / 0 = NaN for a head with no visible slot
+                # 0 / 0 = NaN for a head with no visible slot
+                if EXP2:
+                    p = tl.exp2(y - m[:, None]) / l[:, None]
+                else:
+                    p = tl.exp(y - m[:, None]) / l[:, None]
 {{EMPTY_ROW_PROBS}}
                 tot += tl.sum(tl.where(h_ok[:, None], p, 0.0), axis=0)
         tl.store(PROBS + b * stride_pb + s * stride_ps + slots * stride_pj, tot, mask=slot_ok)

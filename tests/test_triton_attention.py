@@ -223,6 +223,14 @@ def test_value_view_of_key_and_odd_head_dims(Dqk, Dv, dtype):
     check(q, k, v, idx, [_causal(B, S, T)], _spec(Dqk, dtype, ("mask", 0), masks=CAUSAL["masks"]))
 
 
+def test_fp32_probs_seed_that_broke_the_rule():
+    # CI drew HYSCALE_SEED=436807569 (probs 5.15e-7 > 2 * 1.04e-7 + 2 eps at v = k[..., :32] of a
+    # 36-wide key): attn_probs took m back in e units (off by eps |m|) against an l summed on exp2
+    B, S, T, H, K, Dqk, Dv = 1, 4, 24, 4, 20, 36, 32
+    q, k, v, idx = _inputs(436807569, B, S, T, H, 1, Dqk, Dv, K, torch.float32, v_of_k=True)
+    check(q, k, v, idx, [_causal(B, S, T)], _spec(Dqk, torch.float32, ("mask", 0), masks=CAUSAL["masks"]))
+
+
 LOOP_OPTIONS = {"prefetch_idx": dict(prefetch_idx=True), "exp": dict(exp2=False),
                 "prefetch_idx+exp": dict(prefetch_idx=True, exp2=False), "split_qk": dict(split_qk=True),
                 "split_qk+exp": dict(split_qk=True, exp2=False)}
