@@ -181,7 +181,7 @@ def flex_peer(q, k, v, mask, quick):
     return _peer(lambda: fa(q, k, v, block_mask=bm, enable_gqa=gqa), quick)
 
 
-def run_shape(name, S, selections, peers, quick, rate, rows, configs=None):
+def run_shape(name, S, selections, peers, quick, rate, rows, configs=None, probs=False):
     H, Hk, dqk, dv, v_of_k = SHAPES[name]
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
@@ -208,11 +208,11 @@ def run_shape(name, S, selections, peers, quick, rate, rows, configs=None):
 
                 cfg = dataclasses.replace(default_config(H, Hk, dqk, dv, v_from_k=v_of_k), **fields)
                 parsed = AttentionSpec.from_json(spec)
-                def fn(cfg=cfg, parsed=parsed):
-                    return sparse_attention_triton(q, k, v, idx, [hi], parsed, config=cfg)
+                def fn(cfg=cfg, parsed=parsed, with_probs=False):
+                    return sparse_attention_triton(q, k, v, idx, [hi], parsed, return_probs=with_probs, config=cfg)
             else:
-                def fn():
-                    return torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec)
+                def fn(with_probs=False):
+                    return torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec, with_probs)
             try:
                 out = fn()[0]
                 ms = bench(fn, quick)
@@ -222,7 +222,8 @@ def run_shape(name, S, selections, peers, quick, rate, rows, configs=None):
                 print(f"[{name} S={S} {sel}{label}] failed: {(str(e).splitlines() or [type(e).__name__])[0][:120]}",
                       flush=True)
                 rows.append({"shape": name, "S": S, "sel": sel, "config": label.strip(), "ms": math.nan,
-                             "tflops": math.nan, "sdpa_mask": "-", "flex": "-", "sdpa_causal": "-"})
+                             "tflops": math.nan, "sdpa_mask": "-", "flex": "-", "sdpa_causal": "-",
+                             "probs_ms": math.nan})
                 continue
             tf = fl / (ms * 1e-3) / 1e12
             if first is None:
@@ -234,7 +235,10 @@ def run_shape(name, S, selections, peers, quick, rate, rows, configs=None):
             print(f"[{name} S={S} {sel}{label}] hyscale {ms:.3f} ms, {tf:.1f} TFLOP/s "
                   f"({100 * tf * 1e12 / rate:.0f}% of matmul){diff}", flush=True)
             rows.append({"shape": name, "S": S, "sel": sel, "config": label.strip(), "ms": ms, "tflops": tf,
-                         "sdpa_mask": "-", "flex": "-", "sdpa_causal": "-"})
+                         "sdpa_mask": "-", "flex": "-", "sdpa_causal": "-", "probs_ms": math.nan})
+            if probs:  # the return_probs path: the forward writing its statistics, then attn_probs
+                rows[-1]["probs_ms"] = bench(lambda: fn(with_probs=True), quick)
+                print(f"[{name} S={S} {sel}{label}] with probs {rows[-1]['probs_ms']:.3f} ms", flush=True)
         row = rows[-1]
         if peers:
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D] views
@@ -366,6 +370,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", default=None, help="comma list of S (default 8192,32768,131072; --quick: 8192)")
     ap.add_argument("--selections", default=None, help="comma list of random,structured,shared")
     ap.add_argument("--peers", default="sdpa_mask,flex,sdpa_causal", help="comma list, or 'none'")
+    ap.add_argument("--probs", action="store_true", help="also time each row's return_probs path")
     ap.add_argument("--inspect", action="store_true", help="no GPU: compile the kernels for sm_90 and report")
     ap.add_argument("--config", default=None,
                     help="AttentionConfig fields over each shape's default, e.g. block_n=32,num_stages=4,"
@@ -400,20 +405,20 @@ def main(argv=None) -> int:
     for name in shapes:
         for S in seqs:
             try:
-                run_shape(name, S, sels, peers, a.quick, rate, rows, configs)
+                run_shape(name, S, sels, peers, a.quick, rate, rows, configs, a.probs)
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 print(f"[{name} S={S}] OOM", flush=True)
                 rows.append({"shape": name, "S": S, "sel": "-", "config": "", "ms": math.nan, "tflops": math.nan,
-                             "sdpa_mask": "-", "flex": "-", "sdpa_causal": "-"})
+                             "sdpa_mask": "-", "flex": "-", "sdpa_causal": "-", "probs_ms": math.nan})
     cfg_col = configs is not None
-    print(f"\n| shape | S | selection |{' config |' if cfg_col else ''} hyscale ms | TFLOP/s | "
-          f"% matmul ({rate / 1e12:.0f}) | sdpa + index mask | FlexAttention | sdpa causal, no mask |")
-    print("|---|---|---|" + ("---|" if cfg_col else "") + "---|---|---|---|---|---|")
+    print(f"\n| shape | S | selection |{' config |' if cfg_col else ''} hyscale ms |{' with probs ms |' if a.probs else ''}"
+          f" TFLOP/s | % matmul ({rate / 1e12:.0f}) | sdpa + index mask | FlexAttention | sdpa causal, no mask |")
+    print("|---|---|---|" + ("---|" if cfg_col else "") + ("---|" if a.probs else "") + "---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['S']} | {r['sel']} |{' ' + r['config'] + ' |' if cfg_col else ''} "
-              f"{r['ms']:.3f} | {r['tflops']:.1f} | {100 * r['tflops'] * 1e12 / rate:.0f}% | {r['sdpa_mask']} | "
-              f"{r['flex']} | {r['sdpa_causal']} |")
+              f"{r['ms']:.3f} |{' %.3f |' % r['probs_ms'] if a.probs else ''} {r['tflops']:.1f} | "
+              f"{100 * r['tflops'] * 1e12 / rate:.0f}% | {r['sdpa_mask']} | {r['flex']} | {r['sdpa_causal']} |")
     return 0
 
 
