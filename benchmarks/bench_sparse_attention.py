@@ -266,6 +266,38 @@ def run_shape(name, S, selections, peers, quick, rate, rows, configs=None, probs
         torch.cuda.empty_cache()
 
 
+def interleaved(name: str, S: int, reps: int) -> None:
+    """The default forward at ``name``, S (random picks) and the bf16 matmul rate measured in
+    turn ``reps`` times in this process: under load the card settles at a lower matmul rate
+    (power) than the first, cold measurement, while the forward's time holds; prints each
+    pair and the medians."""
+    import statistics
+
+    H, Hk, dqk, dv, v_of_k = SHAPES[name]
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    q = torch.randn(1, S, H, dqk, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, S, Hk, dqk, device=dev, dtype=torch.bfloat16, generator=g)
+    v = k[..., :dv] if v_of_k else torch.randn(1, S, Hk, dv, device=dev, dtype=torch.bfloat16, generator=g)
+    hi = torch.arange(1, S + 1, device=dev).view(1, S)
+    idx = make_selection(S, "random", dev)
+    spec = spec_json(dqk)
+    fn = lambda: torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec)  # noqa: E731
+    fn()
+    fl = flops(S, H, dqk, dv)
+    rates, times = [], []
+    for i in range(reps):
+        rates.append(matmul_rate(False))
+        times.append(bench(fn, False))
+        tf = fl / (times[-1] * 1e-3)
+        print(f"[{name} S={S} interleaved #{i}] matmul {rates[-1] / 1e12:.0f} TFLOP/s, hyscale {times[-1]:.3f} ms, "
+              f"{tf / 1e12:.1f} TFLOP/s ({100 * tf / rates[-1]:.1f}% of this matmul)", flush=True)
+    mr, mt = statistics.median(rates), statistics.median(times)
+    print(f"[{name} S={S} interleaved] medians: matmul {mr / 1e12:.0f} TFLOP/s ({min(rates) / 1e12:.0f}-"
+          f"{max(rates) / 1e12:.0f}), hyscale {mt:.3f} ms ({min(times):.3f}-{max(times):.3f}), "
+          f"{100 * fl / (mt * 1e-3) / mr:.1f}% of the median matmul rate", flush=True)
+
+
 def _first_dot_warps(ttgir: str) -> str:
     """warpsPerCTA of the first wgmma's result layout in the TTGIR (the score dot's), as
     'MxN' ('-' without wgmma): 8x1 at 64 heads and 8 warps means both warpgroups compute
@@ -371,6 +403,9 @@ def main(argv=None) -> int:
     ap.add_argument("--selections", default=None, help="comma list of random,structured,shared")
     ap.add_argument("--peers", default="sdpa_mask,flex,sdpa_causal", help="comma list, or 'none'")
     ap.add_argument("--probs", action="store_true", help="also time each row's return_probs path")
+    ap.add_argument("--interleave", type=int, default=0, metavar="N",
+                    help="instead of the table: each shape's default forward (random picks) and the matmul "
+                         "rate measured in turn N times, with medians")
     ap.add_argument("--inspect", action="store_true", help="no GPU: compile the kernels for sm_90 and report")
     ap.add_argument("--config", default=None,
                     help="AttentionConfig fields over each shape's default, e.g. block_n=32,num_stages=4,"
@@ -398,6 +433,12 @@ def main(argv=None) -> int:
         sys.exit("bench_sparse_attention.py needs a CUDA GPU (--inspect runs without one)")
     import hyscale_compile.lowerings.attention_ops  # noqa: F401  (registers torch.ops.hyscale)
 
+    if a.interleave:
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; k = {TOPK}, batch 1, causal", flush=True)
+        for name in shapes:
+            for S in seqs:
+                interleaved(name, S, a.interleave)
+        return 0
     rate = matmul_rate(a.quick)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 matmul {rate / 1e12:.0f} TFLOP/s; "
           f"k = {TOPK}, batch 1, causal", flush=True)
