@@ -4,6 +4,7 @@ slots included), and the pass on Megatron-Core's ``compute_dsa_indexer_loss`` an
 recipe (tests/models/hf_indexer_loss.py): loss and the indexer's gradients within the
 numerics rule, no [S, T] tensor left, explain's record; the dense warm-up stays dense with
 its reason. Debug backend, CPU."""
+import copy
 import math
 
 import pytest
@@ -111,6 +112,18 @@ def _ref_param_grads(table, idx, q, k, scale, causal, params):
     ref = indexer_kl_reference(q, k, t64, idx, scale, causal, dtype=torch.float64)
     (g64,) = torch.autograd.grad(ref, t64)
     return ref, torch.autograd.grad(table, params, grad_outputs=g64.to(table.dtype))
+
+
+def _hf_ref_param_grads(ix, inputs, mask, idx, q, k, scale):
+    """``_ref_param_grads`` with the HF indexer in float64 too (a float64 copy scores the keys and
+    its parameters take the gradients): a reference whose indexer backward ran in fp32 would share
+    that backward's rounding with orig's and understate err(orig)."""
+    from tests.models import hf_indexer_loss as R
+
+    ix64 = copy.deepcopy(ix).double()
+    hs, qr, cos, sin = (t.double() for t in inputs)
+    scores = R.index_scores(ix64, hs, qr, (cos, sin), mask.double(), dtype=torch.float64)
+    return _ref_param_grads(scores, idx, q, k, scale, mask, list(ix64.parameters()))
 
 
 def _same_valid_keys(a, b):
@@ -256,8 +269,8 @@ def test_hf_recipe_is_rewritten():
     _same_valid_keys(idx_c, idx)
     hs, qr, cos, sin, q, k = args
     mask = R.causal_mask(ST, ST)
-    scores = R.index_scores(ix, hs, qr, (cos, sin), mask)
-    ref, g_ref = _ref_param_grads(scores, idx_c, q.transpose(1, 2), k.transpose(1, 2), att.scaling, mask, params)
+    ref, g_ref = _hf_ref_param_grads(ix, (hs, qr, cos, sin), mask, idx_c, q.transpose(1, 2), k.transpose(1, 2),
+                                     att.scaling)
     assert_consumer_close(out, orig, ref, torch.float32, "hf loss")
     for i, (a, b_, r) in enumerate(zip(g_out, g_orig, g_ref)):
         assert_consumer_close(a, b_, r, torch.float32, f"hf indexer parameter {i}'s gradient")
@@ -314,9 +327,8 @@ def test_hf_recipe_target_over_the_latent(dtype):
         up = [n for n in ops if n.target is torch.ops.aten.mm.default and tuple(val(n).shape) == (B * ST, w.shape[0])]
         assert not up, f"the per-head up-projection is still computed: {up}"
     key64 = expand_kv(k_pass.double(), k_rot.double(), w.double(), H, Dn, Dv)[0]
-    scores = R.index_scores(ix, hs, qr, (cos, sin), R.causal_mask(ST, ST))
-    ref, g_ref = _ref_param_grads(scores, idx_c, q.double().transpose(1, 2), key64.transpose(1, 2), att.scaling,
-                                  R.causal_mask(ST, ST), params)
+    ref, g_ref = _hf_ref_param_grads(ix, (hs, qr, cos, sin), R.causal_mask(ST, ST), idx_c, q.double().transpose(1, 2),
+                                     key64.transpose(1, 2), att.scaling)
     e_out, e_orig = assert_consumer_close(out, orig, ref, dtype, "loss over the latent")
     print(f"{dtype}: loss err {e_out:.3g} (orig {e_orig:.3g})")
     for i, (a, b_, r) in enumerate(zip(g_out, g_orig, g_ref)):

@@ -31,8 +31,10 @@ def causal_mask(S: int, T: int, device=None) -> torch.Tensor:
     return torch.triu(torch.full((S, T), float("-inf"), device=device), diagonal=T - S + 1)
 
 
-def index_scores(indexer, hidden_states, q_resid, position_embeddings, mask):
-    """``DeepseekV32Indexer.forward``'s scores [B, S, T] (mask added), with autograd."""
+def index_scores(indexer, hidden_states, q_resid, position_embeddings, mask, dtype=torch.float32):
+    """``DeepseekV32Indexer.forward``'s scores [B, S, T] (mask added), with autograd; ``dtype``:
+    what the forward's fp32 casts cast to (float64 for a reference from a float64 indexer)."""
+    up = (lambda t: t.float()) if dtype == torch.float32 else (lambda t: t.to(dtype))
     from transformers.models.deepseek_v32.modeling_deepseek_v32 import apply_rotary_pos_emb
 
     B, S, _ = hidden_states.shape
@@ -45,8 +47,8 @@ def index_scores(indexer, hidden_states, q_resid, position_embeddings, mask):
     q_rot, k_rot = apply_rotary_pos_emb(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     q = torch.cat([q_rot, q_pass], dim=-1)
     k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
-    scores = torch.relu(torch.einsum("bshd,btd->bsht", q.float(), k.float()) * indexer.softmax_scale)
-    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
+    scores = torch.relu(torch.einsum("bshd,btd->bsht", up(q), up(k)) * indexer.softmax_scale)
+    weights = up(indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)))
     weights = weights * indexer.n_heads ** -0.5
     return (scores * weights.unsqueeze(-1)).sum(2) + mask
 
