@@ -181,19 +181,33 @@ def flex_peer(q, k, v, mask, quick):
     return _peer(lambda: fa(q, k, v, block_mask=bm, enable_gqa=gqa), quick)
 
 
-def run_shape(name, S, selections, peers, quick, rate, rows, configs=None, probs=False):
+def _operands(name: str, S: int):
+    """(q, k, v, hi) of a shape at S on the GPU: bf16, seed 1, v a view of k where the shape
+    says so, hi the causal range's bound."""
     H, Hk, dqk, dv, v_of_k = SHAPES[name]
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
+    q = torch.randn(1, S, H, dqk, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, S, Hk, dqk, device=dev, dtype=torch.bfloat16, generator=g)
+    v = k[..., :dv] if v_of_k else torch.randn(1, S, Hk, dv, device=dev, dtype=torch.bfloat16, generator=g)
+    return q, k, v, torch.arange(1, S + 1, device=dev).view(1, S)
+
+
+def _row(name, S, sel, config="", ms=math.nan, tflops=math.nan) -> dict:
+    """A table row; the peers' and the probs path's cells are filled in later where run."""
+    return {"shape": name, "S": S, "sel": sel, "config": config, "ms": ms, "tflops": tflops,
+            "sdpa_mask": "-", "flex": "-", "sdpa_causal": "-", "probs_ms": math.nan}
+
+
+def run_shape(name, S, selections, peers, quick, rate, rows, configs=None, probs=False):
+    H, Hk, dqk, dv, v_of_k = SHAPES[name]
+    dev = torch.device("cuda")
     try:
-        q = torch.randn(1, S, H, dqk, device=dev, dtype=torch.bfloat16, generator=g)
-        k = torch.randn(1, S, Hk, dqk, device=dev, dtype=torch.bfloat16, generator=g)
-        v = k[..., :dv] if v_of_k else torch.randn(1, S, Hk, dv, device=dev, dtype=torch.bfloat16, generator=g)
+        q, k, v, hi = _operands(name, S)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         print(f"[{name} S={S}] skipped: the operands do not fit", flush=True)
         return
-    hi = torch.arange(1, S + 1, device=dev).view(1, S)
     spec = spec_json(dqk)
     fl = flops(S, H, dqk, dv)
     causal = None
@@ -221,9 +235,7 @@ def run_shape(name, S, selections, peers, quick, rate, rows, configs=None, probs
             except Exception as e:  # a configuration that does not compile or launch (shared memory)
                 print(f"[{name} S={S} {sel}{label}] failed: {(str(e).splitlines() or [type(e).__name__])[0][:120]}",
                       flush=True)
-                rows.append({"shape": name, "S": S, "sel": sel, "config": label.strip(), "ms": math.nan,
-                             "tflops": math.nan, "sdpa_mask": "-", "flex": "-", "sdpa_causal": "-",
-                             "probs_ms": math.nan})
+                rows.append(_row(name, S, sel, label.strip()))
                 continue
             tf = fl / (ms * 1e-3) / 1e12
             if first is None:
@@ -234,8 +246,7 @@ def run_shape(name, S, selections, peers, quick, rate, rows, configs=None, probs
             del out
             print(f"[{name} S={S} {sel}{label}] hyscale {ms:.3f} ms, {tf:.1f} TFLOP/s "
                   f"({100 * tf * 1e12 / rate:.0f}% of matmul){diff}", flush=True)
-            rows.append({"shape": name, "S": S, "sel": sel, "config": label.strip(), "ms": ms, "tflops": tf,
-                         "sdpa_mask": "-", "flex": "-", "sdpa_causal": "-", "probs_ms": math.nan})
+            rows.append(_row(name, S, sel, label.strip(), ms, tf))
             if probs:  # the return_probs path: the forward writing its statistics, then attn_probs
                 rows[-1]["probs_ms"] = bench(lambda: fn(with_probs=True), quick)
                 print(f"[{name} S={S} {sel}{label}] with probs {rows[-1]['probs_ms']:.3f} ms", flush=True)
@@ -273,14 +284,9 @@ def interleaved(name: str, S: int, reps: int) -> None:
     pair and the medians."""
     import statistics
 
-    H, Hk, dqk, dv, v_of_k = SHAPES[name]
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(1)
-    q = torch.randn(1, S, H, dqk, device=dev, dtype=torch.bfloat16, generator=g)
-    k = torch.randn(1, S, Hk, dqk, device=dev, dtype=torch.bfloat16, generator=g)
-    v = k[..., :dv] if v_of_k else torch.randn(1, S, Hk, dv, device=dev, dtype=torch.bfloat16, generator=g)
-    hi = torch.arange(1, S + 1, device=dev).view(1, S)
-    idx = make_selection(S, "random", dev)
+    H, _, dqk, dv, _ = SHAPES[name]
+    q, k, v, hi = _operands(name, S)
+    idx = make_selection(S, "random", q.device)
     spec = spec_json(dqk)
     fn = lambda: torch.ops.hyscale.sparse_attention(q, k, v, idx, [hi], spec)  # noqa: E731
     fn()
@@ -450,8 +456,7 @@ def main(argv=None) -> int:
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 print(f"[{name} S={S}] OOM", flush=True)
-                rows.append({"shape": name, "S": S, "sel": "-", "config": "", "ms": math.nan, "tflops": math.nan,
-                             "sdpa_mask": "-", "flex": "-", "sdpa_causal": "-", "probs_ms": math.nan})
+                rows.append(_row(name, S, "-"))
     cfg_col = configs is not None
     print(f"\n| shape | S | selection |{' config |' if cfg_col else ''} hyscale ms |{' with probs ms |' if a.probs else ''}"
           f" TFLOP/s | % matmul ({rate / 1e12:.0f}) | sdpa + index mask | FlexAttention | sdpa causal, no mask |")
